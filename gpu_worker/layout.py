@@ -1,0 +1,71 @@
+"""A worker's view of its parameters as buckets: naming, flattening gradients into send buffers and
+installing received values back into the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from optimizer_node.placement import BucketSpec, ParamSpec
+from transport.wire import dtype_name
+
+TensorPieces = Sequence[tuple[int, torch.Tensor]]
+
+
+def _param_dtype_name(param: torch.Tensor) -> str:
+    try:
+        return dtype_name(param.dtype)
+    except TypeError:
+        raise TypeError(f"parameters of dtype {param.dtype} cannot be offloaded; use float32, bfloat16 or float16") from None
+
+
+def layout_from_groups(param_groups: Sequence[dict]) -> tuple[list[ParamSpec], list[torch.Tensor]]:
+    """The job layout of an optimizer's param groups and the matching parameter tensors, in order.
+
+    Names come from ``param_names`` (when the optimizer was given ``named_parameters()``), else they
+    are ``group{g}.param{i}``. Parameters that do not require grad are left out, as torch's own
+    optimizers never update them.
+    """
+    specs: list[ParamSpec] = []
+    tensors: list[torch.Tensor] = []
+    for group_index, group in enumerate(param_groups):
+        names: Iterable[str] = group.get("param_names") or (f"group{group_index}.param{i}" for i in range(len(group["params"])))
+        for name, param in zip(names, group["params"], strict=True):
+            if not param.requires_grad:
+                continue
+            if not param.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous; call .contiguous() on it before building the optimizer")
+            specs.append(ParamSpec(name, tuple(param.shape), _param_dtype_name(param), group_index))
+            tensors.append(param)
+    return specs, tensors
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().view(-1)
+
+
+def gather_bucket(bucket: BucketSpec, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+    """Copy (and cast) the bucket's pieces of ``tensors`` into the flat ``out``; ``None`` counts as zeros,
+    as DDP does for a parameter that got no gradient."""
+    for seg in bucket.segments:
+        target = out[seg.bucket_offset : seg.bucket_offset + seg.numel]
+        source = tensors[seg.param_index]
+        if source is None:
+            target.zero_()
+        else:
+            target.copy_(_flat(source)[seg.param_offset : seg.param_offset + seg.numel], non_blocking=True)
+
+
+def scatter_bucket(bucket: BucketSpec, pieces: TensorPieces, params: Sequence[torch.Tensor]) -> None:
+    """Install received bucket values (``(element_offset, view)`` chunks) into the parameters, in place."""
+    for chunk_offset, view in pieces:
+        chunk_end = chunk_offset + view.numel()
+        for seg in bucket.segments:
+            low = max(seg.bucket_offset, chunk_offset)
+            high = min(seg.bucket_offset + seg.numel, chunk_end)
+            if low >= high:
+                continue
+            start = seg.param_offset + low - seg.bucket_offset
+            _flat(params[seg.param_index])[start : start + high - low].copy_(view[low - chunk_offset : high - chunk_offset])

@@ -1,0 +1,174 @@
+"""``RemoteAdamW``: a drop-in ``torch.optim.Optimizer`` whose state lives on optimizer nodes."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpu_worker.layout import layout_from_groups
+from gpu_worker.session import OffloadSession
+from optimizer_node.adamw import AdamWHyper
+from optimizer_node.job import JobSpec
+from transport.wire import dtype_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_NUMEL = 1 << 20
+"""Elements per bucket: 4 MiB of fp32, one ZeroMQ frame at the default chunk size."""
+
+
+def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if dist.is_available() and dist.is_initialized():
+        return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world_size is None else world_size)
+    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    try:
+        resolved_rank = rank if rank is not None else int(env_rank or 0)
+        resolved_world = world_size if world_size is not None else int(env_world or 1)
+    except ValueError:
+        raise ValueError(f"RANK={env_rank!r} and WORLD_SIZE={env_world!r} must be integers") from None
+    return resolved_rank, resolved_world
+
+
+class RemoteAdamW(torch.optim.Optimizer):
+    """AdamW whose fp32 master parameters and moments live on optimizer nodes.
+
+    Use it like ``torch.optim.AdamW``: ``loss.backward(); opt.step(); opt.zero_grad()``. ``step()``
+    sends every gradient to the nodes, which average them over the job's ``world_size`` workers (as
+    DDP does), apply AdamW once and send the new values back; they are copied into the parameters in
+    place. No gradient all-reduce among workers is needed (do not also wrap the model in DDP).
+
+    Args:
+        params: parameters, ``named_parameters()``, or param groups (each may set its own ``lr``,
+            ``betas``, ``eps``, ``weight_decay``). Parameters with ``requires_grad=False`` are left out.
+        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``. The current values of each group
+            travel with every step, so ``torch.optim.lr_scheduler`` works unchanged.
+        nodes: data-plane addresses of the job's optimizer nodes, like ``["tcp://10.0.0.5:5555"]``.
+            Every rank must list them in the same order.
+        rank, world_size: this worker's rank and the number of data-parallel workers. Default:
+            ``torch.distributed``'s when it is initialized, else ``RANK``/``WORLD_SIZE`` (as set by
+            ``torchrun``), else 0 and 1.
+        wire_dtype: dtype of gradients and parameters on the wire (float32, bfloat16 or float16); the
+            master copy on the nodes is always fp32.
+        max_grad_norm: clip the averaged gradient to this global L2 norm, with the semantics of
+            ``torch.nn.utils.clip_grad_norm_``; ``last_grad_norm`` then holds the norm before clipping.
+        bucket_numel: elements per transfer/update unit.
+        timeout_s: how long any wait for a node may take before a ``TimeoutError`` that names what
+            is missing.
+
+    On construction, rank 0 registers the layout and its initial values with the nodes (unless they
+    already hold state for this job, for example after a restart of the workers); every rank then
+    pulls the nodes' current values, so all ranks start identical. ``remote_step`` is the step the
+    nodes are at, for resuming the data at the right place.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        nodes: Sequence[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+        wire_dtype: torch.dtype = torch.float32,
+        max_grad_norm: float | None = None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        timeout_s: float = 300.0,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        if amsgrad or maximize:
+            raise ValueError("RemoteAdamW does not support amsgrad or maximize")
+        AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay).validate()
+        if isinstance(nodes, str) or not nodes or not all(isinstance(n, str) for n in nodes):
+            raise ValueError(f"nodes must be a non-empty list of addresses like ['tcp://127.0.0.1:5555'], got {nodes!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        wire = dtype_name(wire_dtype)
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        rank, world_size = _default_rank_and_world(rank, world_size)
+        specs, tensors = layout_from_groups(self.param_groups)
+        job = JobSpec(
+            world_size=world_size,
+            num_nodes=len(nodes),
+            bucket_numel=bucket_numel,
+            wire_dtype=wire,
+            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+            params=tuple(specs),
+        )
+        self._params = tensors
+        self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s)
+        try:
+            self._session.connect()
+        except BaseException:
+            self._session.close()
+            raise
+
+    @property
+    def remote_step(self) -> int:
+        """The number of updates the nodes have applied: where to resume the data."""
+        return self._session.step
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """With ``max_grad_norm``: the global norm of the last averaged gradient, before clipping."""
+        return self._session.last_grad_norm
+
+    def _group_hypers(self) -> list[AdamWHyper]:
+        hypers = []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper = AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+            hyper.validate()
+            hypers.append(hyper)
+        return hypers
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Send the gradients, wait for the nodes' update and install the new parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hypers = self._group_hypers()
+        grads = [p.grad for p in self._params]
+        for param, grad in zip(self._params, grads, strict=True):
+            if grad is not None and grad.is_sparse:
+                raise TypeError("RemoteAdamW does not support sparse gradients")
+            if grad is not None and not math.prod(grad.shape) == param.numel():
+                raise ValueError("a gradient's shape differs from its parameter's")
+        self._session.step_buckets(grads, hypers)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict, plus where the real state lives and at which step."""
+        state = super().state_dict()
+        state["netoptim"] = {"state_location": "optimizer_nodes", "nodes": list(self._session.nodes), "step": self.remote_step, "world_size": self._session.job.world_size}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load hyperparameters (param groups); the moments stay on the nodes, which keep their own step."""
+        state_dict = dict(state_dict)
+        remote = state_dict.pop("netoptim", None)
+        super().load_state_dict(state_dict)
+        if remote is not None and remote.get("step") != self.remote_step:
+            log.warning("state dict saved at step %s, the nodes are at step %s; the nodes' state wins", remote.get("step"), self.remote_step)
+
+    def close(self) -> None:
+        """Close the connections to the nodes (also done at garbage collection)."""
+        self._session.close()
+
+    def __del__(self) -> None:
+        session = getattr(self, "_session", None)
+        if session is not None:
+            session.close()

@@ -1,0 +1,101 @@
+"""The optimizer math of a node: AdamW on flat fp32 buckets and global-norm clipping.
+
+No I/O here. The update calls torch's fused CPU AdamW kernel, the same kernel as
+``torch.optim.AdamW(fused=True)``, so a bucket updated here is bitwise equal to that optimizer fed the
+same averaged gradient; the averaging (division by the number of workers) happens inside the kernel
+through its ``grad_scale`` argument, which divides and so is bitwise equal to dividing beforehand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+CLIP_EPS = 1e-6
+"""The epsilon ``torch.nn.utils.clip_grad_norm_`` adds to the norm."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWHyper:
+    """Hyperparameters of one bucket's update at one step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first invalid value, with the same bounds as ``torch.optim.AdamW``."""
+        if not (math.isfinite(self.lr) and self.lr >= 0.0):
+            raise ValueError(f"invalid learning rate {self.lr}: must be finite and >= 0")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"invalid {name} {beta}: must be in [0, 1)")
+        if not (math.isfinite(self.eps) and self.eps >= 0.0):
+            raise ValueError(f"invalid eps {self.eps}: must be finite and >= 0")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0.0):
+            raise ValueError(f"invalid weight_decay {self.weight_decay}: must be finite and >= 0")
+
+    def to_wire(self) -> list[float]:
+        return [self.lr, self.beta1, self.beta2, self.eps, self.weight_decay]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> AdamWHyper:
+        if not (isinstance(raw, (list, tuple)) and len(raw) == 5 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in raw)):
+            raise ValueError(f"hyperparameters are [lr, beta1, beta2, eps, weight_decay], got {raw!r}")
+        hyper = cls(*(float(x) for x in raw))
+        hyper.validate()
+        return hyper
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamWHyper,
+    *,
+    grad_divisor: torch.Tensor | None = None,
+) -> None:
+    """One AdamW step in place on flat fp32 tensors; ``step`` is the 0-d fp32 step count, incremented here.
+
+    ``grad_divisor`` (a 0-d fp32 tensor), when given, divides the gradient inside the kernel.
+    ``grad`` may be overwritten.
+    """
+    step.add_(1)
+    torch._fused_adamw_(
+        [param],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step],
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=grad_divisor,
+        found_inf=None,
+    )
+
+
+def sum_of_squares(grad: torch.Tensor) -> float:
+    """Sum of squares of a gradient bucket, accumulated in fp64 so partial sums combine exactly enough."""
+    return float(torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2)
+
+
+def clip_coefficient(total_sum_of_squares: float, max_norm: float) -> tuple[float, torch.Tensor]:
+    """The global norm and the factor ``torch.nn.utils.clip_grad_norm_`` would multiply gradients by.
+
+    Mirrors its fp32 arithmetic: ``min(max_norm / (norm + 1e-6), 1)`` with ``norm`` an fp32 scalar.
+    """
+    total_norm = torch.tensor(math.sqrt(total_sum_of_squares), dtype=torch.float32)
+    coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+    return float(total_norm), coefficient

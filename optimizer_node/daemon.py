@@ -1,0 +1,372 @@
+"""The optimizer-node daemon: wires the transport, the gradient reduction, the AdamW math and the
+bucket store together.
+
+One thread owns the server endpoint and all state. Each PUSH is validated completely before it
+touches any state, so a rejected message leaves the node exactly as it was. A bucket is updated as
+soon as every worker's gradient for it has arrived (no barrier across buckets) and its new values go
+straight back to every worker; only global-norm clipping waits for all buckets of a step, because the
+norm needs them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from optimizer_node.adamw import AdamWHyper, adamw_update, clip_coefficient, sum_of_squares
+from optimizer_node.config import NodeConfig
+from optimizer_node.job import JobSpec
+from optimizer_node.placement import BucketSpec
+from optimizer_node.reduce import OrderedReduction
+from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
+from transport import create_transport
+from transport.interface import Message
+from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _BucketStep:
+    """A bucket's step in flight: gradients arriving, not yet applied."""
+
+    step: int
+    hyper: AdamWHyper
+    reduction: OrderedReduction
+    first_arrival: float
+
+
+@dataclass(slots=True)
+class _Job:
+    spec: JobSpec
+    node_index: int
+    owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
+
+
+class NodeDaemon:
+    """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
+
+    def __init__(self, config: NodeConfig, store: BucketStore | None = None) -> None:
+        config.validate()
+        self.config = config
+        self._transport = create_transport(config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes)
+        self._endpoint = self._transport.bind(config.listen)
+        self.address = self._endpoint.address
+        self.node_id = config.node_id or self.address
+        self._store = store if store is not None else InMemoryStore()
+        self._job: _Job | None = None
+        self._peers: dict[int, bytes] = {}  # rank -> transport identity
+        self._last_seen: dict[int, float] = {}
+        self._deferred_hellos: list[Message] = []
+        self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, rank)
+        self._in_flight: dict[int, _BucketStep] = {}
+        self._awaiting_clip: int | None = None  # step whose norm partial went out
+        self.started_at = time.time()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def write_ready_file(self) -> None:
+        """Write the ready file atomically, so a reader never sees half of it."""
+        if not self.config.ready_file:
+            return
+        tmp = f"{self.config.ready_file}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump({"data": self.address, "pid": os.getpid(), "node_id": self.node_id}, handle)
+        os.replace(tmp, self.config.ready_file)
+
+    def serve(self, stop: threading.Event) -> None:
+        """Handle messages until ``stop`` is set, then release the endpoint."""
+        log.info("node %s serving on %s", self.node_id, self.address)
+        self.write_ready_file()
+        try:
+            while not stop.is_set():
+                try:
+                    message = self._endpoint.recv(self.config.poll_interval_s)
+                except WireError as exc:
+                    log.warning("rejected a malformed message: %s", exc)
+                    if exc.peer is not None:
+                        self._send_error(exc.peer, exc.code, exc.message)
+                    continue
+                if message is not None:
+                    self.handle(message)
+        finally:
+            self.close()
+        log.info("node %s stopped at step %s", self.node_id, self.step)
+
+    def close(self) -> None:
+        self._endpoint.close()
+        self._transport.close()
+
+    @property
+    def step(self) -> int:
+        """The step every owned bucket has reached (0 before registration)."""
+        states = list(self._store)
+        return min((state.step for state in states), default=0)
+
+    # ---------------------------------------------------------------- dispatch
+
+    def handle(self, message: Message) -> None:
+        """Handle one validated message; protocol violations are answered with ERROR."""
+        header = message.header
+        handlers = {
+            MsgType.HELLO: self._on_hello,
+            MsgType.INIT: self._on_init,
+            MsgType.PUSH: self._on_push,
+            MsgType.PULL: self._on_pull,
+            MsgType.CLIP: self._on_clip,
+            MsgType.QUERY: self._on_query,
+            MsgType.ECHO: self._on_echo,
+        }
+        handler = handlers.get(header.msg_type)
+        try:
+            if handler is None:
+                raise WireError(ErrorCode.BAD_REQUEST, f"a node does not accept {header.msg_type.name} messages")
+            handler(message)
+        except WireError as exc:
+            log.warning("rejected %s from rank %s (bucket %s, step %s): %s", header.msg_type.name, header.rank, header.bucket_id, header.step, exc)
+            self._send_error(message.peer, exc.code, exc.message, bucket_id=header.bucket_id, step=header.step)
+        except Exception as exc:  # a bug must not take the node and everyone's state down
+            log.exception("internal error handling %s", header.msg_type.name)
+            self._send_error(message.peer, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", bucket_id=header.bucket_id, step=header.step)
+
+    def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None:
+        try:
+            handle = self._endpoint.send(peer, header, payload)
+        except ConnectionError as exc:
+            log.warning("could not reply %s: %s", header.msg_type.name, exc)
+            return
+        if payload is not None and header.msg_type == MsgType.PARAMS:
+            state = self._store.get(header.bucket_id)
+            if state is not None:
+                state.pending_sends.append(handle)
+
+    def _send_error(self, peer: bytes, code: ErrorCode, text: str, *, bucket_id: int = -1, step: int = -1) -> None:
+        self._send(peer, error_header(code, text, bucket_id=bucket_id, step=step))
+
+    # ---------------------------------------------------------------- registration
+
+    def _require_job(self) -> _Job:
+        if self._job is None:
+            raise WireError(ErrorCode.NOT_REGISTERED, "no job is registered yet: rank 0 must say HELLO first")
+        return self._job
+
+    def _require_rank(self, message: Message) -> _Job:
+        job = self._require_job()
+        rank = message.header.rank
+        if self._peers.get(rank) != message.peer:
+            raise WireError(ErrorCode.NOT_REGISTERED, f"rank {rank} has not said HELLO on this connection")
+        self._last_seen[rank] = time.time()
+        return job
+
+    def _on_hello(self, message: Message) -> None:
+        header = message.header
+        try:
+            spec = JobSpec.from_wire(header.meta.get("job"))
+            node_index = header.meta.get("node_index")
+            if not isinstance(node_index, int) or not 0 <= node_index < spec.num_nodes:
+                raise ValueError(f"node_index {node_index!r} is not in [0, {spec.num_nodes})")
+            if not 0 <= header.rank < spec.world_size:
+                raise ValueError(f"rank {header.rank} is not in [0, {spec.world_size})")
+        except ValueError as exc:
+            raise WireError(ErrorCode.BAD_REQUEST, f"bad HELLO: {exc}") from None
+        if self._job is None:
+            if header.rank != 0:
+                log.info("rank %d said HELLO before rank 0; holding it until rank 0 registers", header.rank)
+                self._deferred_hellos.append(message)
+                return
+            owned = {b.bucket_id: b for b in spec.plan() if b.node == node_index}
+            self._job = _Job(spec, node_index, owned)
+            total = sum(b.numel for b in owned.values())
+            log.info(
+                "registered job: %d workers, %d nodes (this is node %d), %d parameters, %d buckets here (%.1f M elements), wire %s, clipping %s",
+                spec.world_size, spec.num_nodes, node_index, len(spec.params), len(owned), total / 1e6, spec.wire_dtype, spec.max_grad_norm,
+            )
+        job = self._job
+        difference = job.spec.mismatch(spec)
+        if difference is None and node_index != job.node_index:
+            difference = f"this node is node {job.node_index} of the job, the worker addressed it as node {node_index}"
+        if difference is not None:
+            raise WireError(ErrorCode.LAYOUT_MISMATCH, f"rank {header.rank} does not match the registered job: {difference}")
+        previous = self._peers.get(header.rank)
+        if previous is not None and previous != message.peer:
+            log.info("rank %d reconnected", header.rank)
+        self._peers[header.rank] = message.peer
+        self._last_seen[header.rank] = time.time()
+        needs_init = [b for b in sorted(job.owned) if self._store.get(b) is None]
+        reply = Header(
+            msg_type=MsgType.HELLO_OK,
+            rank=header.rank,
+            step=self.step,
+            meta={"node_id": self.node_id, "owned": sorted(job.owned), "needs_init": needs_init},
+        )
+        self._send(message.peer, reply)
+        if header.rank == 0 and self._deferred_hellos:
+            deferred, self._deferred_hellos = self._deferred_hellos, []
+            for held in deferred:
+                self.handle(held)
+
+    def _owned_bucket(self, job: _Job, header: Header) -> BucketSpec:
+        spec = job.owned.get(header.bucket_id)
+        if spec is None:
+            raise WireError(ErrorCode.UNKNOWN_BUCKET, f"bucket {header.bucket_id} is not owned by node {job.node_index} ({self.node_id})")
+        return spec
+
+    def _check_payload(self, header: Header, bucket: BucketSpec, dtype: str) -> None:
+        if header.dtype != dtype:
+            raise WireError(ErrorCode.WRONG_DTYPE, f"bucket {bucket.bucket_id} travels as {dtype}, got {header.dtype or 'no payload'}")
+        if header.numel != bucket.numel:
+            raise WireError(ErrorCode.WRONG_SHAPE, f"bucket {bucket.bucket_id} has {bucket.numel} elements, got {header.numel}")
+
+    def _on_init(self, message: Message) -> None:
+        job = self._require_rank(message)
+        header = message.header
+        if header.rank != 0:
+            raise WireError(ErrorCode.BAD_REQUEST, "only rank 0 sends initial values")
+        bucket = self._owned_bucket(job, header)
+        self._check_payload(header, bucket, "float32")
+        if self._store.get(bucket.bucket_id) is not None:
+            raise WireError(ErrorCode.BAD_REQUEST, f"bucket {bucket.bucket_id} is already initialized")
+        initial = torch.empty(bucket.numel, dtype=torch.float32)
+        for offset, view in message.tensors:
+            initial[offset : offset + view.numel()].copy_(view)
+        self._store.create(bucket.bucket_id, initial)
+        self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))
+        for peer, _rank in self._deferred_pulls.pop(bucket.bucket_id, []):
+            self._send_params(self._store.get(bucket.bucket_id), [peer])  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- parameters out
+
+    def _on_pull(self, message: Message) -> None:
+        job = self._require_rank(message)
+        bucket = self._owned_bucket(job, message.header)
+        state = self._store.get(bucket.bucket_id)
+        if state is None:  # rank 0 has not sent it yet; answer once it has
+            self._deferred_pulls.setdefault(bucket.bucket_id, []).append((message.peer, message.header.rank))
+            return
+        self._send_params(state, [message.peer])
+
+    def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
+        job = self._require_job()
+        if job.spec.wire_dtype == "float32":
+            payload = state.param
+        else:
+            if state.wire_copy is None:
+                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+            payload = state.wire_copy
+            payload.copy_(state.param)
+        header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
+        for peer in peers:
+            self._send(peer, header, payload)
+
+    # ---------------------------------------------------------------- gradients in
+
+    def _on_push(self, message: Message) -> None:
+        job = self._require_rank(message)
+        header = message.header
+        bucket = self._owned_bucket(job, header)
+        self._check_payload(header, bucket, job.spec.wire_dtype)
+        state = self._store.get(bucket.bucket_id)
+        if state is None:
+            raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
+        if header.step < state.step:
+            raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {state.step}; a gradient for step {header.step} is stale")
+        if header.step > state.step:
+            raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {state.step}; step {header.step} is in the future")
+        try:
+            hyper = AdamWHyper.from_wire(header.meta.get("hyper"))
+        except ValueError as exc:
+            raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        in_flight = self._in_flight.get(bucket.bucket_id)
+        if in_flight is None:
+            in_flight = _BucketStep(header.step, hyper, OrderedReduction(state.grad, job.spec.world_size), time.perf_counter())
+        elif header.rank in in_flight.reduction.received:
+            raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
+        elif hyper != in_flight.hyper:
+            raise WireError(ErrorCode.BAD_REQUEST, f"rank {header.rank} sent hyperparameters {hyper} for bucket {bucket.bucket_id}, another rank sent {in_flight.hyper}")
+        if self._awaiting_clip is not None:
+            raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
+        # Everything is validated: from here on the push is accepted.
+        self._in_flight[bucket.bucket_id] = in_flight
+        in_flight.reduction.add(header.rank, message.tensors)
+        if not in_flight.reduction.complete:
+            return
+        if job.spec.max_grad_norm is None:
+            self._apply(job, state, in_flight, clip=None)
+        else:
+            self._maybe_request_norm(job)
+
+    def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep, clip: torch.Tensor | None, grad_norm: float | None = None) -> None:
+        for handle in state.pending_sends:  # the previous step's values may still be on their way out
+            handle.wait(self.config.send_timeout_s)
+        state.pending_sends.clear()
+        divisor = None
+        if clip is None:
+            divisor = torch.tensor(float(job.spec.world_size), dtype=torch.float32)
+        else:
+            state.grad.mul_(clip)  # already divided by world_size for the norm
+        adamw_update(state.param, state.grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, in_flight.hyper, grad_divisor=divisor)
+        state.step += 1
+        del self._in_flight[state.bucket_id]
+        meta = {} if grad_norm is None else {"grad_norm": grad_norm}
+        self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
+        log.debug("bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival))
+
+    # ---------------------------------------------------------------- clipping
+
+    def _maybe_request_norm(self, job: _Job) -> None:
+        """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
+        if len(self._in_flight) < len(job.owned) or not all(s.reduction.complete for s in self._in_flight.values()):
+            return
+        step = next(iter(self._in_flight.values())).step
+        partial = 0.0
+        for bucket_id in sorted(self._in_flight):
+            grad = self._in_flight[bucket_id].reduction.out
+            grad.div_(job.spec.world_size)
+            partial += sum_of_squares(grad)
+        self._awaiting_clip = step
+        self._send(self._peers[0], Header(msg_type=MsgType.NORM_PARTIAL, step=step, meta={"sum_of_squares": partial, "node_index": job.node_index}))
+
+    def _on_clip(self, message: Message) -> None:
+        job = self._require_rank(message)
+        header = message.header
+        total = header.meta.get("sum_of_squares")
+        if header.rank != 0 or self._awaiting_clip is None or header.step != self._awaiting_clip:
+            raise WireError(ErrorCode.BAD_REQUEST, f"no gradient norm expected for step {header.step} from rank {header.rank}")
+        if not isinstance(total, float) or not total >= 0.0:
+            raise WireError(ErrorCode.BAD_REQUEST, f"sum_of_squares must be a non-negative float, got {total!r}")
+        assert job.spec.max_grad_norm is not None
+        grad_norm, coefficient = clip_coefficient(total, job.spec.max_grad_norm)
+        self._awaiting_clip = None
+        for bucket_id in sorted(self._in_flight):
+            state = self._store.get(bucket_id)
+            assert state is not None
+            self._apply(job, state, self._in_flight[bucket_id], clip=coefficient, grad_norm=grad_norm)
+
+    # ---------------------------------------------------------------- diagnostics
+
+    def _on_query(self, message: Message) -> None:
+        missing = [[b, s.step, s.reduction.missing()] for b, s in sorted(self._in_flight.items()) if not s.reduction.complete]
+        meta = {
+            "node_id": self.node_id,
+            "registered": self._job is not None,
+            "step": self.step,
+            "connected_ranks": sorted(self._peers),
+            "missing": missing,
+            "awaiting_clip": self._awaiting_clip,
+            "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),
+        }
+        self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
+
+    def _on_echo(self, message: Message) -> None:
+        header = message.header
+        if not message.tensors:
+            self._send(message.peer, Header(msg_type=MsgType.ECHO))
+            return
+        payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
+        self._send(message.peer, tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step), payload)

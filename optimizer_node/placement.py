@@ -1,0 +1,137 @@
+"""Which optimizer node owns which bucket of which parameter: one pure function, used by workers
+and nodes alike so both derive the same plan from the same layout.
+
+Parameters are packed, in the order given, into flat buckets of at most ``bucket_numel`` elements.
+A bucket never spans two param groups (a bucket is updated with one set of hyperparameters); a
+parameter larger than a bucket is split over several. Buckets go to nodes greedily, each to the node
+with the fewest elements so far (ties to the lower index), which balances bytes while spreading
+consecutive buckets, hence consecutive layers, over all nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """What every rank must agree on about one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    group: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_wire(self) -> list:
+        return [self.name, list(self.shape), self.dtype, self.group]
+
+    @classmethod
+    def from_wire(cls, raw: Sequence) -> ParamSpec:
+        if not (isinstance(raw, (list, tuple)) and len(raw) == 4):
+            raise ValueError(f"a parameter spec is [name, shape, dtype, group], got {raw!r}")
+        name, shape, dtype, group = raw
+        if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(group, int):
+            raise ValueError(f"bad parameter spec {raw!r}")
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"bad shape in parameter spec {raw!r}")
+        return cls(name, tuple(shape), dtype, group)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous piece of one parameter inside one bucket."""
+
+    param_index: int
+    param_offset: int  # element offset in the flattened parameter
+    bucket_offset: int  # element offset in the bucket
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """One unit of transfer and update."""
+
+    bucket_id: int
+    group: int
+    numel: int
+    node: int
+    segments: tuple[Segment, ...]
+
+
+def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int) -> list[BucketSpec]:
+    """Split ``params`` into buckets and assign each to one of ``num_nodes`` nodes.
+
+    Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count, for
+    duplicate parameter names, or for groups that are not contiguous in ``params``.
+    """
+    if bucket_numel <= 0:
+        raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+    if num_nodes <= 0:
+        raise ValueError(f"num_nodes must be positive, got {num_nodes}")
+    seen: set[str] = set()
+    for spec in params:
+        if spec.name in seen:
+            raise ValueError(f"duplicate parameter name {spec.name!r}")
+        seen.add(spec.name)
+    groups_in_order = [spec.group for spec in params]
+    finished_groups: set[int] = set()
+    for previous, current in zip(groups_in_order, groups_in_order[1:], strict=False):
+        if current != previous:
+            finished_groups.add(previous)
+            if current in finished_groups:
+                raise ValueError(f"param group {current} is not contiguous in the layout")
+
+    raw_buckets: list[tuple[int, int, list[Segment]]] = []  # (group, numel, segments)
+    current: list[Segment] = []
+    current_numel = 0
+    current_group = params[0].group if params else 0
+
+    def close_bucket() -> None:
+        nonlocal current, current_numel
+        if current:
+            raw_buckets.append((current_group, current_numel, current))
+        current, current_numel = [], 0
+
+    for index, spec in enumerate(params):
+        if spec.group != current_group:
+            close_bucket()
+            current_group = spec.group
+        offset = 0
+        while offset < spec.numel:
+            if current_numel == bucket_numel:
+                close_bucket()
+            take = min(spec.numel - offset, bucket_numel - current_numel)
+            current.append(Segment(index, offset, current_numel, take))
+            current_numel += take
+            offset += take
+    close_bucket()
+
+    load = [0] * num_nodes
+    buckets = []
+    for bucket_id, (group, numel, segments) in enumerate(raw_buckets):
+        node = min(range(num_nodes), key=lambda n: (load[n], n))
+        load[node] += numel
+        buckets.append(BucketSpec(bucket_id, group, numel, node, tuple(segments)))
+    return buckets
+
+
+def first_difference(expected: Sequence[ParamSpec], actual: Sequence[ParamSpec]) -> str | None:
+    """A sentence naming the first parameter where two layouts differ, or ``None`` if they agree."""
+    for index, (want, have) in enumerate(zip(expected, actual, strict=False)):
+        if want != have:
+            return (
+                f"parameter {index} differs: registered {want.name!r} shape {list(want.shape)} {want.dtype} group {want.group}, "
+                f"got {have.name!r} shape {list(have.shape)} {have.dtype} group {have.group}"
+            )
+    if len(expected) != len(actual):
+        index = min(len(expected), len(actual))
+        longer = expected if len(expected) > len(actual) else actual
+        side = "registered layout" if longer is expected else "this worker"
+        return f"parameter counts differ ({len(expected)} registered, {len(actual)} here); first extra in {side}: {index} {longer[index].name!r}"
+    return None

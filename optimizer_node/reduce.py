@@ -1,0 +1,49 @@
+"""Summing the gradients of all data-parallel workers for one bucket and one step.
+
+Gradients are added in rank order whatever order they arrive in, so the sum is bitwise reproducible
+(floating-point addition is not associative). A gradient that arrives before its turn is held as a
+zero-copy view of the received frames until the ranks before it are in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TensorPieces = list[tuple[int, torch.Tensor]]
+"""A flat tensor as ``(element_offset, view)`` pieces, as received from the wire."""
+
+
+class OrderedReduction:
+    """Accumulates ``world_size`` gradients into ``out`` (fp32) in rank order."""
+
+    def __init__(self, out: torch.Tensor, world_size: int) -> None:
+        assert out.dtype == torch.float32 and out.dim() == 1
+        self.out = out
+        self.world_size = world_size
+        self.received: set[int] = set()
+        self._held: dict[int, TensorPieces] = {}
+        self._next_rank = 0
+
+    @property
+    def complete(self) -> bool:
+        return self._next_rank == self.world_size
+
+    def missing(self) -> list[int]:
+        return [rank for rank in range(self.world_size) if rank not in self.received]
+
+    def add(self, rank: int, pieces: TensorPieces) -> None:
+        """Take rank ``rank``'s gradient; the caller has checked rank range, size and duplicates."""
+        assert 0 <= rank < self.world_size and rank not in self.received
+        self.received.add(rank)
+        self._held[rank] = pieces
+        while self._next_rank in self._held:
+            self._accumulate(self._held.pop(self._next_rank), first=self._next_rank == 0)
+            self._next_rank += 1
+
+    def _accumulate(self, pieces: TensorPieces, *, first: bool) -> None:
+        for offset, view in pieces:
+            target = self.out[offset : offset + view.numel()]
+            if first:
+                target.copy_(view)  # casts bf16/fp16 up to fp32
+            else:
+                target.add_(view)

@@ -1,0 +1,47 @@
+"""Moving headers and tensor frames between workers and optimizer nodes.
+
+``transport.wire`` owns the format, ``transport.interface`` the backend contract, and each backend
+module one implementation. :func:`create_transport` picks a backend from an address's scheme.
+"""
+
+from __future__ import annotations
+
+from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
+from transport.wire import ErrorCode, Header, MsgType, WireError
+
+_SCHEMES = {"tcp": "zmq", "ipc": "zmq"}
+
+
+def backend_for(url: str) -> str:
+    """The backend name that serves ``url``; ``ValueError`` for an unsupported scheme."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"address {url!r} needs a scheme, like tcp://127.0.0.1:5555 or ipc:///tmp/node.sock")
+    if scheme not in _SCHEMES:
+        raise ValueError(f"address {url!r}: unsupported scheme {scheme!r}; supported: {sorted(_SCHEMES)}")
+    return _SCHEMES[scheme]
+
+
+def create_transport(url: str, **options: int) -> Transport:
+    """A transport able to bind or connect to ``url``."""
+    backend = backend_for(url)
+    if backend == "zmq":
+        from transport.zmq_backend import ZmqTransport
+
+        return ZmqTransport(**options)
+    raise AssertionError(f"no backend module for {backend}")
+
+
+__all__ = [
+    "ClientEndpoint",
+    "ErrorCode",
+    "Header",
+    "Message",
+    "MsgType",
+    "SendHandle",
+    "ServerEndpoint",
+    "Transport",
+    "WireError",
+    "backend_for",
+    "create_transport",
+]

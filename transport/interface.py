@@ -1,0 +1,96 @@
+"""Backend-neutral transport interface: a server endpoint (the optimizer node) and client endpoints
+(one per worker-to-node connection) that exchange :mod:`transport.wire` messages.
+
+Backends implement bind/connect/send/receive only; validation of what arrives is shared and lives in
+:mod:`transport.wire`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from transport.wire import Header, Payload
+
+
+@dataclass(slots=True)
+class Message:
+    """One received message. ``peer`` identifies the sender on a server endpoint (``b""`` on a client);
+    ``chunks`` are the payload frames, already validated against the header; ``tensors`` are
+    ``(element_offset, view)`` pairs over those frames (zero-copy)."""
+
+    peer: bytes
+    header: Header
+    tensors: list[tuple[int, torch.Tensor]]
+
+
+class SendHandle(ABC):
+    """Completion of a zero-copy send: the payload buffer must stay unchanged until ``done()``."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the transport no longer reads the payload buffer."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; ``TimeoutError`` after ``timeout_s``."""
+
+
+class ServerEndpoint(ABC):
+    """The node side: many peers, replies routed by peer identity."""
+
+    address: str
+    """The bound address, with the port the OS chose when asked for port 0."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next message, or ``None`` after ``timeout_s``. Raises ``WireError`` (with ``peer`` set)
+        for a message that violates the protocol; the endpoint stays usable."""
+
+    @abstractmethod
+    def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
+        """Queue a message for ``peer``; the payload is sent without a copy."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the endpoint; idempotent."""
+
+
+class ClientEndpoint(ABC):
+    """The worker side of one connection to one node."""
+
+    address: str
+
+    @abstractmethod
+    def send(self, header: Header, payload: Payload | None = None) -> SendHandle:
+        """Queue a message to the node; the payload is sent without a copy."""
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next message from the node, or ``None`` after ``timeout_s``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection; idempotent."""
+
+
+class Transport(ABC):
+    """A backend: creates endpoints and waits on several client endpoints at once."""
+
+    @abstractmethod
+    def bind(self, url: str) -> ServerEndpoint:
+        """A server endpoint listening on ``url`` (port 0: the OS picks)."""
+
+    @abstractmethod
+    def connect(self, url: str) -> ClientEndpoint:
+        """A client endpoint connected to the server at ``url``."""
+
+    @abstractmethod
+    def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
+        """Indices of ``clients`` with a message ready, waiting at most ``timeout_s``."""
+
+    def close(self) -> None:
+        """Release backend-wide resources."""

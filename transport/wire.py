@@ -1,0 +1,284 @@
+"""The netoptim wire format: one versioned header frame plus raw tensor chunk frames.
+
+A message on the wire is a list of frames::
+
+    [header, chunk_0, chunk_1, ..., chunk_{n-1}]
+
+``header`` is a msgpack map (never pickle) decoded into :class:`Header`. The chunks are the raw,
+little-endian bytes of one flat tensor split into pieces of at most ``chunk_bytes``; the header
+declares the tensor's dtype, element count and number of chunks, and every receive checks the bytes
+that arrived against that declaration. Small structured data (a layout, an error, a status) travels
+in ``Header.meta``.
+
+This module is the only place that knows the encoding. Anything that violates it raises
+:class:`WireError`, whose ``code`` the receiver sends back in an ``ERROR`` message.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change; peers with another version are rejected."""
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Tensor payloads are split into frames of this size (ZeroMQ is fastest with 1-4 MB frames)."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
+"""Largest payload a receiver accepts unless configured otherwise."""
+
+MAX_HEADER_BYTES = 16 << 20
+"""Largest header frame accepted (a layout of a very large model still fits)."""
+
+
+class MsgType(enum.IntEnum):
+    """Every message kind of the protocol. Requests come from workers, replies from nodes."""
+
+    HELLO = 1  # worker -> node: layout and identity; reply HELLO_OK
+    HELLO_OK = 2
+    INIT = 3  # rank 0 -> node: initial fp32 values of one owned bucket; reply ACK
+    ACK = 4
+    PUSH = 5  # worker -> node: gradient of one bucket for one step; reply PARAMS when updated
+    PULL = 6  # worker -> node: ask for the current parameters of one bucket; reply PARAMS
+    PARAMS = 7
+    NORM_PARTIAL = 8  # node -> rank 0: sum of squares of this node's averaged gradient
+    CLIP = 9  # rank 0 -> node: the global gradient norm of the step
+    QUERY = 10  # worker -> node: what is the node waiting for; reply STATUS
+    STATUS = 11
+    ERROR = 12  # either way: a request was rejected, with an ErrorCode and a message
+    ECHO = 13  # transport benchmark and liveness: the payload comes straight back
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a message was rejected. Sent in ERROR replies as ``meta["code"]``."""
+
+    MALFORMED = 1  # header not decodable, wrong field types
+    VERSION = 2  # another protocol version
+    BAD_PAYLOAD = 3  # bytes do not match the declared dtype/shape/chunks
+    TOO_LARGE = 4  # declared payload over the receiver's limit
+    UNKNOWN_BUCKET = 5
+    WRONG_SHAPE = 6  # payload numel differs from the bucket's
+    WRONG_DTYPE = 7  # payload dtype differs from the job's wire dtype
+    STALE_STEP = 8
+    FUTURE_STEP = 9
+    DUPLICATE = 10
+    LAYOUT_MISMATCH = 11
+    NOT_REGISTERED = 12  # a request before HELLO, or before rank 0 registered
+    BAD_REQUEST = 13  # a well-formed request that makes no sense in the node's state
+    INTERNAL = 14
+
+
+class WireError(Exception):
+    """A message that violates the protocol or the receiver's state.
+
+    ``peer`` is the transport's identity of the sender when known, so that a server can answer it.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, *, peer: bytes | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.peer = peer
+
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype, or ``TypeError`` for dtypes the wire does not carry."""
+    for name, candidate in WIRE_DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise TypeError(f"dtype {dtype} cannot travel on the wire; use one of {sorted(WIRE_DTYPES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The first frame of every message.
+
+    ``dtype``/``numel``/``num_chunks`` describe the tensor payload (``numel == 0`` means none);
+    ``meta`` carries small per-message-type fields (kept out of the fixed fields on purpose: the
+    fixed ones are those every receiver validates).
+    """
+
+    msg_type: MsgType
+    version: int = PROTOCOL_VERSION
+    rank: int = -1
+    step: int = -1
+    bucket_id: int = -1
+    dtype: str = ""
+    numel: int = 0
+    num_chunks: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the tensor payload this header declares."""
+        if self.numel == 0:
+            return 0
+        return self.numel * WIRE_DTYPES[self.dtype].itemsize
+
+
+_FIELDS: dict[str, tuple[str, type]] = {
+    "t": ("msg_type", int),
+    "r": ("rank", int),
+    "s": ("step", int),
+    "b": ("bucket_id", int),
+    "d": ("dtype", str),
+    "n": ("numel", int),
+    "c": ("num_chunks", int),
+    "m": ("meta", dict),
+}
+
+
+def encode_header(header: Header) -> bytes:
+    """Encode a header as a msgpack map with short keys."""
+    return msgpack.packb(
+        {
+            "v": header.version,
+            "t": int(header.msg_type),
+            "r": header.rank,
+            "s": header.step,
+            "b": header.bucket_id,
+            "d": header.dtype,
+            "n": header.numel,
+            "c": header.num_chunks,
+            "m": header.meta,
+        },
+        use_bin_type=True,
+    )
+
+
+def decode_header(data: bytes | memoryview, *, peer: bytes | None = None) -> Header:
+    """Decode and validate a header frame; raises :class:`WireError` on any violation."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError(ErrorCode.TOO_LARGE, f"header of {len(data)} bytes", peer=peer)
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(ErrorCode.MALFORMED, f"header is not msgpack: {exc}", peer=peer) from exc
+    if not isinstance(raw, dict):
+        raise WireError(ErrorCode.MALFORMED, "header is not a map", peer=peer)
+    version = raw.get("v")
+    if version != PROTOCOL_VERSION:
+        raise WireError(
+            ErrorCode.VERSION,
+            f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}; "
+            "run the same netoptim release on workers and nodes",
+            peer=peer,
+        )
+    kwargs: dict[str, Any] = {}
+    for key, (name, kind) in _FIELDS.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise WireError(ErrorCode.MALFORMED, f"header field {name} has type {type(value).__name__}", peer=peer)
+        kwargs[name] = value
+    try:
+        kwargs["msg_type"] = MsgType(kwargs.get("msg_type", 0))
+    except ValueError:
+        raise WireError(ErrorCode.MALFORMED, f"unknown message type {raw.get('t')!r}", peer=peer) from None
+    header = Header(**kwargs)
+    if header.numel < 0 or header.num_chunks < 0:
+        raise WireError(ErrorCode.MALFORMED, "negative numel or chunk count", peer=peer)
+    if header.numel > 0 and header.dtype not in WIRE_DTYPES:
+        raise WireError(ErrorCode.WRONG_DTYPE, f"payload dtype {header.dtype!r} is not one of {sorted(WIRE_DTYPES)}", peer=peer)
+    return header
+
+
+def chunk_tensor(flat: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[memoryview]:
+    """Zero-copy views of a contiguous 1-D CPU tensor, each at most ``chunk_bytes`` long."""
+    if flat.dim() != 1 or not flat.is_contiguous() or flat.device.type != "cpu":
+        raise ValueError("only contiguous 1-D CPU tensors can be sent")
+    if flat.numel() == 0:
+        return []
+    # numpy has no bfloat16: view 2-byte types as int16, which has the same bytes.
+    as_bytes = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(_INT_OF_SIZE[flat.element_size()])
+    buffer = memoryview(as_bytes.numpy()).cast("B")
+    return [buffer[start : start + chunk_bytes] for start in range(0, len(buffer), chunk_bytes)]
+
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+Payload = torch.Tensor | Sequence[torch.Tensor]
+"""A flat tensor, or several flat tensors of one dtype sent back to back as one payload."""
+
+
+def payload_chunks(payload: Payload | None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[memoryview]:
+    """The frames of a payload: zero-copy views, at most ``chunk_bytes`` each."""
+    if payload is None:
+        return []
+    pieces = [payload] if isinstance(payload, torch.Tensor) else list(payload)
+    return [chunk for piece in pieces for chunk in chunk_tensor(piece, chunk_bytes)]
+
+
+def tensor_header(msg_type: MsgType, payload: Payload, chunk_bytes: int = DEFAULT_CHUNK_BYTES, **fields: Any) -> Header:
+    """A header describing ``payload``."""
+    pieces = [payload] if isinstance(payload, torch.Tensor) else list(payload)
+    if not pieces or len({piece.dtype for piece in pieces}) != 1:
+        raise ValueError("a payload is one or more tensors of one dtype")
+    return Header(
+        msg_type=msg_type,
+        dtype=dtype_name(pieces[0].dtype),
+        numel=sum(piece.numel() for piece in pieces),
+        num_chunks=sum(-(-piece.numel() * piece.element_size() // chunk_bytes) for piece in pieces),
+        **fields,
+    )
+
+
+def encode_message(header: Header, payload: Payload | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[bytes | memoryview]:
+    """Frames for one message; tensor chunks are zero-copy views of the payload."""
+    chunks = payload_chunks(payload, chunk_bytes)
+    if len(chunks) != header.num_chunks:
+        raise ValueError(f"header declares {header.num_chunks} chunks, payload has {len(chunks)}")
+    return [encode_header(header), *chunks]
+
+
+def payload_views(header: Header, chunks: Sequence[memoryview], *, max_bytes: int, peer: bytes | None = None) -> list[tuple[int, torch.Tensor]]:
+    """Validate the chunk frames against the header and view them as tensors.
+
+    Returns ``(element_offset, tensor)`` pairs, zero-copy over the received buffers. Raises
+    :class:`WireError` when the size is over ``max_bytes`` or the bytes do not match the declaration.
+    """
+    expected = header.payload_bytes
+    if expected > max_bytes:
+        raise WireError(ErrorCode.TOO_LARGE, f"payload of {expected} bytes is over the limit of {max_bytes}", peer=peer)
+    if len(chunks) != header.num_chunks:
+        raise WireError(ErrorCode.BAD_PAYLOAD, f"header declares {header.num_chunks} chunks, {len(chunks)} arrived", peer=peer)
+    arrived = sum(len(chunk) for chunk in chunks)
+    if arrived != expected:
+        raise WireError(
+            ErrorCode.BAD_PAYLOAD,
+            f"header declares {header.numel} x {header.dtype} = {expected} bytes, {arrived} bytes arrived",
+            peer=peer,
+        )
+    if expected == 0:
+        return []
+    dtype = WIRE_DTYPES[header.dtype]
+    itemsize = dtype.itemsize
+    views = []
+    offset = 0
+    for chunk in chunks:
+        if len(chunk) % itemsize:
+            raise WireError(ErrorCode.BAD_PAYLOAD, f"chunk of {len(chunk)} bytes splits a {header.dtype} element", peer=peer)
+        if len(chunk):
+            views.append((offset, torch.frombuffer(chunk, dtype=dtype)))
+        offset += len(chunk) // itemsize
+    return views
+
+
+def error_header(code: ErrorCode, message: str, *, bucket_id: int = -1, step: int = -1) -> Header:
+    """An ERROR reply."""
+    return Header(msg_type=MsgType.ERROR, bucket_id=bucket_id, step=step, meta={"code": int(code), "message": message})

@@ -1,0 +1,173 @@
+"""ZeroMQ backend: ROUTER on the node, one DEALER per worker-to-node connection, ``tcp://`` or ``ipc://``.
+
+Frames at or above ``ZERO_COPY_BYTES`` are sent without a copy and tracked one by one (pyzmq tracks
+only the last frame of a multipart send), so callers can know when a buffer may be reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
+from transport.wire import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ErrorCode,
+    Header,
+    Payload,
+    WireError,
+    decode_header,
+    encode_message,
+    payload_views,
+)
+
+log = logging.getLogger(__name__)
+
+ZERO_COPY_BYTES = 64 << 10
+"""pyzmq copies smaller frames anyway; tracking them would only cost time."""
+
+
+class _TrackedSend(SendHandle):
+    def __init__(self, trackers: list[zmq.MessageTracker]) -> None:
+        self._trackers = trackers
+
+    def done(self) -> bool:
+        return all(tracker.done for tracker in self._trackers)
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for tracker in self._trackers:
+            remaining = deadline - time.monotonic()
+            try:
+                tracker.wait(max(remaining, 0.0))
+            except zmq.NotDone:
+                raise TimeoutError(f"a send did not complete within {timeout_s:.1f} s") from None
+
+
+def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payload: Payload | None, chunk_bytes: int) -> SendHandle:
+    header_frame, *chunks = encode_message(header, payload, chunk_bytes)
+    for frame in prefix:
+        socket.send(frame, zmq.SNDMORE)
+    if not chunks:
+        socket.send(header_frame)
+        return _TrackedSend([])
+    socket.send(header_frame, zmq.SNDMORE)
+    trackers = []
+    for index, chunk in enumerate(chunks):
+        flags = zmq.SNDMORE if index + 1 < len(chunks) else 0
+        if len(chunk) >= ZERO_COPY_BYTES:
+            trackers.append(socket.send(chunk, flags, copy=False, track=True))
+        else:
+            socket.send(chunk, flags)
+    return _TrackedSend(trackers)
+
+
+def _decode(frames: list[zmq.Frame], peer: bytes, max_message_bytes: int) -> Message:
+    if not frames:
+        raise WireError(ErrorCode.MALFORMED, "empty message", peer=peer)
+    header = decode_header(frames[0].buffer, peer=peer)
+    tensors = payload_views(header, [frame.buffer for frame in frames[1:]], max_bytes=max_message_bytes, peer=peer)
+    return Message(peer=peer, header=header, tensors=tensors)
+
+
+def _prepare_bind_url(url: str) -> str:
+    # ZeroMQ spells "let the OS choose" as "*"; accept the conventional port 0 too.
+    return re.sub(r"^(tcp://.+):0$", r"\1:*", url)
+
+
+class ZmqServer(ServerEndpoint):
+    """A ROUTER socket; each worker connection is one peer identity."""
+
+    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int) -> None:
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Hard cap per frame as a guard against memory exhaustion; the header check gives the clear error.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_message_bytes, chunk_bytes) + (1 << 20))
+        self._socket.bind(_prepare_bind_url(url))
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._max_message_bytes = max_message_bytes
+        self._chunk_bytes = chunk_bytes
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        if not self._poller.poll(int(timeout_s * 1000)):
+            return None
+        frames = self._socket.recv_multipart(copy=False)
+        peer = frames[0].bytes
+        return _decode(frames[1:], peer, self._max_message_bytes)
+
+    def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
+        try:
+            return _send_frames(self._socket, [peer], header, payload, self._chunk_bytes)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise ConnectionError(f"peer {peer.hex()} is gone") from exc
+            raise
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class ZmqClient(ClientEndpoint):
+    """A DEALER socket connected to one node."""
+
+    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int) -> None:
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(url)
+        self.address = url
+        self._max_message_bytes = max_message_bytes
+        self._chunk_bytes = chunk_bytes
+        self.socket = self._socket  # for Poller registration by the backend
+
+    def send(self, header: Header, payload: Payload | None = None) -> SendHandle:
+        return _send_frames(self._socket, [], header, payload, self._chunk_bytes)
+
+    def send_raw(self, frames: Sequence[bytes]) -> None:
+        """Send arbitrary frames; only for tests of how a node treats bad input."""
+        self._socket.send_multipart(list(frames))
+
+    def recv(self, timeout_s: float) -> Message | None:
+        if not self._socket.poll(int(timeout_s * 1000)):
+            return None
+        return _decode(self._socket.recv_multipart(copy=False), b"", self._max_message_bytes)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class ZmqTransport(Transport):
+    """Owns one ZeroMQ context; endpoints it creates must be closed before it."""
+
+    def __init__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES, io_threads: int = 1) -> None:
+        self._context = zmq.Context(io_threads=io_threads)
+        self._max_message_bytes = max_message_bytes
+        self._chunk_bytes = chunk_bytes
+
+    def bind(self, url: str) -> ZmqServer:
+        return ZmqServer(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes)
+
+    def connect(self, url: str) -> ZmqClient:
+        return ZmqClient(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes)
+
+    def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
+        poller = zmq.Poller()
+        for client in clients:
+            assert isinstance(client, ZmqClient)
+            poller.register(client.socket, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        return [index for index, client in enumerate(clients) if ready.get(client.socket)]  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._context.term()
