@@ -1,2 +1,164 @@
-def main() -> None:
-    raise SystemExit("building")
+"""The ``netoptim`` command: ``node`` runs an optimizer-node daemon, ``demo`` trains a small GPT on this
+machine, ``bench`` measures. Every flag is explained by ``netoptim SUBCOMMAND --help``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger("netoptim")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _size(text: str) -> int:
+    """Bytes from ``1048576``, ``4MiB``, ``64MB``, ``2GiB``."""
+    units = {"": 1, "b": 1, "kb": 10**3, "kib": 1 << 10, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}
+    stripped = text.strip().lower()
+    number = stripped.rstrip("abgikm")
+    unit = stripped[len(number) :]
+    try:
+        value = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 1048576") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _address(text: str) -> str:
+    from transport import backend_for
+
+    try:
+        backend_for(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
+    node = subparsers.add_parser("node", help="run an optimizer-node daemon", description="Run an optimizer node: it holds the fp32 master parameters and AdamW state of the buckets it owns, sums the workers' gradients, applies the update and sends the new parameters back. Stops cleanly on SIGTERM or SIGINT.")
+    node.add_argument("--listen", type=_address, default="tcp://127.0.0.1:0", help="data-plane address to bind, tcp://HOST:PORT or ipc://PATH; port 0 lets the OS choose (default: %(default)s)")
+    node.add_argument("--ready-file", help="write {\"data\": ADDRESS, \"pid\": PID} here as JSON once the node accepts work")
+    node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
+    node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
+    node.add_argument("--chunk-bytes", type=_size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
+    node.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
+
+
+def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser("demo", help="train a small GPT on this machine: nodes and workers all local", description="Start optimizer node(s) and worker processes on this machine and train a small GPT-style byte-level language model on the Python standard library's own source files. No GPU needed.")
+    demo.add_argument("--steps", type=_positive_int, default=300, help="training steps (default: %(default)s)")
+    demo.add_argument("--workers", type=_positive_int, default=2, help="data-parallel worker processes (default: %(default)s)")
+    demo.add_argument("--nodes", type=_positive_int, default=1, help="optimizer-node processes (default: %(default)s)")
+    demo.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="dtype of gradients and parameters on the wire (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed of the model and the data order (default: %(default)s)")
+
+
+def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="measure netoptim against a baseline in the same run; prints JSON", description="Benchmarks. Each prints one JSON object with a top-level \"ratio\" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport}")
+    optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
+    optimizer.add_argument("--numel", type=_positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
+    optimizer.add_argument("--workers", type=_positive_int, default=2, help="gradients summed per update (default: %(default)s)")
+    optimizer.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the gradients arrive in and the parameters leave in (default: %(default)s)")
+    optimizer.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
+    transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
+    transport.add_argument("--bytes", type=_size, default=64 << 20, help="payload pushed and pulled back per round trip (default: 64MiB)")
+    transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench}")
+    _add_node_parser(subparsers)
+    _add_demo_parser(subparsers)
+    _add_bench_parser(subparsers)
+    return parser
+
+
+def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported lazily to keep --help fast
+    """The one place where flags become a :class:`NodeConfig`."""
+    from optimizer_node import NodeConfig
+
+    config = NodeConfig(listen=args.listen, ready_file=args.ready_file, node_id=args.node_id)
+    if args.max_message_bytes is not None:
+        config.max_message_bytes = args.max_message_bytes
+    if args.chunk_bytes is not None:
+        config.chunk_bytes = args.chunk_bytes
+    return config
+
+
+def run_node(args: argparse.Namespace) -> int:
+    import torch
+
+    from optimizer_node import NodeDaemon
+
+    config = node_config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        log.error("invalid node configuration: %s", exc)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log.info("node config: %s (torch threads: %d)", dataclasses.asdict(config), torch.get_num_threads())
+    try:
+        daemon = NodeDaemon(config)
+    except Exception as exc:  # a bad address, a port in use: say so and exit non-zero
+        log.error("cannot start the node on %s: %s", config.listen, exc)
+        return 1
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    daemon.serve(stop)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.command == "node":
+        return run_node(args)
+    if args.command == "demo":
+        from netoptim.launcher import run_demo
+
+        return run_demo(args)
+    if args.command == "bench":
+        from benchmarks import run_benchmark
+
+        return run_benchmark(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Train a small GPT-style model with the optimizer on netoptim nodes, as a plain ``torchrun`` script.
+
+One host, two workers, one optimizer node::
+
+    netoptim node --listen tcp://127.0.0.1:5555 &
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --nodes tcp://127.0.0.1:5555
+
+Several hosts (two worker hosts with 4 workers each, optimizer nodes on two CPU hosts)::
+
+    # on each CPU host (10.0.0.11 and 10.0.0.12)
+    netoptim node --listen tcp://0.0.0.0:5555
+    # on worker host 0 (10.0.0.1) and worker host 1, with --node-rank 0 and 1
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 \\
+        examples/train_gpt.py --nodes tcp://10.0.0.11:5555,tcp://10.0.0.12:5555 --global-batch 64
+
+Every rank lists the nodes in the same order. Restart the workers with the same command and they
+resume at the step the nodes are at, with the data of that step.
+"""
+
+from gpu_worker.recipes.train_gpt import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Data-parallel training of a small GPT with the optimizer on netoptim nodes.
+
+One worker per process; ``RANK`` and ``WORLD_SIZE`` come from ``torchrun`` (or ``netoptim demo``).
+There is no all-reduce among the workers: each pushes its gradients to the optimizer nodes, which
+average them, apply AdamW and send the new parameters back. See ``examples/train_gpt.py`` for the
+launch commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from gpu_worker import RemoteAdamW
+from gpu_worker.models import GPT, GPTConfig
+from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Train a small byte-level GPT on the Python standard library with netoptim.")
+    parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank")
+    parser.add_argument("--steps", type=int, default=300, help="total training steps (a resumed run continues to this step)")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step over all workers")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--n-embd", type=int, default=128, help="model width")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
+    parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+    parser.add_argument("--sample-tokens", type=int, default=160, help="bytes to generate at the end (rank 0)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    return parser
+
+
+def lr_lambda(steps: int) -> Callable[[int], float]:
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("NETOPTIM_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
+    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+    model = GPT(config)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = RemoteAdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        nodes=args.nodes.split(","),
+        rank=rank,
+        world_size=world_size,
+        wire_dtype=WIRE_DTYPES[args.wire_dtype],
+    )
+    start_step = optimizer.remote_step  # non-zero when the nodes already trained this job
+    schedule = lr_lambda(args.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step + start_step))
+    tokens = load_stdlib_bytes()
+    tokens_per_step = args.global_batch * args.block_size
+    losses: list[float] = []
+    progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps)
+    started = time.perf_counter()
+    for step in progress:
+        x, y = batch_for_step(tokens, step, global_batch=args.global_batch, block_size=args.block_size, rank=rank, world_size=world_size, seed=args.seed)
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+        elapsed = time.perf_counter() - started
+        progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")
+    progress.close()
+    if rank == 0 and losses:
+        window = max(1, min(10, len(losses) // 4))
+        first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+        elapsed = time.perf_counter() - started
+        print(f"loss: {first:.3f} at the start -> {last:.3f} at the end (means of {window} steps); {len(losses)} steps in {elapsed:.1f} s, {tokens_per_step * len(losses) / elapsed:,.0f} tokens/s over {world_size} workers")
+        model.eval()
+        prompt = torch.tensor([list(b"def ")], dtype=torch.long)
+        sample = model.generate(prompt, args.sample_tokens, generator=torch.Generator().manual_seed(args.seed))
+        print("sample:\n" + bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
+    optimizer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

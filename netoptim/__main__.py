@@ -1,0 +1,5 @@
+import sys
+
+from netoptim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""Starting nodes and workers on this machine: for ``netoptim demo`` and for tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class NodeProcess:
+    """A ``netoptim node`` daemon in a child process, on an OS-chosen port.
+
+    ``start()`` returns once the node has written its ready file; ``stop()`` sends SIGTERM and waits.
+    """
+
+    def __init__(self, workdir: str | Path, *, name: str = "node0", listen: str = "tcp://127.0.0.1:0", extra_args: Sequence[str] = (), log_level: str = "INFO") -> None:
+        self.ready_file = Path(workdir) / f"{name}.ready.json"
+        self.log_file = Path(workdir) / f"{name}.log"
+        self.command = [sys.executable, "-m", "netoptim", "--log-level", log_level, "node", "--listen", listen, "--ready-file", str(self.ready_file), "--node-id", name, *extra_args]
+        self.process: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout_s: float = 60.0) -> NodeProcess:
+        self.ready_file.unlink(missing_ok=True)
+        with open(self.log_file, "wb") as log_handle:
+            self.process = subprocess.Popen(self.command, stdout=log_handle, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"node exited with status {self.process.returncode} before it was ready:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"node not ready after {timeout_s:.0f} s:\n{self.log_text()}")
+            time.sleep(0.05)
+        self.address = json.loads(self.ready_file.read_text())["data"]
+        return self
+
+    def log_text(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit status."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("node did not stop within %.0f s; killing it", timeout_s)
+            self.process.kill()
+            return self.process.wait()
+
+    def __enter__(self) -> NodeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_workers(script_args: Sequence[str], world_size: int, *, module: str = "gpu_worker.recipes.train_gpt", timeout_s: float = 1800.0, threads_per_worker: int = 1) -> int:
+    """Run ``world_size`` worker processes like ``torchrun`` does (RANK/WORLD_SIZE in the environment).
+
+    Rank 0 keeps the terminal; the others log to stderr only on failure. When one fails, the others
+    are stopped and its exit status is returned.
+    """
+    processes: list[subprocess.Popen] = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": str(threads_per_worker)}
+        stdout = None if rank == 0 else subprocess.DEVNULL
+        processes.append(subprocess.Popen([sys.executable, "-m", module, *script_args], env=env, stdout=stdout))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            statuses = [p.poll() for p in processes]
+            failed = [(rank, status) for rank, status in enumerate(statuses) if status not in (None, 0)]
+            if failed:
+                rank, status = failed[0]
+                log.error("worker rank %d exited with status %d; stopping the others", rank, status)
+                return status or 1
+            if all(status == 0 for status in statuses):
+                return 0
+            if time.monotonic() > deadline:
+                log.error("workers did not finish within %.0f s", timeout_s)
+                return 1
+            time.sleep(0.1)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``netoptim demo``: local node(s) and worker processes training a small GPT."""
+    with tempfile.TemporaryDirectory(prefix="netoptim-demo-") as workdir:
+        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING") for i in range(args.nodes)]
+        try:
+            for node in nodes:
+                node.start()
+            addresses = ",".join(node.address for node in nodes)
+            print(f"netoptim demo: {args.nodes} optimizer node(s) at {addresses}, {args.workers} worker process(es), {args.steps} steps", flush=True)
+            status = run_workers(["--nodes", addresses, "--steps", str(args.steps), "--wire-dtype", args.wire_dtype, "--seed", str(args.seed)], args.workers)
+        finally:
+            for node in nodes:
+                node.stop()
+        if status != 0:
+            for node in nodes:
+                sys.stderr.write(node.log_text()[-4000:])
+        return status
