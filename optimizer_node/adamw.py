@@ -2,13 +2,15 @@
 
 No I/O here. The update calls torch's fused CPU AdamW kernel, the same kernel as
 ``torch.optim.AdamW(fused=True)``, so a bucket updated here is bitwise equal to that optimizer fed the
-same averaged gradient; the averaging (division by the number of workers) happens inside the kernel
+same averaged gradient, provided each parameter's piece is passed to the kernel as a tensor of its
+own (see ``segments`` and :mod:`optimizer_node.placement`); the averaging (division by the number of workers) happens inside the kernel
 through its ``grad_scale`` argument, which divides and so is bitwise equal to dividing beforehand.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,21 +61,29 @@ def adamw_update(
     step: torch.Tensor,
     hyper: AdamWHyper,
     *,
+    segments: Sequence[tuple[int, int]] | None = None,
     grad_divisor: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step in place on flat fp32 tensors; ``step`` is the 0-d fp32 step count, incremented here.
 
+    ``segments`` are ``(offset, numel)`` pieces updated as separate tensors (one per parameter piece,
+    for bitwise equality with torch's per-parameter update); default: the whole tensor at once.
     ``grad_divisor`` (a 0-d fp32 tensor), when given, divides the gradient inside the kernel.
     ``grad`` may be overwritten.
     """
+    pieces = segments if segments is not None else [(0, param.numel())]
+
+    def split(tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor[offset : offset + numel] for offset, numel in pieces]
+
     step.add_(1)
     torch._fused_adamw_(
-        [param],
-        [grad],
-        [exp_avg],
-        [exp_avg_sq],
+        split(param),
+        split(grad),
+        split(exp_avg),
+        split(exp_avg_sq),
         [],
-        [step],
+        [step] * len(pieces),
         lr=hyper.lr,
         beta1=hyper.beta1,
         beta2=hyper.beta2,

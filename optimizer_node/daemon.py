@@ -310,7 +310,8 @@ class NodeDaemon:
             divisor = torch.tensor(float(job.spec.world_size), dtype=torch.float32)
         else:
             state.grad.mul_(clip)  # already divided by world_size for the norm
-        adamw_update(state.param, state.grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, in_flight.hyper, grad_divisor=divisor)
+        segments = [(seg.bucket_offset, seg.numel) for seg in job.owned[state.bucket_id].segments]
+        adamw_update(state.param, state.grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, in_flight.hyper, segments=segments, grad_divisor=divisor)
         state.step += 1
         del self._in_flight[state.bucket_id]
         meta = {} if grad_norm is None else {"grad_norm": grad_norm}

@@ -3,7 +3,11 @@ and nodes alike so both derive the same plan from the same layout.
 
 Parameters are packed, in the order given, into flat buckets of at most ``bucket_numel`` elements.
 A bucket never spans two param groups (a bucket is updated with one set of hyperparameters); a
-parameter larger than a bucket is split over several. Buckets go to nodes greedily, each to the node
+parameter larger than a bucket is split over several, at multiples of ``SPLIT_ALIGNMENT`` elements.
+That alignment is what keeps the node's update bitwise equal to ``torch.optim.AdamW(fused=True)``:
+the fused CPU kernel runs each tensor's last ``numel % vector_width`` elements through a scalar path
+that can round differently from the vector path, so every piece of a split parameter but the last
+must be a whole number of vectors, and the node calls the kernel on each segment as its own tensor. Buckets go to nodes greedily, each to the node
 with the fewest elements so far (ties to the lower index), which balances bytes while spreading
 consecutive buckets, hence consecutive layers, over all nodes.
 """
@@ -13,6 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+SPLIT_ALIGNMENT = 64
+"""Parameters are split only at multiples of this many elements (a multiple of any SIMD width)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +77,8 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int)
     Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count, for
     duplicate parameter names, or for groups that are not contiguous in ``params``.
     """
-    if bucket_numel <= 0:
-        raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+    if bucket_numel < SPLIT_ALIGNMENT:
+        raise ValueError(f"bucket_numel must be at least {SPLIT_ALIGNMENT}, got {bucket_numel}")
     if num_nodes <= 0:
         raise ValueError(f"num_nodes must be positive, got {num_nodes}")
     seen: set[str] = set()
@@ -104,9 +111,12 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int)
             current_group = spec.group
         offset = 0
         while offset < spec.numel:
-            if current_numel == bucket_numel:
+            space = bucket_numel - current_numel
+            remaining = spec.numel - offset
+            take = remaining if remaining <= space else space - space % SPLIT_ALIGNMENT
+            if take == 0:
                 close_bucket()
-            take = min(spec.numel - offset, bucket_numel - current_numel)
+                continue
             current.append(Segment(index, offset, current_numel, take))
             current_numel += take
             offset += take

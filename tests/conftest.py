@@ -1,0 +1,30 @@
+"""Shared fixtures: real optimizer-node daemons in child processes on OS-chosen ports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from netoptim.launcher import NodeProcess
+
+
+@pytest.fixture
+def start_node(tmp_path) -> Iterator[Callable[..., NodeProcess]]:
+    """Start ``netoptim node`` processes; all are stopped (SIGTERM) at the end of the test."""
+    started: list[NodeProcess] = []
+
+    def start(name: str = "node0", listen: str = "tcp://127.0.0.1:0", extra_args: tuple[str, ...] = ()) -> NodeProcess:
+        node = NodeProcess(tmp_path, name=name, listen=listen, extra_args=extra_args, log_level="DEBUG")
+        started.append(node.start())
+        return node
+
+    yield start
+    for node in started:
+        status = node.stop()
+        assert status in (0, None), f"node exited with {status}:\n{node.log_text()[-3000:]}"
+
+
+@pytest.fixture
+def node(start_node) -> NodeProcess:
+    return start_node()
