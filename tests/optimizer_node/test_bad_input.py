@@ -1,0 +1,202 @@
+"""Bad input against a running node: each case gets a clear error, the node keeps serving, and its
+parameters and optimizer state are unchanged (checked by completing a good step afterwards and
+comparing with the same math applied locally)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from gpu_worker import RemoteAdamW
+from optimizer_node.placement import ParamSpec
+from tests.optimizer_node.raw_client import HYPER, JOB, Mirror, RawWorker
+from transport.wire import PROTOCOL_VERSION, ErrorCode, Header, MsgType, encode_header, tensor_header
+from transport.zmq_backend import ZmqTransport
+
+
+@pytest.fixture
+def job(start_node):
+    """A node with a registered 2-worker job whose buckets hold initial values."""
+    node = start_node(extra_args=("--max-message-bytes", "1MiB"))
+    transport = ZmqTransport()
+    rank0, rank1 = RawWorker(transport, node.address, 0), RawWorker(transport, node.address, 1)
+    assert rank0.hello().meta["needs_init"] == [0, 1]
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(b.numel, generator=generator) for b in JOB.plan()]
+    for bucket_id, values in enumerate(initial):
+        assert rank0.request(tensor_header(MsgType.INIT, values, rank=0, bucket_id=bucket_id), values).msg_type == MsgType.ACK
+    assert rank1.hello().meta["needs_init"] == []  # rank 0 initialized every bucket
+    state = {"node": node, "rank0": rank0, "rank1": rank1, "mirror": Mirror(initial), "step": 0, "generator": generator}
+    yield state
+    for worker in (rank0, rank1):
+        worker.client.close()
+    transport.close()
+
+
+def good_step(job: dict) -> None:
+    """Both ranks push every bucket; the node's answer must equal the mirror's math."""
+    mirror: Mirror = job["mirror"]
+    for bucket in mirror.buckets:
+        grads = [torch.randn(bucket.numel, generator=job["generator"]) for _ in range(2)]
+        job["rank1"].push(bucket.bucket_id, job["step"], grads[1])  # out of rank order on purpose
+        job["rank0"].push(bucket.bucket_id, job["step"], grads[0])
+        mirror.apply(bucket.bucket_id, grads)
+        for worker in (job["rank0"], job["rank1"]):
+            header, values = worker.reply()
+            assert header.msg_type == MsgType.PARAMS and header.step == job["step"] + 1
+            assert torch.equal(values, mirror.param[bucket.bucket_id])
+    job["step"] += 1
+
+
+def assert_error(reply: Header, code: ErrorCode, *words: str) -> None:
+    assert reply.msg_type == MsgType.ERROR, reply
+    assert reply.meta["code"] == code, reply.meta
+    for word in words:
+        assert word in reply.meta["message"], reply.meta["message"]
+
+
+def assert_intact(job: dict) -> None:
+    for bucket_id, expected in enumerate(job["mirror"].param):
+        assert torch.equal(job["rank0"].pull(bucket_id), expected)
+    good_step(job)
+
+
+def test_garbage_bytes(job):
+    job["rank0"].client.send_raw([b"\x00\xffnot a header"])
+    assert_error(job["rank0"].reply(), ErrorCode.MALFORMED, "msgpack")
+    assert_intact(job)
+
+
+def test_header_with_wrong_field_types(job):
+    job["rank0"].client.send_raw([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.PUSH), "s": "zero"})])
+    assert_error(job["rank0"].reply(), ErrorCode.MALFORMED, "step")
+    assert_intact(job)
+
+
+def test_other_protocol_version(job):
+    job["rank0"].client.send_raw([msgpack.packb({"v": PROTOCOL_VERSION + 1, "t": int(MsgType.PUSH)})])
+    assert_error(job["rank0"].reply(), ErrorCode.VERSION, "protocol version")
+    assert_intact(job)
+
+
+def test_truncated_frame(job):
+    grad = torch.ones(128)
+    header = tensor_header(MsgType.PUSH, grad, rank=0, step=0, bucket_id=0, meta={"hyper": HYPER.to_wire()})
+    job["rank0"].client.send_raw([encode_header(header), grad.numpy().tobytes()[:300]])
+    assert_error(job["rank0"].reply(), ErrorCode.BAD_PAYLOAD, "512 bytes", "300 bytes arrived")
+    assert_intact(job)
+
+
+def test_missing_chunk(job):
+    header = Header(msg_type=MsgType.PUSH, rank=0, step=0, bucket_id=0, dtype="float32", numel=128, num_chunks=2, meta={"hyper": HYPER.to_wire()})
+    job["rank0"].client.send_raw([encode_header(header), torch.ones(128).numpy().tobytes()])
+    assert_error(job["rank0"].reply(), ErrorCode.BAD_PAYLOAD, "2 chunks")
+    assert_intact(job)
+
+
+def test_payload_over_the_limit(job):
+    header = Header(msg_type=MsgType.PUSH, rank=0, step=0, bucket_id=0, dtype="float32", numel=1 << 20, num_chunks=1)
+    job["rank0"].client.send_raw([encode_header(header), b"\0" * 16])
+    assert_error(job["rank0"].reply(), ErrorCode.TOO_LARGE, "limit")
+    assert_intact(job)
+
+
+def test_unknown_bucket(job):
+    job["rank0"].push(7, 0, torch.ones(128))
+    assert_error(job["rank0"].reply(), ErrorCode.UNKNOWN_BUCKET, "bucket 7")
+    assert_intact(job)
+
+
+def test_gradient_of_the_wrong_size(job):
+    job["rank0"].push(0, 0, torch.ones(100))
+    assert_error(job["rank0"].reply(), ErrorCode.WRONG_SHAPE, "128 elements", "got 100")
+    assert_intact(job)
+
+
+def test_gradient_of_the_wrong_dtype(job):
+    job["rank0"].push(0, 0, torch.ones(128, dtype=torch.float16))
+    assert_error(job["rank0"].reply(), ErrorCode.WRONG_DTYPE, "float32", "float16")
+    assert_intact(job)
+
+
+def test_stale_and_future_steps(job):
+    good_step(job)
+    job["rank0"].push(0, 0, torch.ones(128))
+    assert_error(job["rank0"].reply(), ErrorCode.STALE_STEP, "stale")
+    job["rank0"].push(0, 9, torch.ones(128))
+    assert_error(job["rank0"].reply(), ErrorCode.FUTURE_STEP, "future")
+    assert_intact(job)
+
+
+def test_duplicate_push_keeps_the_first(job):
+    bucket = job["mirror"].buckets[0]
+    first, second, other = torch.full((128,), 0.5), torch.full((128,), 9.0), torch.full((128,), -0.25)
+    job["rank0"].push(0, 0, first)
+    job["rank0"].push(0, 0, second)
+    assert_error(job["rank0"].reply(), ErrorCode.DUPLICATE, "rank 0 already pushed")
+    job["rank1"].push(0, 0, other)
+    job["mirror"].apply(0, [first, other])
+    for worker in (job["rank0"], job["rank1"]):
+        header, values = worker.reply()
+        assert header.bucket_id == bucket.bucket_id and torch.equal(values, job["mirror"].param[0])
+    # finish the step for bucket 1 so the job is consistent again
+    grads = [torch.ones(bucket.numel) for bucket in job["mirror"].buckets[1:2] for _ in range(2)]
+    job["rank0"].push(1, 0, grads[0])
+    job["rank1"].push(1, 0, grads[1])
+    job["mirror"].apply(1, grads)
+    for worker in (job["rank0"], job["rank1"]):
+        assert torch.equal(worker.reply()[1], job["mirror"].param[1])
+    job["step"] = 1
+    assert_intact(job)
+
+
+def test_mismatched_hyperparameters_between_ranks(job):
+    job["rank0"].push(0, 0, torch.ones(128))
+    job["rank1"].push(0, 0, torch.ones(128), hyper=type(HYPER)(5e-2, 0.9, 0.999, 1e-8, 0.1))
+    assert_error(job["rank1"].reply(), ErrorCode.BAD_REQUEST, "hyperparameters")
+
+
+def test_invalid_hyperparameters(job):
+    job["rank0"].client.send(tensor_header(MsgType.PUSH, torch.ones(128), rank=0, step=0, bucket_id=0, meta={"hyper": [-1.0, 0.9, 0.999, 1e-8, 0.0]}), torch.ones(128))
+    assert_error(job["rank0"].reply(), ErrorCode.BAD_REQUEST, "learning rate")
+    job["rank0"].client.send(tensor_header(MsgType.PUSH, torch.ones(128), rank=0, step=0, bucket_id=0, meta={"hyper": [1e-3, 1.0, 0.999, 1e-8, 0.0]}), torch.ones(128))
+    assert_error(job["rank0"].reply(), ErrorCode.BAD_REQUEST, "beta1")
+    assert_intact(job)
+
+
+def test_push_without_hello(job):
+    stranger = RawWorker(ZmqTransport(), job["node"].address, 1)
+    stranger.push(0, 0, torch.ones(128))
+    assert_error(stranger.reply(), ErrorCode.NOT_REGISTERED, "HELLO")
+    stranger.client.close()
+    assert_intact(job)
+
+
+def test_second_worker_with_a_different_layout(job):
+    other = type(JOB)(**{**{f: getattr(JOB, f) for f in JOB.__slots__}, "params": (ParamSpec("w", (200,), "float32", 0), ParamSpec("bias", (10,), "float32", 0))})
+    assert_error(job["rank1"].hello(other), ErrorCode.LAYOUT_MISMATCH, "parameter 1", "'b'", "'bias'")
+    assert_intact(job)
+
+
+def test_worker_with_another_world_size(job):
+    other = type(JOB)(**{**{f: getattr(JOB, f) for f in JOB.__slots__}, "world_size": 3})
+    assert_error(job["rank1"].hello(other), ErrorCode.LAYOUT_MISMATCH, "world_size")
+    assert_intact(job)
+
+
+def test_layout_mismatch_through_remote_adamw(node):
+    first = torch.nn.Linear(4, 3)
+    RemoteAdamW(first.named_parameters(), nodes=[node.address], rank=0, world_size=2, timeout_s=10)
+    second = torch.nn.Linear(4, 5)
+    with pytest.raises(RuntimeError, match=r"LAYOUT_MISMATCH.*parameter 0 differs.*'weight' shape \[3, 4\].*shape \[5, 4\]"):
+        RemoteAdamW(second.named_parameters(), nodes=[node.address], rank=1, world_size=2, timeout_s=10)
+
+
+def test_worker_that_never_comes(node):
+    model = torch.nn.Linear(4, 2)
+    opt = RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=3, timeout_s=2)
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(TimeoutError, match=r"waiting for gradients from rank\(s\) \[1, 2\]"):
+        opt.step()
+    opt.close()
