@@ -1,0 +1,122 @@
+"""RemoteAdamW as a torch.optim.Optimizer, against a real node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker import RemoteAdamW
+from tests.gpu_worker.harness import run_threads
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(4, 6, generator=generator)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_resume_learns_the_step_and_the_parameters(node):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = RemoteAdamW(model.named_parameters(), lr=0.1, nodes=[node.address], rank=0, world_size=1)
+    assert opt.remote_step == 0
+    train(model, opt, 3)
+    assert opt.remote_step == 3
+    trained = [p.detach().clone() for p in model.parameters()]
+    state = opt.state_dict()
+    assert state["netoptim"] == {"state_location": "optimizer_nodes", "nodes": [node.address], "step": 3, "world_size": 1}
+    opt.close()
+
+    torch.manual_seed(1)  # a restarted worker builds a differently initialized model...
+    restarted = torch.nn.Linear(6, 3)
+    opt = RemoteAdamW(restarted.named_parameters(), lr=0.1, nodes=[node.address], rank=0, world_size=1)
+    assert opt.remote_step == 3  # ...and gets the nodes' step and values, not its own
+    assert all(torch.equal(a, b) for a, b in zip(trained, restarted.parameters(), strict=True))
+    opt.load_state_dict(state)
+    train(restarted, opt, 1)
+    assert opt.remote_step == 4
+    opt.close()
+
+
+def test_all_ranks_start_from_rank_0_values(node):
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]  # different initial values on purpose
+    rank0_initial = [p.detach().clone() for p in models[0].parameters()]
+
+    def worker(rank: int) -> None:
+        RemoteAdamW(models[rank].parameters(), nodes=[node.address], rank=rank, world_size=2).close()
+
+    run_threads(worker, 2)
+    for model in models:
+        assert all(torch.equal(a, b) for a, b in zip(rank0_initial, model.parameters(), strict=True))
+
+
+def test_rank_and_world_size_from_torchrun_environment(node, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    opt = RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=[node.address])
+    assert opt._session.rank == 0 and opt._session.job.world_size == 1
+    opt.close()
+
+
+def test_frozen_and_unused_parameters(node):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4), "frozen": torch.nn.Linear(4, 4)})
+    model["frozen"].requires_grad_(False)
+    frozen_before = model["frozen"].weight.detach().clone()
+    unused_before = model["unused"].weight.detach().clone()
+    opt = RemoteAdamW(model.parameters(), lr=0.1, weight_decay=0.5, nodes=[node.address], rank=0, world_size=1)
+    assert [s.name for s in opt._session.job.params] == ["group0.param0", "group0.param1", "group0.param2", "group0.param3"]
+    model["used"](torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(model["frozen"].weight, frozen_before)  # never registered, never touched
+    # No gradient counts as a zero gradient (as with DDP): only weight decay moves it.
+    assert torch.allclose(model["unused"].weight, unused_before * (1 - 0.1 * 0.5))
+    opt.close()
+
+
+def test_closure_and_bf16_parameters(node):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2).to(torch.bfloat16)
+    opt = RemoteAdamW(model.parameters(), lr=0.05, nodes=[node.address], rank=0, world_size=1, wire_dtype=torch.bfloat16)
+    x = torch.randn(16, 8).to(torch.bfloat16)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    first = opt.step(closure).item()
+    for _ in range(20):
+        last = opt.step(closure).item()
+    assert model.weight.dtype == torch.bfloat16 and last < first
+    opt.close()
+
+
+def test_constructor_rejects_bad_arguments():
+    params = list(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match="non-empty list of addresses"):
+        RemoteAdamW(params, nodes=[])
+    with pytest.raises(ValueError, match="non-empty list of addresses"):
+        RemoteAdamW(params, nodes="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="learning rate"):
+        RemoteAdamW(params, lr=-1.0, nodes=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="beta2"):
+        RemoteAdamW(params, betas=(0.9, 1.5), nodes=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="amsgrad"):
+        RemoteAdamW(params, amsgrad=True, nodes=["tcp://127.0.0.1:1"])
+    with pytest.raises(TypeError, match="cannot travel"):
+        RemoteAdamW(params, wire_dtype=torch.int8, nodes=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="unsupported scheme"):
+        RemoteAdamW(params, nodes=["http://127.0.0.1:1"], rank=0, world_size=1)
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        RemoteAdamW(params, nodes=["tcp://127.0.0.1:1"], rank=2, world_size=2)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        RemoteAdamW(params, nodes=["tcp://127.0.0.1:1"], rank=0, world_size=1, max_grad_norm=-1.0)
+
+
+def test_unreachable_node_times_out_clearly():
+    with pytest.raises(TimeoutError, match=r"did not answer within 1 s while waiting for registration"):
+        RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:9"], rank=0, world_size=1, timeout_s=1)

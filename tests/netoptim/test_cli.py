@@ -1,0 +1,86 @@
+"""The netoptim command as a user runs it: real processes, real flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from netoptim.cli import build_parser
+
+
+def netoptim(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "netoptim", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from all_parsers(child)
+
+
+def test_help_explains_every_flag():
+    parsers = list(all_parsers(build_parser()))
+    assert {p.prog for p in parsers} >= {"netoptim", "netoptim node", "netoptim demo", "netoptim bench optimizer", "netoptim bench transport"}
+    for parser in parsers:
+        for action in parser._actions:
+            if action.option_strings:
+                assert action.help, f"{parser.prog} {action.option_strings[0]} has no help text"
+        parser.format_help()  # every %(default)s expands
+
+
+def test_help_runs_from_the_console():
+    result = netoptim("node", "--help")
+    assert result.returncode == 0 and "--listen" in result.stdout and "port 0 lets the OS choose" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["node", "--listen", "localhost:5555"], "needs a scheme"),
+        (["node", "--listen", "udp://127.0.0.1:1"], "unsupported scheme"),
+        (["node", "--max-message-bytes", "12XB"], "not a size"),
+        (["node", "--chunk-bytes", "-4"], "must be positive"),
+        (["demo", "--steps", "0"], "must be positive"),
+        (["demo", "--workers", "two"], "not an integer"),
+        (["bench", "optimizer", "--repeats", "0"], "must be positive"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_reason(args, message):
+    result = netoptim(*args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_node_refuses_an_address_in_use(start_node):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = netoptim("node", "--listen", f"tcp://127.0.0.1:{port}")
+    assert result.returncode == 1 and "cannot start the node" in result.stderr
+
+
+def test_node_writes_ready_file_and_stops_on_sigterm(node):
+    ready = json.loads(node.ready_file.read_text())
+    assert ready["data"] == node.address and ready["data"].startswith("tcp://127.0.0.1:")
+    assert node.stop() == 0
+    log = node.log_text()
+    assert "node config:" in log and "stopped at step 0" in log
+
+
+def test_demo_trains_and_the_loss_falls():
+    result = netoptim("demo", "--steps", "60", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"loss: ([\d.]+) at the start -> ([\d.]+) at the end", result.stdout)
+    assert match, result.stdout
+    start, end = map(float, match.groups())
+    assert end < start - 0.5
+    assert "sample:" in result.stdout
