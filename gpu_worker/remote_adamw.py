@@ -153,7 +153,12 @@ class RemoteAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict, plus where the real state lives and at which step."""
         state = super().state_dict()
-        state["netoptim"] = {"state_location": "optimizer_nodes", "nodes": list(self._session.nodes), "step": self.remote_step, "world_size": self._session.job.world_size}
+        state["netoptim"] = {
+            "state_location": "optimizer_nodes",
+            "nodes": list(self._session.nodes),
+            "step": self.remote_step,
+            "world_size": self._session.job.world_size,
+        }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

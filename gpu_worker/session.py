@@ -152,7 +152,9 @@ class OffloadSession:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id}, which this worker did not ask it for")
         bucket = self.buckets[bucket_id]
         if header.numel != bucket.numel or header.dtype != self.job.wire_dtype:
-            raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} as {header.numel} x {header.dtype}, expected {bucket.numel} x {self.job.wire_dtype}")
+            raise RuntimeError(
+                f"node {self.nodes[node_index]} sent bucket {bucket_id} as {header.numel} x {header.dtype}, expected {bucket.numel} x {self.job.wire_dtype}"
+            )
         if expect_next_step and header.step != self.bucket_steps[bucket_id] + 1:
             raise RuntimeError(f"bucket {bucket_id} came back at step {header.step}, expected {self.bucket_steps[bucket_id] + 1}")
         scatter_bucket(bucket, message.tensors, self.params)

@@ -60,9 +60,18 @@ def _address(text: str) -> str:
 
 
 def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
-    node = subparsers.add_parser("node", help="run an optimizer-node daemon", description="Run an optimizer node: it holds the fp32 master parameters and AdamW state of the buckets it owns, sums the workers' gradients, applies the update and sends the new parameters back. Stops cleanly on SIGTERM or SIGINT.")
-    node.add_argument("--listen", type=_address, default="tcp://127.0.0.1:0", help="data-plane address to bind, tcp://HOST:PORT or ipc://PATH; port 0 lets the OS choose (default: %(default)s)")
-    node.add_argument("--ready-file", help="write {\"data\": ADDRESS, \"pid\": PID} here as JSON once the node accepts work")
+    node = subparsers.add_parser(
+        "node",
+        help="run an optimizer-node daemon",
+        description="Run an optimizer node: it holds the fp32 master parameters and AdamW state of the buckets it owns, sums the workers' gradients, applies the update and sends the new parameters back. Stops cleanly on SIGTERM or SIGINT.",
+    )
+    node.add_argument(
+        "--listen",
+        type=_address,
+        default="tcp://127.0.0.1:0",
+        help="data-plane address to bind, tcp://HOST:PORT or ipc://PATH; port 0 lets the OS choose (default: %(default)s)",
+    )
+    node.add_argument("--ready-file", help='write {"data": ADDRESS, "pid": PID} here as JSON once the node accepts work')
     node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
     node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=_size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
@@ -70,29 +79,50 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
-    demo = subparsers.add_parser("demo", help="train a small GPT on this machine: nodes and workers all local", description="Start optimizer node(s) and worker processes on this machine and train a small GPT-style byte-level language model on the Python standard library's own source files. No GPU needed.")
+    demo = subparsers.add_parser(
+        "demo",
+        help="train a small GPT on this machine: nodes and workers all local",
+        description="Start optimizer node(s) and worker processes on this machine and train a small GPT-style byte-level language model on the Python standard library's own source files. No GPU needed.",
+    )
     demo.add_argument("--steps", type=_positive_int, default=300, help="training steps (default: %(default)s)")
     demo.add_argument("--workers", type=_positive_int, default=2, help="data-parallel worker processes (default: %(default)s)")
     demo.add_argument("--nodes", type=_positive_int, default=1, help="optimizer-node processes (default: %(default)s)")
-    demo.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="dtype of gradients and parameters on the wire (default: %(default)s)")
+    demo.add_argument(
+        "--wire-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of gradients and parameters on the wire (default: %(default)s)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed of the model and the data order (default: %(default)s)")
 
 
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="measure netoptim against a baseline in the same run; prints JSON", description="Benchmarks. Each prints one JSON object with a top-level \"ratio\" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.")
+    bench = subparsers.add_parser(
+        "bench",
+        help="measure netoptim against a baseline in the same run; prints JSON",
+        description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
+    )
     which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=_positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=_positive_int, default=2, help="gradients summed per update (default: %(default)s)")
-    optimizer.add_argument("--wire-dtype", choices=["float32", "bfloat16"], default="float32", help="dtype the gradients arrive in and the parameters leave in (default: %(default)s)")
+    optimizer.add_argument(
+        "--wire-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype the gradients arrive in and the parameters leave in (default: %(default)s)",
+    )
     optimizer.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
-    transport.add_argument("--bytes", type=_size, default=64 << 20, help="payload pushed and pulled back per round trip (default: 64MiB)")
+    transport.add_argument("--bytes", type=_size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
+    transport.add_argument("--bucket-bytes", type=_size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")
     transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network.")
+    parser = argparse.ArgumentParser(
+        prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench}")
     _add_node_parser(subparsers)

@@ -23,10 +23,26 @@ class NodeProcess:
     ``start()`` returns once the node has written its ready file; ``stop()`` sends SIGTERM and waits.
     """
 
-    def __init__(self, workdir: str | Path, *, name: str = "node0", listen: str = "tcp://127.0.0.1:0", extra_args: Sequence[str] = (), log_level: str = "INFO") -> None:
+    def __init__(
+        self, workdir: str | Path, *, name: str = "node0", listen: str = "tcp://127.0.0.1:0", extra_args: Sequence[str] = (), log_level: str = "INFO"
+    ) -> None:
         self.ready_file = Path(workdir) / f"{name}.ready.json"
         self.log_file = Path(workdir) / f"{name}.log"
-        self.command = [sys.executable, "-m", "netoptim", "--log-level", log_level, "node", "--listen", listen, "--ready-file", str(self.ready_file), "--node-id", name, *extra_args]
+        self.command = [
+            sys.executable,
+            "-m",
+            "netoptim",
+            "--log-level",
+            log_level,
+            "node",
+            "--listen",
+            listen,
+            "--ready-file",
+            str(self.ready_file),
+            "--node-id",
+            name,
+            *extra_args,
+        ]
         self.process: subprocess.Popen | None = None
         self.address = ""
 
@@ -67,7 +83,9 @@ class NodeProcess:
         self.stop()
 
 
-def run_workers(script_args: Sequence[str], world_size: int, *, module: str = "gpu_worker.recipes.train_gpt", timeout_s: float = 1800.0, threads_per_worker: int = 1) -> int:
+def run_workers(
+    script_args: Sequence[str], world_size: int, *, module: str = "gpu_worker.recipes.train_gpt", timeout_s: float = 1800.0, threads_per_worker: int = 1
+) -> int:
     """Run ``world_size`` worker processes like ``torchrun`` does (RANK/WORLD_SIZE in the environment).
 
     Rank 0 keeps the terminal; the others log to stderr only on failure. When one fails, the others

@@ -185,7 +185,14 @@ class NodeDaemon:
             total = sum(b.numel for b in owned.values())
             log.info(
                 "registered job: %d workers, %d nodes (this is node %d), %d parameters, %d buckets here (%.1f M elements), wire %s, clipping %s",
-                spec.world_size, spec.num_nodes, node_index, len(spec.params), len(owned), total / 1e6, spec.wire_dtype, spec.max_grad_norm,
+                spec.world_size,
+                spec.num_nodes,
+                node_index,
+                len(spec.params),
+                len(owned),
+                total / 1e6,
+                spec.wire_dtype,
+                spec.max_grad_norm,
             )
         job = self._job
         difference = job.spec.mismatch(spec)
@@ -288,7 +295,9 @@ class NodeDaemon:
         elif header.rank in in_flight.reduction.received:
             raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
         elif hyper != in_flight.hyper:
-            raise WireError(ErrorCode.BAD_REQUEST, f"rank {header.rank} sent hyperparameters {hyper} for bucket {bucket.bucket_id}, another rank sent {in_flight.hyper}")
+            raise WireError(
+                ErrorCode.BAD_REQUEST, f"rank {header.rank} sent hyperparameters {hyper} for bucket {bucket.bucket_id}, another rank sent {in_flight.hyper}"
+            )
         if self._awaiting_clip is not None:
             raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
         # Everything is validated: from here on the push is accepted.
@@ -305,18 +314,21 @@ class NodeDaemon:
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
+        grad = in_flight.reduction.result
         divisor = None
         if clip is None:
             divisor = torch.tensor(float(job.spec.world_size), dtype=torch.float32)
         else:
-            state.grad.mul_(clip)  # already divided by world_size for the norm
+            grad.mul_(clip)  # already divided by world_size for the norm
         segments = [(seg.bucket_offset, seg.numel) for seg in job.owned[state.bucket_id].segments]
-        adamw_update(state.param, state.grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, in_flight.hyper, segments=segments, grad_divisor=divisor)
+        adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, in_flight.hyper, segments=segments, grad_divisor=divisor)
         state.step += 1
         del self._in_flight[state.bucket_id]
         meta = {} if grad_norm is None else {"grad_norm": grad_norm}
         self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
-        log.debug("bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival))
+        log.debug(
+            "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
+        )
 
     # ---------------------------------------------------------------- clipping
 
@@ -327,7 +339,7 @@ class NodeDaemon:
         step = next(iter(self._in_flight.values())).step
         partial = 0.0
         for bucket_id in sorted(self._in_flight):
-            grad = self._in_flight[bucket_id].reduction.out
+            grad = self._in_flight[bucket_id].reduction.result
             grad.div_(job.spec.world_size)
             partial += sum_of_squares(grad)
         self._awaiting_clip = step

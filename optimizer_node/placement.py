@@ -14,6 +14,7 @@ consecutive buckets, hence consecutive layers, over all nodes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int)
         seen.add(spec.name)
     groups_in_order = [spec.group for spec in params]
     finished_groups: set[int] = set()
-    for previous, current in zip(groups_in_order, groups_in_order[1:], strict=False):
+    for previous, current in itertools.pairwise(groups_in_order):
         if current != previous:
             finished_groups.add(previous)
             if current in finished_groups:

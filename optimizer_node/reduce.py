@@ -14,11 +14,17 @@ TensorPieces = list[tuple[int, torch.Tensor]]
 
 
 class OrderedReduction:
-    """Accumulates ``world_size`` gradients into ``out`` (fp32) in rank order."""
+    """Accumulates ``world_size`` gradients in rank order into :attr:`result`.
+
+    When rank 0's gradient arrived as one writable fp32 frame, that frame itself becomes the
+    accumulator (saving a copy of the bucket, a quarter of the node's memory traffic with two
+    workers); otherwise ``out`` is.
+    """
 
     def __init__(self, out: torch.Tensor, world_size: int) -> None:
         assert out.dtype == torch.float32 and out.dim() == 1
         self.out = out
+        self.result = out
         self.world_size = world_size
         self.received: set[int] = set()
         self._held: dict[int, TensorPieces] = {}
@@ -41,8 +47,11 @@ class OrderedReduction:
             self._next_rank += 1
 
     def _accumulate(self, pieces: TensorPieces, *, first: bool) -> None:
+        if first and len(pieces) == 1 and pieces[0][1].dtype == torch.float32 and pieces[0][1].numel() == self.out.numel():
+            self.result = pieces[0][1]
+            return
         for offset, view in pieces:
-            target = self.out[offset : offset + view.numel()]
+            target = self.result[offset : offset + view.numel()]
             if first:
                 target.copy_(view)  # casts bf16/fp16 up to fp32
             else:

@@ -92,5 +92,6 @@ class Transport(ABC):
     def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
         """Indices of ``clients`` with a message ready, waiting at most ``timeout_s``."""
 
+    @abstractmethod
     def close(self) -> None:
-        """Release backend-wide resources."""
+        """Release backend-wide resources, after every endpoint is closed."""

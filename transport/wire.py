@@ -173,8 +173,7 @@ def decode_header(data: bytes | memoryview, *, peer: bytes | None = None) -> Hea
     if version != PROTOCOL_VERSION:
         raise WireError(
             ErrorCode.VERSION,
-            f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}; "
-            "run the same netoptim release on workers and nodes",
+            f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}; run the same netoptim release on workers and nodes",
             peer=peer,
         )
     kwargs: dict[str, Any] = {}
@@ -274,7 +273,10 @@ def payload_views(header: Header, chunks: Sequence[memoryview], *, max_bytes: in
         if len(chunk) % itemsize:
             raise WireError(ErrorCode.BAD_PAYLOAD, f"chunk of {len(chunk)} bytes splits a {header.dtype} element", peer=peer)
         if len(chunk):
-            views.append((offset, torch.frombuffer(chunk, dtype=dtype)))
+            # Receivers may accumulate into what arrived; a read-only buffer (a small frame the
+            # transport copied into bytes) is copied once more so every view is writable.
+            writable = chunk if not chunk.readonly else memoryview(bytearray(chunk))
+            views.append((offset, torch.frombuffer(writable, dtype=dtype)))
         offset += len(chunk) // itemsize
     return views
 

@@ -31,6 +31,17 @@ log = logging.getLogger(__name__)
 ZERO_COPY_BYTES = 64 << 10
 """pyzmq copies smaller frames anyway; tracking them would only cost time."""
 
+SOCKET_BUFFER_BYTES = 8 << 20
+"""Kernel send/receive buffer per connection: measured to double loopback throughput with MB frames
+over the OS default (netoptim bench transport)."""
+
+
+def _tune(socket: zmq.Socket) -> None:
+    socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a queue limit; memory is bounded by the protocol
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+    socket.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
+
 
 class _TrackedSend(SendHandle):
     def __init__(self, trackers: list[zmq.MessageTracker]) -> None:
@@ -86,8 +97,7 @@ class ZmqServer(ServerEndpoint):
     def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int) -> None:
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
+        _tune(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         # Hard cap per frame as a guard against memory exhaustion; the header check gives the clear error.
         self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_message_bytes, chunk_bytes) + (1 << 20))
@@ -122,8 +132,7 @@ class ZmqClient(ClientEndpoint):
 
     def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int) -> None:
         self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
+        _tune(self._socket)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.connect(url)
         self.address = url

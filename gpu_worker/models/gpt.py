@@ -95,7 +95,9 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8, top_k: int = 20, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8, top_k: int = 20, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuations of ``idx`` (B, T)."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])

@@ -27,7 +27,9 @@ def load_stdlib_bytes(max_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(pieces)[:max_bytes]), dtype=torch.uint8)
 
 
-def batch_for_step(tokens: torch.Tensor, step: int, *, global_batch: int, block_size: int, rank: int, world_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for_step(
+    tokens: torch.Tensor, step: int, *, global_batch: int, block_size: int, rank: int, world_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the global batch of ``step``: a pure function of the step, so a resumed
     run continues with exactly the data it would have seen."""
     if global_batch % world_size:

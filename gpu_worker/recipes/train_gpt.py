@@ -99,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         window = max(1, min(10, len(losses) // 4))
         first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
         elapsed = time.perf_counter() - started
-        print(f"loss: {first:.3f} at the start -> {last:.3f} at the end (means of {window} steps); {len(losses)} steps in {elapsed:.1f} s, {tokens_per_step * len(losses) / elapsed:,.0f} tokens/s over {world_size} workers")
+        print(
+            f"loss: {first:.3f} at the start -> {last:.3f} at the end (means of {window} steps); {len(losses)} steps in {elapsed:.1f} s, {tokens_per_step * len(losses) / elapsed:,.0f} tokens/s over {world_size} workers"
+        )
         model.eval()
         prompt = torch.tensor([list(b"def ")], dtype=torch.long)
         sample = model.generate(prompt, args.sample_tokens, generator=torch.Generator().manual_seed(args.seed))

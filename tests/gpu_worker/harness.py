@@ -73,8 +73,17 @@ def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | N
         try:
             model = models[rank]
             opt = RemoteAdamW(
-                param_groups(model, named=True), lr=1e-2, weight_decay=0.1, nodes=list(config.nodes), rank=rank, world_size=config.world_size,
-                wire_dtype=config.wire_dtype, max_grad_norm=config.max_grad_norm, bucket_numel=config.bucket_numel, timeout_s=60, **config.extra,
+                param_groups(model, named=True),
+                lr=1e-2,
+                weight_decay=0.1,
+                nodes=list(config.nodes),
+                rank=rank,
+                world_size=config.world_size,
+                wire_dtype=config.wire_dtype,
+                max_grad_norm=config.max_grad_norm,
+                bucket_numel=config.bucket_numel,
+                timeout_s=60,
+                **config.extra,
             )
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             for step in range(config.steps):

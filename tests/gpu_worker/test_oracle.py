@@ -26,7 +26,9 @@ def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_no
     whole_batch = reference_whole_batch(max_grad_norm=max_grad_norm)
     diff_fused, diff_default, diff_whole = max_difference(params, fused_ref), max_difference(params, default_ref), max_difference(params, whole_batch)
     log.info("max |diff|: vs fused AdamW %.3g, vs default AdamW %.3g, vs whole batch %.3g", diff_fused, diff_default, diff_whole)
-    print(f"\n{world_size} workers, {num_nodes} nodes, clip {max_grad_norm}: vs fused AdamW {diff_fused:.3g}, vs default AdamW {diff_default:.3g}, vs whole batch {diff_whole:.3g}")
+    print(
+        f"\n{world_size} workers, {num_nodes} nodes, clip {max_grad_norm}: vs fused AdamW {diff_fused:.3g}, vs default AdamW {diff_default:.3g}, vs whole batch {diff_whole:.3g}"
+    )
 
     if max_grad_norm is None:
         assert diff_fused == 0.0, "the node runs torch's fused AdamW kernel on the same averaged gradient: it must be bitwise equal"

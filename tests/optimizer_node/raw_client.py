@@ -13,7 +13,14 @@ from transport.zmq_backend import ZmqClient, ZmqTransport
 
 HYPER = AdamWHyper(1e-2, 0.9, 0.999, 1e-8, 0.1)
 # Two parameters, bucket size 128: bucket 0 = w[0:128], bucket 1 = w[128:200] + b[0:10].
-JOB = JobSpec(world_size=2, num_nodes=1, bucket_numel=128, wire_dtype="float32", max_grad_norm=None, params=(ParamSpec("w", (200,), "float32", 0), ParamSpec("b", (10,), "float32", 0)))
+JOB = JobSpec(
+    world_size=2,
+    num_nodes=1,
+    bucket_numel=128,
+    wire_dtype="float32",
+    max_grad_norm=None,
+    params=(ParamSpec("w", (200,), "float32", 0), ParamSpec("b", (10,), "float32", 0)),
+)
 
 
 class RawWorker:
@@ -57,4 +64,13 @@ class Mirror:
         for grad in grads[1:]:
             total += grad
         segments = [(s.bucket_offset, s.numel) for s in self.buckets[bucket_id].segments]
-        adamw_update(self.param[bucket_id], total, self.exp_avg[bucket_id], self.exp_avg_sq[bucket_id], self.step_tensor[bucket_id], HYPER, segments=segments, grad_divisor=torch.tensor(float(len(grads))))
+        adamw_update(
+            self.param[bucket_id],
+            total,
+            self.exp_avg[bucket_id],
+            self.exp_avg_sq[bucket_id],
+            self.step_tensor[bucket_id],
+            HYPER,
+            segments=segments,
+            grad_divisor=torch.tensor(float(len(grads))),
+        )

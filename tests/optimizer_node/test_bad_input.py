@@ -158,9 +158,13 @@ def test_mismatched_hyperparameters_between_ranks(job):
 
 
 def test_invalid_hyperparameters(job):
-    job["rank0"].client.send(tensor_header(MsgType.PUSH, torch.ones(128), rank=0, step=0, bucket_id=0, meta={"hyper": [-1.0, 0.9, 0.999, 1e-8, 0.0]}), torch.ones(128))
+    job["rank0"].client.send(
+        tensor_header(MsgType.PUSH, torch.ones(128), rank=0, step=0, bucket_id=0, meta={"hyper": [-1.0, 0.9, 0.999, 1e-8, 0.0]}), torch.ones(128)
+    )
     assert_error(job["rank0"].reply(), ErrorCode.BAD_REQUEST, "learning rate")
-    job["rank0"].client.send(tensor_header(MsgType.PUSH, torch.ones(128), rank=0, step=0, bucket_id=0, meta={"hyper": [1e-3, 1.0, 0.999, 1e-8, 0.0]}), torch.ones(128))
+    job["rank0"].client.send(
+        tensor_header(MsgType.PUSH, torch.ones(128), rank=0, step=0, bucket_id=0, meta={"hyper": [1e-3, 1.0, 0.999, 1e-8, 0.0]}), torch.ones(128)
+    )
     assert_error(job["rank0"].reply(), ErrorCode.BAD_REQUEST, "beta1")
     assert_intact(job)
 
@@ -174,7 +178,9 @@ def test_push_without_hello(job):
 
 
 def test_second_worker_with_a_different_layout(job):
-    other = type(JOB)(**{**{f: getattr(JOB, f) for f in JOB.__slots__}, "params": (ParamSpec("w", (200,), "float32", 0), ParamSpec("bias", (10,), "float32", 0))})
+    other = type(JOB)(
+        **{**{f: getattr(JOB, f) for f in JOB.__slots__}, "params": (ParamSpec("w", (200,), "float32", 0), ParamSpec("bias", (10,), "float32", 0))}
+    )
     assert_error(job["rank1"].hello(other), ErrorCode.LAYOUT_MISMATCH, "parameter 1", "'b'", "'bias'")
     assert_intact(job)
 

@@ -41,8 +41,13 @@ def test_clip_coefficient_matches_clip_grad_norm():
 
 
 def test_hyperparameter_validation():
-    for bad, word in [((-1e-3, 0.9, 0.999, 1e-8, 0.0), "learning rate"), ((1e-3, 1.0, 0.999, 1e-8, 0.0), "beta1"), ((1e-3, 0.9, -0.1, 1e-8, 0.0), "beta2"),
-                      ((1e-3, 0.9, 0.999, -1.0, 0.0), "eps"), ((1e-3, 0.9, 0.999, 1e-8, float("nan")), "weight_decay")]:
+    for bad, word in [
+        ((-1e-3, 0.9, 0.999, 1e-8, 0.0), "learning rate"),
+        ((1e-3, 1.0, 0.999, 1e-8, 0.0), "beta1"),
+        ((1e-3, 0.9, -0.1, 1e-8, 0.0), "beta2"),
+        ((1e-3, 0.9, 0.999, -1.0, 0.0), "eps"),
+        ((1e-3, 0.9, 0.999, 1e-8, float("nan")), "weight_decay"),
+    ]:
         with pytest.raises(ValueError, match=word):
             AdamWHyper(*bad).validate()
     with pytest.raises(ValueError, match="lr, beta1"):
@@ -61,7 +66,13 @@ def test_reduction_sums_in_rank_order_whatever_the_arrival_order():
             assert not reduction.complete
             reduction.add(rank, [(0, grads[rank][:200]), (200, grads[rank][200:])])
         assert reduction.complete and reduction.missing() == []
-        assert torch.equal(reduction.out, expected)
+        assert torch.equal(reduction.result, expected)
+    whole = [g.clone() for g in grads]
+    reduction = OrderedReduction(torch.empty(500), 5)
+    for rank in (2, 0, 1, 4, 3):
+        reduction.add(rank, [(0, whole[rank])])
+    assert reduction.result.data_ptr() == whole[0].data_ptr()  # rank 0's frame became the accumulator
+    assert torch.equal(reduction.result, expected)
 
 
 def test_reduction_upcasts_bf16():
@@ -69,4 +80,4 @@ def test_reduction_upcasts_bf16():
     reduction.add(1, [(0, torch.full((4,), 1.5, dtype=torch.bfloat16))])
     assert reduction.missing() == [0]
     reduction.add(0, [(0, torch.full((4,), 0.25, dtype=torch.bfloat16))])
-    assert reduction.out.dtype == torch.float32 and torch.equal(reduction.out, torch.full((4,), 1.75))
+    assert reduction.result.dtype == torch.float32 and torch.equal(reduction.result, torch.full((4,), 1.75))

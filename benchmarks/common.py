@@ -1,0 +1,36 @@
+"""Helpers shared by the benchmarks: timing with medians and a memory-bandwidth probe."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+
+def median_seconds(run: Callable[[], None], repeats: int, *, setup: Callable[[], None] | None = None, label: str = "") -> float:
+    """Median wall time of ``run`` over ``repeats`` timed calls after one warm-up; ``setup`` runs untimed before each."""
+    if setup:
+        setup()
+    run()  # warm-up: page faults, allocator, thread pool
+    times = []
+    for _ in tqdm(range(repeats), desc=label, leave=False, disable=not label):
+        if setup:
+            setup()
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def memory_bandwidth_gbs(repeats: int, nbytes: int = 256 << 20) -> float:
+    """GB/s of an in-place add over large tensors (two reads, one write per element).
+
+    In place on purpose: the node's kernels update in place, and a write to a fresh buffer costs an
+    extra read for ownership that would understate the bandwidth they see."""
+    target = torch.ones(nbytes // 4)
+    source = torch.ones(nbytes // 4)
+    seconds = median_seconds(lambda: target.add_(source), repeats)
+    return 3 * nbytes / seconds / 1e9

@@ -1,0 +1,115 @@
+"""``netoptim bench transport``: push+pull through a real node against a plain TCP socket, same run.
+
+Both sides move ``--bytes`` of gradients as messages of ``--bucket-bytes`` (one bucket each), all
+pushed back to back while the answers stream back, as a worker's step does:
+
+- netoptim: a worker endpoint sends each bucket to a ``netoptim node`` process, whose ECHO handler
+  sends the received frames straight back (no copy), so the figure is the transport's alone;
+- baseline: one plain TCP socket to an echo process that reads each bucket with ``recv_into`` into
+  a preallocated buffer and writes it back with ``sendall``; the client sends from one thread and
+  receives into a preallocated buffer in another.
+
+The figure is (bytes pushed + bytes pulled) / time, over loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import socket
+import tempfile
+import threading
+
+import torch
+
+from benchmarks.common import median_seconds
+from netoptim.launcher import NodeProcess
+from transport.wire import MsgType, tensor_header
+from transport.zmq_backend import ZmqTransport
+
+
+def _echo_server(listener: socket.socket, bucket_bytes: int, messages: int) -> None:
+    connection, _ = listener.accept()
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(bucket_bytes))
+    for _ in range(messages):
+        received = 0
+        while received < bucket_bytes:
+            count = connection.recv_into(view[received:], bucket_bytes - received)
+            if count == 0:
+                return
+            received += count
+        connection.sendall(view)
+    connection.close()
+
+
+def raw_socket_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    buckets = nbytes // bucket_bytes
+    server = multiprocessing.get_context("fork").Process(target=_echo_server, args=(listener, bucket_bytes, buckets * (repeats + 1)), daemon=True)
+    server.start()
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload, back = memoryview(bytearray(nbytes)), memoryview(bytearray(nbytes))
+
+    def push_all() -> None:
+        for start in range(0, nbytes, bucket_bytes):
+            client.sendall(payload[start : start + bucket_bytes])
+
+    def round_trip() -> None:
+        sender = threading.Thread(target=push_all)
+        sender.start()
+        received = 0
+        while received < nbytes:
+            received += client.recv_into(back[received:], nbytes - received)
+        sender.join()
+
+    try:
+        return median_seconds(round_trip, repeats, label="plain TCP socket")
+    finally:
+        client.close()
+        listener.close()
+        server.join(10)
+
+
+def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
+    buckets = [torch.ones(bucket_bytes // 4) for _ in range(nbytes // bucket_bytes)]
+    with tempfile.TemporaryDirectory() as workdir, NodeProcess(workdir, log_level="WARNING") as node:
+        transport = ZmqTransport()
+        client = transport.connect(node.address)
+        headers = [tensor_header(MsgType.ECHO, bucket, step=index) for index, bucket in enumerate(buckets)]
+
+        def round_trip() -> None:
+            for header, bucket in zip(headers, buckets, strict=True):
+                client.send(header, bucket)
+            for _ in buckets:
+                message = client.recv(60)
+                assert message is not None and message.header.numel == buckets[0].numel(), "the node did not echo"
+
+        try:
+            return median_seconds(round_trip, repeats, label="netoptim push+pull")
+        finally:
+            client.close()
+            transport.close()
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.bucket_bytes % 4 or args.bytes % args.bucket_bytes:
+        raise SystemExit("--bytes must be a multiple of --bucket-bytes, which must be a multiple of 4")
+    netoptim_s = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats)
+    socket_s = raw_socket_seconds(args.bytes, args.bucket_bytes, args.repeats)
+    netoptim_gbs, socket_gbs = 2 * args.bytes / netoptim_s / 1e9, 2 * args.bytes / socket_s / 1e9
+    return {
+        "benchmark": "transport",
+        "ratio": round(netoptim_gbs / socket_gbs, 3),
+        "bytes": args.bytes,
+        "bucket_bytes": args.bucket_bytes,
+        "repeats": args.repeats,
+        "backend": "zmq tcp loopback",
+        "netoptim_push_pull_gbs": round(netoptim_gbs, 2),
+        "plain_socket_gbs": round(socket_gbs, 2),
+        "netoptim_ms": round(netoptim_s * 1e3, 2),
+        "plain_socket_ms": round(socket_s * 1e3, 2),
+    }
