@@ -84,7 +84,7 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         help="train a small GPT on this machine: nodes and workers all local",
         description="Start optimizer node(s) and worker processes on this machine and train a small GPT-style byte-level language model on the Python standard library's own source files. No GPU needed.",
     )
-    demo.add_argument("--steps", type=_positive_int, default=300, help="training steps (default: %(default)s)")
+    demo.add_argument("--steps", type=_positive_int, default=600, help="training steps (default: %(default)s)")
     demo.add_argument("--workers", type=_positive_int, default=2, help="data-parallel worker processes (default: %(default)s)")
     demo.add_argument("--nodes", type=_positive_int, default=1, help="optimizer-node processes (default: %(default)s)")
     demo.add_argument(

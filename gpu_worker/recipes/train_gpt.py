@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank")
     parser.add_argument("--steps", type=int, default=300, help="total training steps (a resumed run continues to this step)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step over all workers")
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     parser.add_argument("--n-embd", type=int, default=128, help="model width")
     parser.add_argument("--n-head", type=int, default=4, help="attention heads")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = load_stdlib_bytes()
     tokens_per_step = args.global_batch * args.block_size
     losses: list[float] = []
-    progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps)
+    progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5)
     started = time.perf_counter()
     for step in progress:
         x, y = batch_for_step(tokens, step, global_batch=args.global_batch, block_size=args.block_size, rank=rank, world_size=world_size, seed=args.seed)
