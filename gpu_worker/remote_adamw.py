@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +65,12 @@ class RemoteAdamW(torch.optim.Optimizer):
         bucket_numel: elements per transfer/update unit.
         timeout_s: how long any wait for a node may take before a ``TimeoutError`` that names what
             is missing.
+        push_during_backward: send each bucket as soon as backward has produced all its gradients,
+            so the nodes update early buckets while backward still runs. Hyperparameters are then
+            read when backward produces the gradients (change them before ``backward()``), and
+            gradient accumulation over several backward passes must run inside :meth:`no_sync`,
+            as with DDP. Pushes happen only from the thread that built the optimizer (autograd's
+            CUDA threads fall back to pushing in ``step()``).
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -84,6 +93,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         timeout_s: float = 300.0,
+        push_during_backward: bool = False,
         amsgrad: bool = False,
         maximize: bool = False,
     ) -> None:
@@ -113,6 +123,19 @@ class RemoteAdamW(torch.optim.Optimizer):
         except BaseException:
             self._session.close()
             raise
+        self._owner_thread = threading.get_ident()
+        self._sync_enabled = True
+        self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push
+        buckets = self._session.buckets
+        self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
+        self._param_buckets: list[list[int]] = [[] for _ in tensors]
+        for bucket in buckets:
+            for seg in bucket.segments:
+                self._param_buckets[seg.param_index].append(bucket.bucket_id)
+        self._ready: list[set[int]] = [set() for _ in buckets]
+        self._hook_handles = (
+            [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i, p in enumerate(tensors)] if push_during_backward else []
+        )
 
     @property
     def remote_step(self) -> int:
@@ -123,6 +146,30 @@ class RemoteAdamW(torch.optim.Optimizer):
     def last_grad_norm(self) -> float | None:
         """With ``max_grad_norm``: the global norm of the last averaged gradient, before clipping."""
         return self._session.last_grad_norm
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without pushing them (as DDP's
+        ``no_sync``); the next backward outside pushes the accumulated gradients."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
+        if not self._sync_enabled or threading.get_ident() != self._owner_thread:
+            return
+        for bucket_id in self._param_buckets[index]:
+            ready = self._ready[bucket_id]
+            if index in ready:
+                name = self._session.job.params[index].name
+                raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
+            ready.add(index)
+            if len(ready) == len(self._bucket_params[bucket_id]):
+                if self._step_hypers is None:
+                    self._step_hypers = self._group_hypers()
+                self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._step_hypers)
 
     def _group_hypers(self) -> list[AdamWHyper]:
         hypers = []
@@ -140,14 +187,19 @@ class RemoteAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        hypers = self._group_hypers()
+        hypers = self._step_hypers if self._step_hypers is not None else self._group_hypers()
         grads = [p.grad for p in self._params]
         for param, grad in zip(self._params, grads, strict=True):
             if grad is not None and grad.is_sparse:
                 raise TypeError("RemoteAdamW does not support sparse gradients")
             if grad is not None and not math.prod(grad.shape) == param.numel():
                 raise ValueError("a gradient's shape differs from its parameter's")
-        self._session.step_buckets(grads, hypers)
+        try:
+            self._session.finish_step(grads, hypers)
+        finally:
+            self._step_hypers = None
+            for ready in self._ready:
+                ready.clear()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -171,6 +223,9 @@ class RemoteAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Close the connections to the nodes (also done at garbage collection)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
         self._session.close()
 
     def __del__(self) -> None:

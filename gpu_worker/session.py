@@ -61,6 +61,7 @@ class OffloadSession:
         self._send_buffers = [torch.empty(b.numel, dtype=self._wire_dtype, pin_memory=pin) for b in self.buckets]
         self._transport = create_transport(self.nodes[0])
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
+        self._pushed: set[int] = set()
         self._closed = False
 
     # ---------------------------------------------------------------- setup
@@ -97,26 +98,43 @@ class OffloadSession:
 
     # ---------------------------------------------------------------- one step
 
-    def step_buckets(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
-        """Push every bucket's gradient (``grads[i]`` belongs to ``params[i]``) and install the new values.
+    def push_bucket(self, bucket_id: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Send one bucket's gradient for the current step now (``grads[i]`` belongs to ``params[i]``).
 
-        ``hypers[g]`` are the hyperparameters of param group ``g`` for this step.
+        ``hypers[g]`` are the hyperparameters of param group ``g`` for this step. Buckets not pushed
+        before :meth:`finish_step` are pushed there.
         """
-        for bucket, buffer in zip(self.buckets, self._send_buffers, strict=True):
-            gather_bucket(bucket, grads, buffer)
-        if self._send_buffers and self._send_buffers[0].is_pinned():
+        if bucket_id in self._pushed:
+            raise RuntimeError(f"bucket {bucket_id} was already pushed for step {self.bucket_steps[bucket_id]}")
+        bucket, buffer = self.buckets[bucket_id], self._send_buffers[bucket_id]
+        gather_bucket(bucket, grads, buffer)
+        if buffer.is_pinned():
             torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
-        for bucket, buffer in zip(self.buckets, self._send_buffers, strict=True):
-            header = tensor_header(
-                MsgType.PUSH,
-                buffer,
-                rank=self.rank,
-                step=self.bucket_steps[bucket.bucket_id],
-                bucket_id=bucket.bucket_id,
-                meta={"hyper": hypers[bucket.group].to_wire()},
-            )
-            self._clients[bucket.node].send(header, buffer)
-        self._receive_params(set(range(len(self.buckets))), expect_next_step=True)
+        header = tensor_header(
+            MsgType.PUSH,
+            buffer,
+            rank=self.rank,
+            step=self.bucket_steps[bucket_id],
+            bucket_id=bucket_id,
+            meta={"hyper": hypers[bucket.group].to_wire()},
+        )
+        self._clients[bucket.node].send(header, buffer)
+        self._pushed.add(bucket_id)
+
+    def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Push every bucket not pushed yet, then install each bucket's new values as it comes back."""
+        for bucket in self.buckets:
+            if bucket.bucket_id not in self._pushed:
+                self.push_bucket(bucket.bucket_id, grads, hypers)
+        try:
+            self._receive_params(set(range(len(self.buckets))), expect_next_step=True)
+        finally:
+            self._pushed.clear()
+
+    @property
+    def pushed(self) -> frozenset[int]:
+        """Buckets already pushed for the step in progress."""
+        return frozenset(self._pushed)
 
     def _receive_params(self, waiting: set[int], *, expect_next_step: bool) -> None:
         partials: dict[int, float] = {}

@@ -13,13 +13,14 @@ log = logging.getLogger(__name__)
 
 
 @pytest.mark.parametrize(
-    ("world_size", "num_nodes", "max_grad_norm"),
-    [(2, 1, None), (2, 2, None), (4, 1, None), (2, 1, 0.05), (4, 2, 0.05)],
-    ids=["2w-1n", "2w-2n", "4w-1n", "2w-1n-clip", "4w-2n-clip"],
+    ("world_size", "num_nodes", "max_grad_norm", "early_push"),
+    [(2, 1, None, False), (2, 2, None, True), (4, 1, None, False), (2, 1, 0.05, False), (4, 2, 0.05, True)],
+    ids=["2w-1n", "2w-2n-early-push", "4w-1n", "2w-1n-clip", "4w-2n-clip-early-push"],
 )
-def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm):
+def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm, early_push):
     nodes = [start_node(f"node{i}").address for i in range(num_nodes)]
-    params, norms = run_offloaded(RunConfig(world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm))
+    config = RunConfig(world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm, extra={"push_during_backward": early_push})
+    params, norms = run_offloaded(config)
 
     fused_ref, ref_norms = reference_averaged(world_size, fused=True, max_grad_norm=max_grad_norm)
     default_ref, _ = reference_averaged(world_size, fused=False, max_grad_norm=max_grad_norm)

@@ -120,3 +120,38 @@ def test_constructor_rejects_bad_arguments():
 def test_unreachable_node_times_out_clearly():
     with pytest.raises(TimeoutError, match=r"did not answer within 1 s while waiting for registration"):
         RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:9"], rank=0, world_size=1, timeout_s=1)
+
+
+def accumulate_and_step(address: str, *, push_during_backward: bool) -> list[torch.Tensor]:
+    """Two micro-batches per step, the first inside no_sync."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = RemoteAdamW(model.parameters(), lr=0.05, nodes=[address], rank=0, world_size=1, bucket_numel=64, push_during_backward=push_during_backward)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        with opt.no_sync():
+            model(torch.randn(4, 6, generator=generator)).pow(2).mean().backward()
+        if push_during_backward:
+            assert opt._session.pushed == frozenset()  # nothing left inside no_sync
+        model(torch.randn(4, 6, generator=generator)).pow(2).mean().backward()
+        if push_during_backward:
+            assert opt._session.pushed == frozenset(range(len(opt._session.buckets)))  # all went out during backward
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_push_during_backward_with_accumulation_is_bitwise_the_same(start_node):
+    early = accumulate_and_step(start_node("early").address, push_during_backward=True)
+    late = accumulate_and_step(start_node("late").address, push_during_backward=False)
+    assert all(torch.equal(a, b) for a, b in zip(early, late, strict=True))
+
+
+def test_accumulating_outside_no_sync_is_an_error(node):
+    model = torch.nn.Linear(4, 2)
+    opt = RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=1, push_during_backward=True)
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"second gradient before step\(\).*no_sync"):
+        model(torch.ones(1, 4)).sum().backward()
+    opt.close()
