@@ -155,3 +155,14 @@ def test_accumulating_outside_no_sync_is_an_error(node):
     with pytest.raises(RuntimeError, match=r"second gradient before step\(\).*no_sync"):
         model(torch.ones(1, 4)).sum().backward()
     opt.close()
+
+
+def test_a_node_that_dies_mid_training_is_named(node):
+    model = torch.nn.Linear(4, 2)
+    opt = RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
+    node.process.kill()
+    node.process.wait()
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(TimeoutError, match=rf"node {node.address}: no answer \(is it running\?\)"):
+        opt.step()
+    opt.close()
