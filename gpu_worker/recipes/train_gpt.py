@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Train a small byte-level GPT on the Python standard library with netoptim.")
     parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank")
     parser.add_argument("--steps", type=int, default=300, help="total training steps (a resumed run continues to this step)")
-    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step over all workers")
+    parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all workers (default: 8 per worker)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     parser.add_argument("--n-embd", type=int, default=128, help="model width")
@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    global_batch = args.global_batch or 8 * world_size
+    if global_batch % world_size:
+        raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
     model = GPT(config)
@@ -80,12 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = lr_lambda(args.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step + start_step))
     tokens = load_stdlib_bytes()
-    tokens_per_step = args.global_batch * args.block_size
+    tokens_per_step = global_batch * args.block_size
     losses: list[float] = []
     progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5)
     started = time.perf_counter()
     for step in progress:
-        x, y = batch_for_step(tokens, step, global_batch=args.global_batch, block_size=args.block_size, rank=rank, world_size=world_size, seed=args.seed)
+        x, y = batch_for_step(tokens, step, global_batch=global_batch, block_size=args.block_size, rank=rank, world_size=world_size, seed=args.seed)
         _, loss = model(x, y)
         loss.backward()
         optimizer.step()

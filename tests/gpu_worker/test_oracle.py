@@ -42,12 +42,13 @@ def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_no
     assert diff_whole <= 1e-5
 
 
-def test_bf16_wire_converges_like_fp32(start_node):
-    """bf16 gradients and parameters on the wire, fp32 master on the node: within 2e-2 of the fp32 run
-    (bf16 keeps 8 bits of mantissa; parameters here are O(0.1-1), so one rounding is ~4e-3)."""
-    node_fp32, node_bf16 = start_node("fp32").address, start_node("bf16").address
+@pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_wire_converges_like_fp32(start_node, wire_dtype):
+    """bf16/fp16 gradients and parameters on the wire, fp32 master on the node: within 2e-2 of the fp32
+    run (bf16 keeps 8 bits of mantissa; parameters here are O(0.1-1), so one rounding is ~4e-3)."""
+    node_fp32, node_half = start_node("fp32").address, start_node("half").address
     fp32, _ = run_offloaded(RunConfig(nodes=[node_fp32]))
-    bf16, _ = run_offloaded(RunConfig(nodes=[node_bf16], wire_dtype=torch.bfloat16))
+    bf16, _ = run_offloaded(RunConfig(nodes=[node_half], wire_dtype=wire_dtype))
     assert all(p.dtype == torch.float32 for p in bf16)
     assert max_difference(fp32, bf16) <= 2e-2
     assert max_difference(fp32, bf16) > 0.0  # it really went through bf16
