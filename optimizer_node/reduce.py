@@ -54,5 +54,8 @@ class OrderedReduction:
             target = self.result[offset : offset + view.numel()]
             if first:
                 target.copy_(view)  # casts bf16/fp16 up to fp32
-            else:
+            elif view.dtype == torch.float32:
                 target.add_(view)
+            else:
+                # Upcast first (exact): torch's mixed-dtype in-place add takes a slow scalar path, ~7x slower.
+                target.add_(view.to(torch.float32))
