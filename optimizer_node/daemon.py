@@ -173,6 +173,7 @@ class NodeDaemon:
                 raise ValueError(f"node_index {node_index!r} is not in [0, {spec.num_nodes})")
             if not 0 <= header.rank < spec.world_size:
                 raise ValueError(f"rank {header.rank} is not in [0, {spec.world_size})")
+            plan = spec.plan()  # duplicate names, a bucket size below the split alignment, ...
         except ValueError as exc:
             raise WireError(ErrorCode.BAD_REQUEST, f"bad HELLO: {exc}") from None
         if self._job is None:
@@ -180,7 +181,7 @@ class NodeDaemon:
                 log.info("rank %d said HELLO before rank 0; holding it until rank 0 registers", header.rank)
                 self._deferred_hellos.append(message)
                 return
-            owned = {b.bucket_id: b for b in spec.plan() if b.node == node_index}
+            owned = {b.bucket_id: b for b in plan if b.node == node_index}
             self._job = _Job(spec, node_index, owned)
             total = sum(b.numel for b in owned.values())
             log.info(

@@ -206,3 +206,13 @@ def test_worker_that_never_comes(node):
     with pytest.raises(TimeoutError, match=r"waiting for gradients from rank\(s\) \[1, 2\]"):
         opt.step()
     opt.close()
+
+
+def test_hello_with_an_impossible_plan(node):
+    transport = ZmqTransport()
+    worker = RawWorker(transport, node.address, 0)
+    duplicate = type(JOB)(**{**{f: getattr(JOB, f) for f in JOB.__slots__}, "params": (ParamSpec("w", (5,), "float32", 0), ParamSpec("w", (5,), "float32", 0))})
+    assert_error(worker.hello(duplicate), ErrorCode.BAD_REQUEST, "duplicate parameter name")
+    assert worker.hello().msg_type == MsgType.HELLO_OK  # and the node still registers a good job
+    worker.client.close()
+    transport.close()
