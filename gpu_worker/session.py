@@ -152,6 +152,9 @@ class OffloadSession:
                 header = message.header
                 if header.msg_type == MsgType.ERROR:
                     raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
+                if header.msg_type == MsgType.NOTICE:
+                    self._log_notice(index, header)
+                    continue
                 if header.msg_type == MsgType.NORM_PARTIAL:
                     partials[index] = float(header.meta["sum_of_squares"])
                     if len(partials) == len(nodes_with_buckets):
@@ -183,8 +186,17 @@ class OffloadSession:
 
     # ---------------------------------------------------------------- errors
 
+    def _log_notice(self, node_index: int, header: Header) -> None:
+        if header.meta.get("paused"):
+            log.warning("node %s paused updates: %s; this worker waits (timeout %.0f s)", self.nodes[node_index], header.meta.get("reason"), self.timeout_s)
+        else:
+            log.warning("node %s resumed updates", self.nodes[node_index])
+
     def _expect(self, node_index: int, msg_type: MsgType, what: str) -> Message:
         message = self._clients[node_index].recv(self.timeout_s)
+        while message is not None and message.header.msg_type == MsgType.NOTICE:
+            self._log_notice(node_index, message.header)
+            message = self._clients[node_index].recv(self.timeout_s)
         if message is None:
             raise TimeoutError(f"node {self.nodes[node_index]} did not answer within {self.timeout_s:.0f} s while waiting for {what}")
         header = message.header
@@ -207,6 +219,9 @@ class OffloadSession:
                     status = message.header.meta
             if status is None:
                 lines.append(f"node {self.nodes[index]}: no answer (is it running?)")
+                continue
+            if status.get("paused"):
+                lines.append(f"node {self.nodes[index]}: updates paused by its operator ({status['paused']})")
                 continue
             missing_ranks = sorted({rank for _bucket, _step, ranks in status["missing"] for rank in ranks})
             if missing_ranks:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+
+from netoptim.admin_cli import TOKEN_ENV, add_admin_parser, run_admin
 
 log = logging.getLogger("netoptim")
 
@@ -66,6 +69,15 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=_size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
     node.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
+    node.add_argument(
+        "--admin",
+        metavar="HOST:PORT",
+        default=None,
+        help='serve the gRPC admin service here (port 0: the OS picks; the address goes into the ready file as "admin"); bind to 127.0.0.1 unless the network is trusted or a token is set',
+    )
+    node.add_argument(
+        "--admin-token", default=None, help=f"require 'authorization: Bearer TOKEN' on admin calls (health checks excepted); default: ${TOKEN_ENV} if set"
+    )
 
 
 def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -114,10 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,admin}")
     _add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_bench_parser(subparsers)
+    add_admin_parser(subparsers)
     return parser
 
 
@@ -133,6 +146,18 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
     return config
 
 
+def admin_config_from_args(args: argparse.Namespace):  # -> AdminConfig | None
+    """The admin service's settings, or ``None`` when ``--admin`` is not given."""
+    if args.admin is None:
+        return None
+    from optimizer_node.admin import AdminConfig
+
+    host, sep, port = args.admin.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--admin {args.admin!r} must be HOST:PORT, like 127.0.0.1:0")
+    return AdminConfig(address=args.admin, token=args.admin_token or os.environ.get(TOKEN_ENV) or None)
+
+
 def run_node(args: argparse.Namespace) -> int:
     import torch
 
@@ -141,6 +166,7 @@ def run_node(args: argparse.Namespace) -> int:
     config = node_config_from_args(args)
     try:
         config.validate()
+        admin_config = admin_config_from_args(args)
     except ValueError as exc:
         log.error("invalid node configuration: %s", exc)
         return 2
@@ -152,6 +178,16 @@ def run_node(args: argparse.Namespace) -> int:
     except Exception as exc:  # a bad address, a port in use: say so and exit non-zero
         log.error("cannot start the node on %s: %s", config.listen, exc)
         return 1
+    admin = None
+    if admin_config is not None:
+        from optimizer_node.admin import AdminServer
+
+        try:
+            admin = AdminServer(daemon, admin_config).start()
+        except (OSError, RuntimeError) as exc:
+            log.error("cannot start the admin service on %s: %s", admin_config.address, exc)
+            daemon.close()
+            return 1
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -160,7 +196,11 @@ def run_node(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    daemon.serve(stop)
+    try:
+        daemon.serve(stop)
+    finally:
+        if admin is not None:
+            admin.stop()
     return 0
 
 
@@ -173,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from netoptim.launcher import run_demo
 
         return run_demo(args)
+    if args.command == "admin":
+        return run_admin(args)
     if args.command == "bench":
         from benchmarks import run_benchmark
 

@@ -45,6 +45,7 @@ class NodeProcess:
         ]
         self.process: subprocess.Popen | None = None
         self.address = ""
+        self.admin_address = ""
 
     def start(self, timeout_s: float = 60.0) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
@@ -58,7 +59,9 @@ class NodeProcess:
                 self.stop()
                 raise TimeoutError(f"node not ready after {timeout_s:.0f} s:\n{self.log_text()}")
             time.sleep(0.05)
-        self.address = json.loads(self.ready_file.read_text())["data"]
+        ready = json.loads(self.ready_file.read_text())
+        self.address = ready["data"]
+        self.admin_address = ready.get("admin", "")
         return self
 
     def log_text(self) -> str:

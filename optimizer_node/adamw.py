@@ -109,3 +109,40 @@ def clip_coefficient(total_sum_of_squares: float, max_norm: float) -> tuple[floa
     total_norm = torch.tensor(math.sqrt(total_sum_of_squares), dtype=torch.float32)
     coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
     return float(total_norm), coefficient
+
+
+@dataclass(frozen=True, slots=True)
+class HyperOverrides:
+    """An operator's changes to the hyperparameters the workers send; ``None`` keeps the worker's value."""
+
+    lr: float | None = None
+    lr_scale: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+
+    def validate(self) -> None:
+        """``ValueError`` naming the first invalid value."""
+        if self.lr_scale is not None and not (math.isfinite(self.lr_scale) and self.lr_scale >= 0.0):
+            raise ValueError(f"invalid lr_scale {self.lr_scale}: must be finite and >= 0")
+        AdamWHyper(
+            self.lr if self.lr is not None else 0.0,
+            self.beta1 if self.beta1 is not None else 0.0,
+            self.beta2 if self.beta2 is not None else 0.0,
+            self.eps if self.eps is not None else 0.0,
+            self.weight_decay if self.weight_decay is not None else 0.0,
+        ).validate()
+
+    def apply(self, sent: AdamWHyper) -> AdamWHyper:
+        """The hyperparameters to use for an update whose workers sent ``sent``."""
+        lr = sent.lr if self.lr is None else self.lr
+        if self.lr_scale is not None:
+            lr *= self.lr_scale
+        return AdamWHyper(
+            lr,
+            sent.beta1 if self.beta1 is None else self.beta1,
+            sent.beta2 if self.beta2 is None else self.beta2,
+            sent.eps if self.eps is None else self.eps,
+            sent.weight_decay if self.weight_decay is None else self.weight_decay,
+        )

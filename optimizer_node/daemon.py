@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from optimizer_node.adamw import AdamWHyper, adamw_update, clip_coefficient, sum_of_squares
+from optimizer_node.adamw import AdamWHyper, HyperOverrides, adamw_update, clip_coefficient, sum_of_squares
 from optimizer_node.config import NodeConfig
+from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.job import JobSpec
 from optimizer_node.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
@@ -67,6 +68,15 @@ class NodeDaemon:
         self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, rank)
         self._in_flight: dict[int, _BucketStep] = {}
         self._awaiting_clip: int | None = None  # step whose norm partial went out
+        self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
+        self._overrides = HyperOverrides()
+        self._last_applied: dict[int, AdamWHyper] = {}  # param group -> hyperparameters of its last update
+        self._pause_reason: str | None = None  # set while an operator has paused updates
+        self._held: list[int] = []  # buckets whose gradients are summed but whose update waits for resume
+        self._stop: threading.Event | None = None
+        self.commands = CommandQueue()  # how the admin service reaches this thread
+        self.clock = StepClock()
+        self.admin_address: str | None = None
         self.started_at = time.time()
 
     # ---------------------------------------------------------------- lifecycle
@@ -77,15 +87,20 @@ class NodeDaemon:
             return
         tmp = f"{self.config.ready_file}.tmp"
         with open(tmp, "w") as handle:
-            json.dump({"data": self.address, "pid": os.getpid(), "node_id": self.node_id}, handle)
+            ready = {"data": self.address, "pid": os.getpid(), "node_id": self.node_id}
+            if self.admin_address:
+                ready["admin"] = self.admin_address
+            json.dump(ready, handle)
         os.replace(tmp, self.config.ready_file)
 
     def serve(self, stop: threading.Event) -> None:
         """Handle messages until ``stop`` is set, then release the endpoint."""
         log.info("node %s serving on %s", self.node_id, self.address)
+        self._stop = stop
         self.write_ready_file()
         try:
             while not stop.is_set():
+                self.commands.run_pending()
                 try:
                     message = self._endpoint.recv(self.config.poll_interval_s)
                 except WireError as exc:
@@ -96,6 +111,8 @@ class NodeDaemon:
                 if message is not None:
                     self.handle(message)
         finally:
+            self.commands.run_pending()
+            self.clock.close()
             self.close()
         log.info("node %s stopped at step %s", self.node_id, self.step)
 
@@ -302,31 +319,48 @@ class NodeDaemon:
         if self._awaiting_clip is not None:
             raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
         # Everything is validated: from here on the push is accepted.
+        self.clock.gradient_arrived()
         self._in_flight[bucket.bucket_id] = in_flight
+        started = time.perf_counter()
         in_flight.reduction.add(header.rank, message.tensors)
+        self.clock.current.reduce_s += time.perf_counter() - started
         if not in_flight.reduction.complete:
             return
-        if job.spec.max_grad_norm is None:
-            self._apply(job, state, in_flight, clip=None)
-        else:
+        if job.spec.max_grad_norm is not None:
             self._maybe_request_norm(job)
+        elif self._pause_reason is not None:
+            self._held.append(bucket.bucket_id)
+        else:
+            self._apply(job, state, in_flight, clip=None)
 
     def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep, clip: torch.Tensor | None, grad_norm: float | None = None) -> None:
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
+        started = time.perf_counter()
         grad = in_flight.reduction.result
+        hyper = self._overrides.apply(in_flight.hyper)
+        self._last_applied[job.owned[state.bucket_id].group] = hyper
         divisor = None
         if clip is None:
             divisor = torch.tensor(float(job.spec.world_size), dtype=torch.float32)
         else:
             grad.mul_(clip)  # already divided by world_size for the norm
         segments = [(seg.bucket_offset, seg.numel) for seg in job.owned[state.bucket_id].segments]
-        adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, in_flight.hyper, segments=segments, grad_divisor=divisor)
+        adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, hyper, segments=segments, grad_divisor=divisor)
         state.step += 1
         del self._in_flight[state.bucket_id]
+        sending = time.perf_counter()
+        self.clock.current.update_s += sending - started
         meta = {} if grad_norm is None else {"grad_norm": grad_norm}
         self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
+        self.clock.current.send_s += time.perf_counter() - sending
+        done = self._buckets_done.get(state.step, 0) + 1
+        if done == len(job.owned):
+            self._buckets_done.pop(state.step, None)
+            self.clock.step_completed(state.step)
+        else:
+            self._buckets_done[state.step] = done
         log.debug(
             "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
         )
@@ -335,6 +369,8 @@ class NodeDaemon:
 
     def _maybe_request_norm(self, job: _Job) -> None:
         """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
+        if self._pause_reason is not None or self._awaiting_clip is not None:
+            return  # resume() asks again
         if len(self._in_flight) < len(job.owned) or not all(s.reduction.complete for s in self._in_flight.values()):
             return
         step = next(iter(self._in_flight.values())).step
@@ -374,6 +410,7 @@ class NodeDaemon:
             "missing": missing,
             "awaiting_clip": self._awaiting_clip,
             "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),
+            "paused": self._pause_reason,
         }
         self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
 
@@ -384,3 +421,82 @@ class NodeDaemon:
             return
         payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
         self._send(message.peer, tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step), payload)
+
+    # ---------------------------------------------------------------- operator controls (daemon thread only)
+
+    def pause(self, reason: str) -> int:
+        """Stop applying updates (gradients still arrive and are summed); tells every worker why."""
+        self._pause_reason = reason or "paused by the operator"
+        log.warning("updates paused: %s", self._pause_reason)
+        self._notify_workers({"paused": True, "reason": self._pause_reason})
+        return self.step
+
+    def resume(self) -> int:
+        """Apply what was held and go on; returns how many buckets were updated now."""
+        if self._pause_reason is None:
+            return 0
+        self._pause_reason = None
+        log.warning("updates resumed")
+        self._notify_workers({"paused": False, "reason": ""})
+        job = self._job
+        held, self._held = self._held, []
+        if job is None:
+            return 0
+        if job.spec.max_grad_norm is not None:
+            self._maybe_request_norm(job)
+            return 0
+        for bucket_id in held:
+            state = self._store.get(bucket_id)
+            assert state is not None
+            self._apply(job, state, self._in_flight[bucket_id], clip=None)
+        return len(held)
+
+    def _notify_workers(self, meta: dict) -> None:
+        for peer in self._peers.values():
+            self._send(peer, Header(msg_type=MsgType.NOTICE, step=self.step, meta=meta))
+
+    @property
+    def paused(self) -> str | None:
+        return self._pause_reason
+
+    @property
+    def overrides(self) -> HyperOverrides:
+        return self._overrides
+
+    def set_overrides(self, overrides: HyperOverrides) -> None:
+        """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid."""
+        overrides.validate()
+        self._overrides = overrides
+        log.warning("hyperparameter overrides now %s", overrides)
+
+    def last_applied(self) -> dict[int, AdamWHyper]:
+        return dict(self._last_applied)
+
+    def workers(self) -> dict[int, float]:
+        """Rank -> when it was last heard from (unix time)."""
+        return dict(sorted(self._last_seen.items()))
+
+    def status(self) -> dict:
+        """A snapshot of the node for the admin service."""
+        states = list(self._store)
+        owned = sum(b.numel for b in self._job.owned.values()) if self._job else 0
+        return {
+            "node_id": self.node_id,
+            "data_address": self.address,
+            "uptime_s": time.time() - self.started_at,
+            "registered": self._job is not None,
+            "step": self.step,
+            "world_size": self._job.spec.world_size if self._job else 0,
+            "buckets_owned": len(self._job.owned) if self._job else 0,
+            "bytes_owned": 16 * owned,
+            "bytes_in_ram": sum(state.state_bytes for state in states),
+            "bytes_on_disk": 0,
+            "workers": self.workers(),
+            "last_step": self.clock.last,
+            "paused": self._pause_reason,
+        }
+
+    def request_stop(self) -> None:
+        """Stop the serve loop after the current message."""
+        if self._stop is not None:
+            self._stop.set()

@@ -53,6 +53,7 @@ class MsgType(enum.IntEnum):
     STATUS = 11
     ERROR = 12  # either way: a request was rejected, with an ErrorCode and a message
     ECHO = 13  # transport benchmark and liveness: the payload comes straight back
+    NOTICE = 14  # node -> workers: an operator paused or resumed updates (meta: paused, reason)
 
 
 class ErrorCode(enum.IntEnum):

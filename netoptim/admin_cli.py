@@ -1,0 +1,142 @@
+"""``netoptim admin``: a command-line client of a node's gRPC admin service."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+TOKEN_ENV = "NETOPTIM_ADMIN_TOKEN"
+"""Environment variable holding the admin token, for the node and for this client."""
+
+_HYPER_FLAGS = (
+    ("lr", "replace the learning rate the workers send"),
+    ("lr_scale", "multiply the learning rate"),
+    ("beta1", "AdamW beta1"),
+    ("beta2", "AdamW beta2"),
+    ("eps", "AdamW eps"),
+    ("weight_decay", "decoupled weight decay"),
+)
+
+
+def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
+    admin = subparsers.add_parser(
+        "admin",
+        help="call a node's gRPC admin service",
+        description="Call the admin service of a running node (netoptim node --admin HOST:PORT). Exit status 0 on success, 1 when the call fails.",
+    )
+    admin.add_argument("--target", required=True, metavar="HOST:PORT", help='the node\'s admin address (the "admin" field of its ready file)')
+    admin.add_argument("--token", default=None, help=f"bearer token if the node requires one (default: ${TOKEN_ENV})")
+    admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
+    admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
+    calls = admin.add_subparsers(dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,shutdown,watch,health}")
+    calls.add_parser("status", help="what the node is doing")
+    calls.add_parser("workers", help="the worker ranks the node has heard from")
+    calls.add_parser("get-hparams", help="overrides in force and the hyperparameters of the last update")
+    setter = calls.add_parser("set-hparams", help="override hyperparameters from the next update on")
+    for name, text in _HYPER_FLAGS:
+        setter.add_argument(f"--{name.replace('_', '-')}", dest=name, type=float, default=None, help=text)
+    setter.add_argument("--clear", action="store_true", help="drop every override first")
+    pause = calls.add_parser("pause", help="stop applying updates; workers are told why")
+    pause.add_argument("--reason", default="", help="shown to the waiting workers and in status")
+    calls.add_parser("resume", help="apply held updates and go on")
+    calls.add_parser("shutdown", help="stop the node")
+    watch = calls.add_parser("watch", help="print one line per completed step")
+    watch.add_argument("--count", type=int, default=0, help="stop after this many steps (default: until interrupted)")
+    calls.add_parser("health", help="the standard gRPC health check")
+
+
+def _print(args: argparse.Namespace, response: Any, render: Callable[[dict], str]) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    as_dict = MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    print(json.dumps(as_dict) if args.json else render(as_dict), flush=True)
+
+
+def _render_status(status: dict) -> str:
+    last = status["last_step"]
+    lines = [
+        f"node {status['node_id']} (netoptim {status['version']}), up {float(status['uptime_seconds']):.0f} s, data plane {status['data_address']}",
+        f"step {status['step']}" + (f", PAUSED: {status['pause_reason']}" if status["paused"] else ""),
+        f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM)",
+        f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f})",
+    ]
+    lines += [_render_worker(w) for w in status["workers"]]
+    return "\n".join(lines)
+
+
+def _render_worker(worker: dict) -> str:
+    seen = datetime.datetime.fromtimestamp(float(worker["last_seen_unix"]), tz=datetime.timezone.utc)
+    return f"  rank {worker['rank']}: last seen {seen:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def _render_hparams(response: dict) -> str:
+    overrides = response.get("overrides", {})
+    lines = ["overrides: " + (", ".join(f"{k}={v}" for k, v in overrides.items()) or "none")]
+    lines += [
+        f"group {g['group']}: lr={g['lr']} betas=({g['beta1']}, {g['beta2']}) eps={g['eps']} weight_decay={g['weight_decay']}"
+        for g in response.get("last_applied", [])
+    ]
+    return "\n".join(lines)
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos import admin_pb2, admin_pb2_grpc
+
+    token = args.token or os.environ.get(TOKEN_ENV)
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with grpc.insecure_channel(args.target) as channel:
+        stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
+        call = {"metadata": metadata, "timeout": args.timeout}
+        try:
+            if args.call == "status":
+                _print(args, stub.GetStatus(admin_pb2.GetStatusRequest(), **call), _render_status)
+            elif args.call == "workers":
+                _print(
+                    args,
+                    stub.ListWorkers(admin_pb2.ListWorkersRequest(), **call),
+                    lambda r: "\n".join([f"world size {r['world_size']}"] + [_render_worker(w) for w in r["workers"]]),
+                )
+            elif args.call == "get-hparams":
+                _print(args, stub.GetHyperparameters(admin_pb2.GetHyperparametersRequest(), **call), _render_hparams)
+            elif args.call == "set-hparams":
+                values = {name: getattr(args, name) for name, _ in _HYPER_FLAGS if getattr(args, name) is not None}
+                request = admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(**values), clear=args.clear)
+                _print(args, stub.SetHyperparameters(request, **call), _render_hparams)
+            elif args.call == "pause":
+                _print(args, stub.Pause(admin_pb2.PauseRequest(reason=args.reason), **call), lambda r: f"paused at step {r['step']}")
+            elif args.call == "resume":
+                _print(
+                    args,
+                    stub.Resume(admin_pb2.ResumeRequest(), **call),
+                    lambda r: f"resumed at step {r['step']}; {r['buckets_applied']} held bucket updates applied",
+                )
+            elif args.call == "shutdown":
+                _print(args, stub.Shutdown(admin_pb2.ShutdownRequest(), **call), lambda r: "the node is stopping")
+            elif args.call == "watch":
+                stream = stub.WatchSteps(admin_pb2.WatchStepsRequest(), metadata=metadata)
+                for count, event in enumerate(stream, start=1):
+                    _print(
+                        args,
+                        event,
+                        lambda e: f"step {e['step']}: {1e3 * e['timings']['wall_seconds']:.1f} ms (update {1e3 * e['timings']['update_seconds']:.1f})",
+                    )
+                    if args.count and count >= args.count:
+                        stream.cancel()
+                        break
+            elif args.call == "health":
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+                _print(args, reply, lambda r: r["status"])
+            else:
+                raise AssertionError(args.call)
+        except grpc.RpcError as exc:
+            print(f"netoptim admin {args.call}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,206 @@
+"""The node's admin plane: the ``OptimizerNodeAdmin`` gRPC service, the standard health service and
+server reflection, optionally behind a bearer token.
+
+RPC handlers run on gRPC's threads and never touch daemon state: each submits a function to the
+daemon's :class:`~optimizer_node.control.CommandQueue`, which the daemon thread runs between two
+messages.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from optimizer_node.adamw import HyperOverrides
+from optimizer_node.control import StepTimings
+from optimizer_node.daemon import NodeDaemon
+from protos import admin_pb2, admin_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["OptimizerNodeAdmin"].full_name
+_OVERRIDE_FIELDS = ("lr", "lr_scale", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("netoptim")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(kw_only=True, slots=True)
+class AdminConfig:
+    """Settings of a node's admin service."""
+
+    address: str = "127.0.0.1:0"
+    """HOST:PORT to serve on; port 0 lets the OS choose. Loopback unless told otherwise."""
+
+    token: str | None = None
+    """When set, every call but health checks needs the metadata ``authorization: Bearer TOKEN``."""
+
+    call_timeout_s: float = 10.0
+    """How long a call waits for the daemon thread before answering UNAVAILABLE."""
+
+
+def _timings(timings: StepTimings) -> admin_pb2.StepTimings:
+    return admin_pb2.StepTimings(wall_seconds=timings.wall_s, reduce_seconds=timings.reduce_s, update_seconds=timings.update_s, send_seconds=timings.send_s)
+
+
+def _overrides_message(overrides: HyperOverrides) -> admin_pb2.Hyperparameters:
+    return admin_pb2.Hyperparameters(**{name: getattr(overrides, name) for name in _OVERRIDE_FIELDS if getattr(overrides, name) is not None})
+
+
+def _workers(last_seen: dict[int, float]) -> list[admin_pb2.WorkerInfo]:
+    return [admin_pb2.WorkerInfo(rank=rank, last_seen_unix=seen) for rank, seen in last_seen.items()]
+
+
+class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
+    """Translates RPCs into calls on the daemon thread."""
+
+    def __init__(self, daemon: NodeDaemon, config: AdminConfig) -> None:
+        self._daemon = daemon
+        self._config = config
+
+    def _call(self, context: grpc.ServicerContext, function: Callable[[], T]) -> T:
+        try:
+            return self._daemon.commands.call(function, self._config.call_timeout_s)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the node did not answer within {self._config.call_timeout_s:.0f} s (stopping, or busy in a long update)"
+            )
+        raise AssertionError("unreachable: abort raises")
+
+    def GetStatus(self, request: admin_pb2.GetStatusRequest, context: grpc.ServicerContext) -> admin_pb2.GetStatusResponse:
+        status = self._call(context, self._daemon.status)
+        return admin_pb2.GetStatusResponse(
+            node_id=status["node_id"],
+            version=_version(),
+            uptime_seconds=status["uptime_s"],
+            registered=status["registered"],
+            step=status["step"],
+            buckets_owned=status["buckets_owned"],
+            bytes_owned=status["bytes_owned"],
+            bytes_in_ram=status["bytes_in_ram"],
+            bytes_on_disk=status["bytes_on_disk"],
+            world_size=status["world_size"],
+            workers=_workers(status["workers"]),
+            last_step=_timings(status["last_step"]),
+            paused=status["paused"] is not None,
+            pause_reason=status["paused"] or "",
+            data_address=status["data_address"],
+        )
+
+    def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:
+        status = self._call(context, self._daemon.status)
+        return admin_pb2.ListWorkersResponse(world_size=status["world_size"], workers=_workers(status["workers"]))
+
+    def GetHyperparameters(self, request: admin_pb2.GetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.GetHyperparametersResponse:
+        overrides, applied = self._call(context, lambda: (self._daemon.overrides, self._daemon.last_applied()))
+        return admin_pb2.GetHyperparametersResponse(
+            overrides=_overrides_message(overrides),
+            last_applied=[
+                admin_pb2.AppliedHyperparameters(group=group, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay)
+                for group, h in sorted(applied.items())
+            ],
+        )
+
+    def SetHyperparameters(self, request: admin_pb2.SetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.SetHyperparametersResponse:
+        def change() -> HyperOverrides:
+            base = HyperOverrides() if request.clear else self._daemon.overrides
+            values = {name: getattr(base, name) for name in _OVERRIDE_FIELDS}
+            for name in _OVERRIDE_FIELDS:
+                if request.overrides.HasField(name):
+                    values[name] = getattr(request.overrides, name)
+            self._daemon.set_overrides(HyperOverrides(**values))
+            return self._daemon.overrides
+
+        return admin_pb2.SetHyperparametersResponse(overrides=_overrides_message(self._call(context, change)))
+
+    def Pause(self, request: admin_pb2.PauseRequest, context: grpc.ServicerContext) -> admin_pb2.PauseResponse:
+        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.pause(request.reason)))
+
+    def Resume(self, request: admin_pb2.ResumeRequest, context: grpc.ServicerContext) -> admin_pb2.ResumeResponse:
+        applied, step = self._call(context, lambda: (self._daemon.resume(), self._daemon.step))
+        return admin_pb2.ResumeResponse(step=step, buckets_applied=applied)
+
+    def Shutdown(self, request: admin_pb2.ShutdownRequest, context: grpc.ServicerContext) -> admin_pb2.ShutdownResponse:
+        log.warning("shutdown requested through the admin service")
+        self._call(context, self._daemon.request_stop)
+        return admin_pb2.ShutdownResponse()
+
+    def WatchSteps(self, request: admin_pb2.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[admin_pb2.StepEvent]:
+        events = self._daemon.clock.subscribe()
+        context.add_callback(lambda: events.put(None))  # a cancelled call unblocks the loop
+        try:
+            while (event := events.get()) is not None:
+                yield admin_pb2.StepEvent(step=event.step, unix_time=event.unix_time, timings=_timings(event.timings))
+        finally:
+            self._daemon.clock.unsubscribe(events)
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer TOKEN`` (compared in constant time); health
+    checks stay open so load balancers and orchestrators can probe the node."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        presented = dict(handler_call_details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(str(presented).encode(), self._expected):
+            return handler
+
+        def deny(request, context):  # type: ignore[no-untyped-def]
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token: pass it as 'authorization: Bearer TOKEN'")
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class AdminServer:
+    """The running admin service of one daemon. ``address`` is the bound HOST:PORT."""
+
+    def __init__(self, daemon: NodeDaemon, config: AdminConfig) -> None:
+        interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="admin"), interceptors=interceptors)
+        admin_pb2_grpc.add_OptimizerNodeAdminServicer_to_server(AdminServicer(daemon, config), self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        host, _, _port = config.address.rpartition(":")
+        port = self._server.add_insecure_port(config.address)
+        if port == 0:
+            raise OSError(f"cannot bind the admin service to {config.address}")
+        self.address = f"{host}:{port}"
+        self._daemon = daemon
+        self._token_required = bool(config.token)
+
+    def start(self) -> AdminServer:
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._daemon.admin_address = self.address
+        log.info("admin service on %s (%s)", self.address, "token required" if self._token_required else "no token: bind it to a trusted interface only")
+        return self
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._health.enter_graceful_shutdown()
+        self._daemon.clock.close()
+        self._server.stop(grace_s).wait(grace_s + 1)

@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepTimings(_message.Message):
+    __slots__ = ("wall_seconds", "reduce_seconds", "update_seconds", "send_seconds")
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    wall_seconds: float
+    reduce_seconds: float
+    update_seconds: float
+    send_seconds: float
+    def __init__(self, wall_seconds: _Optional[float] = ..., reduce_seconds: _Optional[float] = ..., update_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("rank", "last_seen_unix")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    last_seen_unix: float
+    def __init__(self, rank: _Optional[int] = ..., last_seen_unix: _Optional[float] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_OWNED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OWNED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_RAM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: str
+    uptime_seconds: float
+    registered: bool
+    step: int
+    buckets_owned: int
+    bytes_owned: int
+    bytes_in_ram: int
+    bytes_on_disk: int
+    world_size: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    last_step: StepTimings
+    paused: bool
+    pause_reason: str
+    data_address: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("world_size", "workers")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class Hyperparameters(_message.Message):
+    __slots__ = ("lr", "lr_scale", "beta1", "beta2", "eps", "weight_decay")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    lr_scale: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    def __init__(self, lr: _Optional[float] = ..., lr_scale: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class GetHyperparametersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetHyperparametersResponse(_message.Message):
+    __slots__ = ("overrides", "last_applied")
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    overrides: Hyperparameters
+    last_applied: _containers.RepeatedCompositeFieldContainer[AppliedHyperparameters]
+    def __init__(self, overrides: _Optional[_Union[Hyperparameters, _Mapping]] = ..., last_applied: _Optional[_Iterable[_Union[AppliedHyperparameters, _Mapping]]] = ...) -> None: ...
+
+class AppliedHyperparameters(_message.Message):
+    __slots__ = ("group", "lr", "beta1", "beta2", "eps", "weight_decay")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    def __init__(self, group: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class SetHyperparametersRequest(_message.Message):
+    __slots__ = ("overrides", "clear")
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    overrides: Hyperparameters
+    clear: bool
+    def __init__(self, overrides: _Optional[_Union[Hyperparameters, _Mapping]] = ..., clear: _Optional[bool] = ...) -> None: ...
+
+class SetHyperparametersResponse(_message.Message):
+    __slots__ = ("overrides",)
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    overrides: Hyperparameters
+    def __init__(self, overrides: _Optional[_Union[Hyperparameters, _Mapping]] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("step", "buckets_applied")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    buckets_applied: int
+    def __init__(self, step: _Optional[int] = ..., buckets_applied: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStepsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepEvent(_message.Message):
+    __slots__ = ("step", "unix_time", "timings")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    unix_time: float
+    timings: StepTimings
+    def __init__(self, step: _Optional[int] = ..., unix_time: _Optional[float] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...

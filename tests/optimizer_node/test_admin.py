@@ -1,0 +1,152 @@
+"""The admin plane through a real gRPC channel to a real node process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from gpu_worker import RemoteAdamW
+from protos import admin_pb2, admin_pb2_grpc
+
+TOKEN = "s3cret-token"
+AUTH = [("authorization", f"Bearer {TOKEN}")]
+
+
+@pytest.fixture
+def admin_node(start_node):
+    node = start_node(extra_args=("--admin", "127.0.0.1:0", "--admin-token", TOKEN))
+    channel = grpc.insecure_channel(node.admin_address)
+    yield node, admin_pb2_grpc.OptimizerNodeAdminStub(channel), channel
+    channel.close()
+
+
+def make_optimizer(node, model: torch.nn.Module, **options) -> RemoteAdamW:
+    return RemoteAdamW(model.parameters(), lr=0.1, nodes=[node.address], rank=0, world_size=1, **options)
+
+
+def one_step(model: torch.nn.Module, opt: RemoteAdamW) -> None:
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_health_and_reflection(admin_node):
+    node, _, channel = admin_node
+    assert node.admin_address.startswith("127.0.0.1:")
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)  # no token needed
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=AUTH, timeout=10)
+    services = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"netoptim.admin.v1.OptimizerNodeAdmin", "grpc.health.v1.Health"} <= services
+
+
+@pytest.mark.parametrize("metadata", [[], [("authorization", "Bearer wrong")], [("authorization", TOKEN)]], ids=["none", "wrong", "no-bearer"])
+def test_calls_without_the_right_token_are_unauthenticated(admin_node, metadata):
+    _, stub, _ = admin_node
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=metadata, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        next(iter(stub.WatchSteps(admin_pb2.WatchStepsRequest(), metadata=metadata, timeout=10)))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_status_workers_and_step_stream(admin_node):
+    node, stub, _ = admin_node
+    status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
+    assert not status.registered and status.step == 0 and status.data_address == node.address
+    events: list[admin_pb2.StepEvent] = []
+    stream = stub.WatchSteps(admin_pb2.WatchStepsRequest(), metadata=AUTH)
+    reader = threading.Thread(target=lambda: events.extend(e for _, e in zip(range(3), stream, strict=False)))
+    reader.start()
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(node, model)
+    for _ in range(3):
+        one_step(model, opt)
+    reader.join(30)
+    stream.cancel()
+    assert [e.step for e in events] == [1, 2, 3] and all(e.timings.wall_seconds > 0 for e in events)
+    status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
+    assert status.registered and status.step == 3 and status.world_size == 1 and status.buckets_owned == 1
+    assert status.bytes_owned == 16 * 15 and status.last_step.update_seconds > 0
+    workers = stub.ListWorkers(admin_pb2.ListWorkersRequest(), metadata=AUTH, timeout=10)
+    assert [w.rank for w in workers.workers] == [0] and workers.workers[0].last_seen_unix > 0
+    opt.close()
+
+
+def test_hyperparameters_override_and_validation(admin_node):
+    node, stub, _ = admin_node
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(node, model, weight_decay=0.5)
+    one_step(model, opt)
+    applied = stub.GetHyperparameters(admin_pb2.GetHyperparametersRequest(), metadata=AUTH, timeout=10).last_applied
+    assert [(g.group, g.lr, g.weight_decay) for g in applied] == [(0, pytest.approx(0.1), pytest.approx(0.5))]
+    for bad, word in [(admin_pb2.Hyperparameters(lr=-1.0), "learning rate"), (admin_pb2.Hyperparameters(beta1=1.0), "beta1"), (admin_pb2.Hyperparameters(lr_scale=-2), "lr_scale")]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=bad), metadata=AUTH, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in info.value.details()
+    # lr = 0 from the next step: AdamW (decoupled decay included) leaves the parameters as they are.
+    reply = stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(lr=0.0)), metadata=AUTH, timeout=10)
+    assert reply.overrides.HasField("lr") and reply.overrides.lr == 0.0 and not reply.overrides.HasField("beta1")
+    before = [p.detach().clone() for p in model.parameters()]
+    one_step(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    cleared = stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(clear=True), metadata=AUTH, timeout=10)
+    assert not cleared.overrides.HasField("lr")
+    one_step(model, opt)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.close()
+
+
+def test_pause_tells_waiting_workers_why_and_resume_applies_the_held_update(admin_node):
+    node, stub, _ = admin_node
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(node, model, timeout_s=2)
+    assert stub.Pause(admin_pb2.PauseRequest(reason="maintenance"), metadata=AUTH, timeout=10).step == 0
+    status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
+    assert status.paused and status.pause_reason == "maintenance"
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    with pytest.raises(TimeoutError, match=r"updates paused by its operator \(maintenance\)"):
+        opt.step()
+    resumed = stub.Resume(admin_pb2.ResumeRequest(), metadata=AUTH, timeout=10)
+    assert resumed.buckets_applied == 1 and resumed.step == 1
+    opt.close()
+
+
+def test_shutdown_stops_the_node(admin_node):
+    node, stub, _ = admin_node
+    stub.Shutdown(admin_pb2.ShutdownRequest(), metadata=AUTH, timeout=10)
+    assert node.process.wait(20) == 0
+
+
+def admin_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "netoptim", "admin", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_admin_command_line(admin_node):
+    node, _, _ = admin_node
+    target = ("--target", node.admin_address, "--token", TOKEN)
+    result = admin_cli(*target, "--json", "status")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["data_address"] == node.address
+    result = admin_cli(*target, "status")
+    assert result.returncode == 0 and "step 0" in result.stdout
+    result = admin_cli(*target, "set-hparams", "--lr-scale", "0.5")
+    assert result.returncode == 0 and "lr_scale=0.5" in result.stdout
+    result = admin_cli(*target, "set-hparams", "--beta2", "1.5")
+    assert result.returncode == 1 and "INVALID_ARGUMENT" in result.stderr and "beta2" in result.stderr
+    result = admin_cli("--target", node.admin_address, "--token", "nope", "status")
+    assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
+    result = admin_cli("--target", node.admin_address, "health")
+    assert result.returncode == 0 and "SERVING" in result.stdout
+    assert admin_cli(*target, "shutdown").returncode == 0
+    assert node.process.wait(20) == 0
