@@ -15,7 +15,16 @@ def test_generated_code_has_not_drifted(tmp_path):
     protoc = pytest.importorskip("grpc_tools.protoc")
     (tmp_path / "protos").mkdir()
     shutil.copy(ROOT / "protos" / "admin.proto", tmp_path / "protos" / "admin.proto")
-    status = protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", str(tmp_path / "protos" / "admin.proto")])
+    status = protoc.main(
+        [
+            "protoc",
+            f"-I{tmp_path}",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            str(tmp_path / "protos" / "admin.proto"),
+        ]
+    )
     assert status == 0
     for name in GENERATED:
         assert (tmp_path / "protos" / name).read_text() == (ROOT / "protos" / name).read_text(), (

@@ -90,7 +90,11 @@ def test_hyperparameters_override_and_validation(admin_node):
     one_step(model, opt)
     applied = stub.GetHyperparameters(admin_pb2.GetHyperparametersRequest(), metadata=AUTH, timeout=10).last_applied
     assert [(g.group, g.lr, g.weight_decay) for g in applied] == [(0, pytest.approx(0.1), pytest.approx(0.5))]
-    for bad, word in [(admin_pb2.Hyperparameters(lr=-1.0), "learning rate"), (admin_pb2.Hyperparameters(beta1=1.0), "beta1"), (admin_pb2.Hyperparameters(lr_scale=-2), "lr_scale")]:
+    for bad, word in [
+        (admin_pb2.Hyperparameters(lr=-1.0), "learning rate"),
+        (admin_pb2.Hyperparameters(beta1=1.0), "beta1"),
+        (admin_pb2.Hyperparameters(lr_scale=-2), "lr_scale"),
+    ]:
         with pytest.raises(grpc.RpcError) as info:
             stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=bad), metadata=AUTH, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in info.value.details()
