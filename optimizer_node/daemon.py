@@ -23,6 +23,7 @@ from optimizer_node.adamw import AdamWHyper, HyperOverrides, adamw_update, clip_
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.job import JobSpec
+from optimizer_node.operator import OperatorControls
 from optimizer_node.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
@@ -50,7 +51,7 @@ class _Job:
     owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
 
 
-class NodeDaemon:
+class NodeDaemon(OperatorControls):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig, store: BucketStore | None = None) -> None:
@@ -421,82 +422,3 @@ class NodeDaemon:
             return
         payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
         self._send(message.peer, tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step), payload)
-
-    # ---------------------------------------------------------------- operator controls (daemon thread only)
-
-    def pause(self, reason: str) -> int:
-        """Stop applying updates (gradients still arrive and are summed); tells every worker why."""
-        self._pause_reason = reason or "paused by the operator"
-        log.warning("updates paused: %s", self._pause_reason)
-        self._notify_workers({"paused": True, "reason": self._pause_reason})
-        return self.step
-
-    def resume(self) -> int:
-        """Apply what was held and go on; returns how many buckets were updated now."""
-        if self._pause_reason is None:
-            return 0
-        self._pause_reason = None
-        log.warning("updates resumed")
-        self._notify_workers({"paused": False, "reason": ""})
-        job = self._job
-        held, self._held = self._held, []
-        if job is None:
-            return 0
-        if job.spec.max_grad_norm is not None:
-            self._maybe_request_norm(job)
-            return 0
-        for bucket_id in held:
-            state = self._store.get(bucket_id)
-            assert state is not None
-            self._apply(job, state, self._in_flight[bucket_id], clip=None)
-        return len(held)
-
-    def _notify_workers(self, meta: dict) -> None:
-        for peer in self._peers.values():
-            self._send(peer, Header(msg_type=MsgType.NOTICE, step=self.step, meta=meta))
-
-    @property
-    def paused(self) -> str | None:
-        return self._pause_reason
-
-    @property
-    def overrides(self) -> HyperOverrides:
-        return self._overrides
-
-    def set_overrides(self, overrides: HyperOverrides) -> None:
-        """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid."""
-        overrides.validate()
-        self._overrides = overrides
-        log.warning("hyperparameter overrides now %s", overrides)
-
-    def last_applied(self) -> dict[int, AdamWHyper]:
-        return dict(self._last_applied)
-
-    def workers(self) -> dict[int, float]:
-        """Rank -> when it was last heard from (unix time)."""
-        return dict(sorted(self._last_seen.items()))
-
-    def status(self) -> dict:
-        """A snapshot of the node for the admin service."""
-        states = list(self._store)
-        owned = sum(b.numel for b in self._job.owned.values()) if self._job else 0
-        return {
-            "node_id": self.node_id,
-            "data_address": self.address,
-            "uptime_s": time.time() - self.started_at,
-            "registered": self._job is not None,
-            "step": self.step,
-            "world_size": self._job.spec.world_size if self._job else 0,
-            "buckets_owned": len(self._job.owned) if self._job else 0,
-            "bytes_owned": 16 * owned,
-            "bytes_in_ram": sum(state.state_bytes for state in states),
-            "bytes_on_disk": 0,
-            "workers": self.workers(),
-            "last_step": self.clock.last,
-            "paused": self._pause_reason,
-        }
-
-    def request_stop(self) -> None:
-        """Stop the serve loop after the current message."""
-        if self._stop is not None:
-            self._stop.set()
