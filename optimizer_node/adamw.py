@@ -134,6 +134,10 @@ class HyperOverrides:
             self.weight_decay if self.weight_decay is not None else 0.0,
         ).validate()
 
+    def to_dict(self) -> dict[str, float]:
+        """The overrides that are set, by name (for checkpoints)."""
+        return {name: value for name in self.__slots__ if (value := getattr(self, name)) is not None}
+
     def apply(self, sent: AdamWHyper) -> AdamWHyper:
         """The hyperparameters to use for an update whose workers sent ``sent``."""
         lr = sent.lr if self.lr is None else self.lr

@@ -9,6 +9,7 @@ messages.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from optimizer_node.adamw import HyperOverrides
+from optimizer_node.checkpoint import CheckpointError
 from optimizer_node.control import StepTimings
 from optimizer_node.daemon import NodeDaemon
 from protos import admin_pb2, admin_pb2_grpc
@@ -135,6 +137,24 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
     def Resume(self, request: admin_pb2.ResumeRequest, context: grpc.ServicerContext) -> admin_pb2.ResumeResponse:
         applied, step = self._call(context, lambda: (self._daemon.resume(), self._daemon.step))
         return admin_pb2.ResumeResponse(step=step, buckets_applied=applied)
+
+    def _await_checkpoint(self, context: grpc.ServicerContext, start: Callable[[], futures.Future], timeout_s: float) -> dict:
+        pending = self._call(context, start)
+        try:
+            return pending.result(timeout_s or 300.0)
+        except (ValueError, CheckpointError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the step in flight did not finish in time; the checkpoint will still be taken when it does")
+        raise AssertionError("unreachable: abort raises")
+
+    def Checkpoint(self, request: admin_pb2.CheckpointRequest, context: grpc.ServicerContext) -> admin_pb2.CheckpointResponse:
+        manifest = self._await_checkpoint(context, self._daemon.request_checkpoint, request.timeout_seconds)
+        return admin_pb2.CheckpointResponse(step=manifest["step"], path=manifest["path"], manifest_json=json.dumps(manifest))
+
+    def Drain(self, request: admin_pb2.DrainRequest, context: grpc.ServicerContext) -> admin_pb2.DrainResponse:
+        manifest = self._await_checkpoint(context, self._daemon.drain, request.timeout_seconds)
+        return admin_pb2.DrainResponse(step=manifest["step"], path=manifest["path"], manifest_json=json.dumps(manifest))
 
     def Shutdown(self, request: admin_pb2.ShutdownRequest, context: grpc.ServicerContext) -> admin_pb2.ShutdownResponse:
         log.warning("shutdown requested through the admin service")

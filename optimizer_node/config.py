@@ -29,8 +29,23 @@ class NodeConfig:
     send_timeout_s: float = 60.0
     """How long an update waits for the previous step's sends of the same bucket to finish."""
 
-    poll_interval_s: float = 0.1
-    """How often the serve loop wakes up to notice a stop request."""
+    poll_interval_s: float = 0.05
+    """How often the serve loop wakes up to notice a stop request or an admin command."""
+
+    checkpoint_dir: str | None = None
+    """Where checkpoints go (one directory per checkpoint); none are taken without it."""
+
+    checkpoint_every: int = 0
+    """Take a checkpoint every this many steps (0: only on request, on drain and on SIGTERM)."""
+
+    keep: int = 3
+    """How many complete checkpoints to keep; older ones are removed."""
+
+    resume: bool = False
+    """Start from the newest intact checkpoint in checkpoint_dir (a fresh start if there is none)."""
+
+    crash_at: str | None = None
+    """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
 
     def validate(self) -> None:
         if self.max_message_bytes <= 0:
@@ -39,3 +54,7 @@ class NodeConfig:
             raise ValueError("chunk_bytes must be a positive multiple of 8")
         if self.send_timeout_s <= 0 or self.poll_interval_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.checkpoint_every < 0 or self.keep < 1:
+            raise ValueError("checkpoint_every must be >= 0 and keep >= 1")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every and resume need checkpoint_dir")

@@ -22,8 +22,10 @@ import torch
 from optimizer_node.adamw import AdamWHyper, HyperOverrides, adamw_update, clip_coefficient, sum_of_squares
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
+from optimizer_node.faults import CrashPoints
 from optimizer_node.job import JobSpec
 from optimizer_node.operator import OperatorControls
+from optimizer_node.persistence import CheckpointControls
 from optimizer_node.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
@@ -51,7 +53,7 @@ class _Job:
     owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
 
 
-class NodeDaemon(OperatorControls):
+class NodeDaemon(OperatorControls, CheckpointControls):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig, store: BucketStore | None = None) -> None:
@@ -79,6 +81,12 @@ class NodeDaemon(OperatorControls):
         self.clock = StepClock()
         self.admin_address: str | None = None
         self.started_at = time.time()
+        self._crash_points = CrashPoints(config.crash_at)
+        self._checkpoint_waiters: list = []
+        self._drain_step: int | None = None
+        self._last_checkpoint: dict | None = None
+        if config.resume:
+            self._restore()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -113,6 +121,7 @@ class NodeDaemon(OperatorControls):
                     self.handle(message)
         finally:
             self.commands.run_pending()
+            self._checkpoint_on_exit()
             self.clock.close()
             self.close()
         log.info("node %s stopped at step %s", self.node_id, self.step)
@@ -319,12 +328,15 @@ class NodeDaemon(OperatorControls):
             )
         if self._awaiting_clip is not None:
             raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
+        if self._drain_step is not None and header.step >= self._drain_step:
+            raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {self._drain_step} and takes no gradients after it")
         # Everything is validated: from here on the push is accepted.
         self.clock.gradient_arrived()
         self._in_flight[bucket.bucket_id] = in_flight
         started = time.perf_counter()
         in_flight.reduction.add(header.rank, message.tensors)
         self.clock.current.reduce_s += time.perf_counter() - started
+        self._crash_points.passed("push")
         if not in_flight.reduction.complete:
             return
         if job.spec.max_grad_norm is not None:
@@ -360,8 +372,10 @@ class NodeDaemon(OperatorControls):
         if done == len(job.owned):
             self._buckets_done.pop(state.step, None)
             self.clock.step_completed(state.step)
+            self._step_completed(state.step)
         else:
             self._buckets_done[state.step] = done
+            self._crash_points.passed("update")
         log.debug(
             "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
         )

@@ -158,6 +158,38 @@ class ResumeResponse(_message.Message):
     buckets_applied: int
     def __init__(self, step: _Optional[int] = ..., buckets_applied: _Optional[int] = ...) -> None: ...
 
+class CheckpointRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("step", "path", "manifest_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    manifest_json: str
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("step", "path", "manifest_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    manifest_json: str
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
 class ShutdownRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,16 @@ class OptimizerNodeAdminStub:
                 request_serializer=protos_dot_admin__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=protos_dot_admin__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/netoptim.admin.v1.OptimizerNodeAdmin/Checkpoint',
+                request_serializer=protos_dot_admin__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/netoptim.admin.v1.OptimizerNodeAdmin/Drain',
+                request_serializer=protos_dot_admin__pb2.DrainRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.DrainResponse.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/netoptim.admin.v1.OptimizerNodeAdmin/Shutdown',
                 request_serializer=protos_dot_admin__pb2.ShutdownRequest.SerializeToString,
@@ -120,6 +130,20 @@ class OptimizerNodeAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Write a checkpoint now, or at the end of the step in flight; returns its manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Finish the step in flight, checkpoint, and take no gradients of later steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Stop the node (after answering).
         """
@@ -166,6 +190,16 @@ def add_OptimizerNodeAdminServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=protos_dot_admin__pb2.ResumeRequest.FromString,
                     response_serializer=protos_dot_admin__pb2.ResumeResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=protos_dot_admin__pb2.CheckpointRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=protos_dot_admin__pb2.DrainRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.DrainResponse.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -340,6 +374,60 @@ class OptimizerNodeAdmin:
             '/netoptim.admin.v1.OptimizerNodeAdmin/Resume',
             protos_dot_admin__pb2.ResumeRequest.SerializeToString,
             protos_dot_admin__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/netoptim.admin.v1.OptimizerNodeAdmin/Checkpoint',
+            protos_dot_admin__pb2.CheckpointRequest.SerializeToString,
+            protos_dot_admin__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/netoptim.admin.v1.OptimizerNodeAdmin/Drain',
+            protos_dot_admin__pb2.DrainRequest.SerializeToString,
+            protos_dot_admin__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,7 @@ class ErrorCode(enum.IntEnum):
     NOT_REGISTERED = 12  # a request before HELLO, or before rank 0 registered
     BAD_REQUEST = 13  # a well-formed request that makes no sense in the node's state
     INTERNAL = 14
+    DRAINING = 15  # the node finished its last step before a drain and takes no more gradients
 
 
 class WireError(Exception):

@@ -1,0 +1,151 @@
+"""Checkpoints, resume and drain for a node. A mixin of :class:`~optimizer_node.daemon.NodeDaemon`
+(daemon thread only), beside the file format in :mod:`optimizer_node.checkpoint`.
+
+Checkpoints are taken between steps only, when every owned bucket has had the same number of
+updates and no gradient of the next step has been accepted: then the state is exactly "after step
+s", workers that restart resume their data at s, and nothing is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from optimizer_node.adamw import HyperOverrides
+from optimizer_node.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
+from optimizer_node.config import NodeConfig
+from optimizer_node.faults import CrashPoints
+from optimizer_node.job import JobSpec
+
+if TYPE_CHECKING:
+    from optimizer_node.daemon import _BucketStep, _Job
+    from optimizer_node.storage import BucketStore
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointControls:
+    """Checkpoint, resume and drain on the daemon's state."""
+
+    config: NodeConfig
+    node_id: str
+    _job: _Job | None
+    _store: BucketStore
+    _in_flight: dict[int, _BucketStep]
+    _overrides: HyperOverrides
+    _crash_points: CrashPoints
+    _checkpoint_waiters: list[Future]
+    _drain_step: int | None  # set while draining: no gradients for this step or later
+    _last_checkpoint: dict[str, Any] | None
+
+    if TYPE_CHECKING:  # provided by NodeDaemon
+
+        @property
+        def step(self) -> int: ...
+
+    def _between_steps(self) -> bool:
+        steps = {state.step for state in self._store}
+        return self._job is not None and len(steps) <= 1 and not self._in_flight and len(self._store) == len(self._job.owned)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Write a checkpoint now; ``ValueError`` when the node has no checkpoint_dir, no job, or is
+        in the middle of a step; :class:`CheckpointError` when the write fails (state untouched)."""
+        if not self.config.checkpoint_dir:
+            raise ValueError("this node has no checkpoint directory: start it with --checkpoint-dir")
+        if self._job is None:
+            raise ValueError("no job is registered yet: nothing to checkpoint")
+        if not self._between_steps():
+            raise ValueError(f"step {self.step + 1} is in flight: checkpoints are taken between steps")
+        meta = {"node_id": self.node_id, "node_index": self._job.node_index, "job": self._job.spec.to_wire(), "overrides": self._overrides.to_dict()}
+        manifest = write_checkpoint(
+            Path(self.config.checkpoint_dir),
+            step=self.step,
+            states=list(self._store),
+            meta=meta,
+            keep=self.config.keep,
+            after_file=lambda: self._crash_points.passed("checkpoint"),
+        )
+        manifest["path"] = str(step_directory(Path(self.config.checkpoint_dir), self.step))
+        self._last_checkpoint = manifest
+        log.info("checkpoint of step %d written to %s (%d buckets)", self.step, manifest["path"], len(manifest["files"]))
+        return manifest
+
+    def request_checkpoint(self) -> Future:
+        """A checkpoint now if between steps, else at the end of the step in flight."""
+        future: Future = Future()
+        self._checkpoint_waiters.append(future)
+        if self._between_steps():
+            self._settle_waiters()
+        return future
+
+    def drain(self) -> Future:
+        """Finish the step in flight, checkpoint, and accept no gradient of a later step."""
+        if self._drain_step is None:
+            self._drain_step = self.step + (0 if self._between_steps() else 1)
+            log.warning("draining: gradients up to step %d are accepted, none after", self._drain_step)
+        return self.request_checkpoint()
+
+    def _settle_waiters(self) -> None:
+        waiters, self._checkpoint_waiters = self._checkpoint_waiters, []
+        if not waiters:
+            return
+        try:
+            manifest = self.checkpoint()
+        except (CheckpointError, ValueError) as exc:
+            log.error("checkpoint failed: %s", exc)
+            for waiter in waiters:
+                waiter.set_exception(exc)
+            return
+        for waiter in waiters:
+            waiter.set_result(manifest)
+
+    def _step_completed(self, step: int) -> None:
+        """Called by the daemon when every owned bucket reached ``step``."""
+        every = self.config.checkpoint_every
+        if every and step % every == 0 and not self._checkpoint_waiters:
+            try:
+                self.checkpoint()
+            except CheckpointError as exc:  # a full disk must not stop training: say so and go on
+                log.error("periodic checkpoint failed, training goes on: %s", exc)
+        self._settle_waiters()
+
+    def _checkpoint_on_exit(self) -> None:
+        if not self.config.checkpoint_dir or self._job is None:
+            return
+        if not self._between_steps():
+            log.warning("stopping in the middle of step %d: not checkpointed; the newest checkpoint is what a restart resumes from", self.step + 1)
+            return
+        if self._last_checkpoint is not None and self._last_checkpoint["step"] == self.step:
+            return
+        try:
+            self.checkpoint()
+        except CheckpointError as exc:
+            log.error("final checkpoint failed: %s", exc)
+
+    def _restore(self) -> None:
+        """Load the newest intact checkpoint, if any (``--resume``)."""
+        assert self.config.checkpoint_dir
+        checkpoint = read_latest(Path(self.config.checkpoint_dir))
+        if checkpoint is None:
+            log.warning("--resume: no intact checkpoint under %s; starting fresh", self.config.checkpoint_dir)
+            return
+        manifest = checkpoint.manifest
+        spec = JobSpec.from_wire(manifest["job"])
+        node_index = int(manifest["node_index"])
+        owned = {b.bucket_id: b for b in spec.plan() if b.node == node_index}
+        if set(owned) != set(checkpoint.buckets):
+            raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")
+        from optimizer_node.daemon import _Job  # the daemon module imports this one
+
+        self._job = _Job(spec, node_index, owned)
+        for bucket_id, snapshot in sorted(checkpoint.buckets.items()):
+            state = self._store.create(bucket_id, snapshot.param)
+            state.exp_avg.copy_(snapshot.exp_avg)
+            state.exp_avg_sq.copy_(snapshot.exp_avg_sq)
+            state.step_tensor.fill_(snapshot.step_tensor)
+            state.step = snapshot.step
+        self._overrides = HyperOverrides(**manifest.get("overrides", {}))
+        self._last_checkpoint = manifest
+        log.info("resumed from %s: step %d, %d buckets, %d workers", checkpoint.path, checkpoint.step, len(owned), spec.world_size)
