@@ -33,7 +33,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     admin.add_argument("--token", default=None, help=f"bearer token if the node requires one (default: ${TOKEN_ENV})")
     admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
-    calls = admin.add_subparsers(dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,shutdown,watch,health}")
+    calls = admin.add_subparsers(dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,shutdown,watch,health}")
     calls.add_parser("status", help="what the node is doing")
     calls.add_parser("workers", help="the worker ranks the node has heard from")
     calls.add_parser("get-hparams", help="overrides in force and the hyperparameters of the last update")
@@ -44,6 +44,8 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     pause = calls.add_parser("pause", help="stop applying updates; workers are told why")
     pause.add_argument("--reason", default="", help="shown to the waiting workers and in status")
     calls.add_parser("resume", help="apply held updates and go on")
+    calls.add_parser("checkpoint", help="write a checkpoint (now, or at the end of the step in flight) and print its manifest")
+    calls.add_parser("drain", help="finish the step in flight, checkpoint, take no later gradients")
     calls.add_parser("shutdown", help="stop the node")
     watch = calls.add_parser("watch", help="print one line per completed step")
     watch.add_argument("--count", type=int, default=0, help="stop after this many steps (default: until interrupted)")
@@ -118,6 +120,9 @@ def run_admin(args: argparse.Namespace) -> int:
                     stub.Resume(admin_pb2.ResumeRequest(), **call),
                     lambda r: f"resumed at step {r['step']}; {r['buckets_applied']} held bucket updates applied",
                 )
+            elif args.call in ("checkpoint", "drain"):
+                rpc, request = (stub.Checkpoint, admin_pb2.CheckpointRequest()) if args.call == "checkpoint" else (stub.Drain, admin_pb2.DrainRequest())
+                _print(args, rpc(request, metadata=metadata, timeout=max(args.timeout, 300.0)), lambda r: f"checkpoint of step {r['step']} at {r['path']}")
             elif args.call == "shutdown":
                 _print(args, stub.Shutdown(admin_pb2.ShutdownRequest(), **call), lambda r: "the node is stopping")
             elif args.call == "watch":

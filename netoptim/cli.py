@@ -27,6 +27,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def _size(text: str) -> int:
     """Bytes from ``1048576``, ``4MiB``, ``64MB``, ``2GiB``."""
     units = {"": 1, "b": 1, "kb": 10**3, "kib": 1 << 10, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}
@@ -69,6 +79,11 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=_size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
     node.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
+    node.add_argument("--checkpoint-dir", default=None, help="directory for crash-safe checkpoints (one subdirectory per checkpoint); without it none are taken")
+    node.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="checkpoint every N steps; 0: only on request, on drain and on SIGTERM (default: %(default)s)")
+    node.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints to keep; older ones are removed (default: %(default)s)")
+    node.add_argument("--resume", action="store_true", help="start from the newest intact checkpoint in --checkpoint-dir (damaged ones are skipped); workers that reconnect continue from its step")
+    node.add_argument("--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)")
     node.add_argument(
         "--admin",
         metavar="HOST:PORT",
@@ -138,7 +153,16 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
     """The one place where flags become a :class:`NodeConfig`."""
     from optimizer_node import NodeConfig
 
-    config = NodeConfig(listen=args.listen, ready_file=args.ready_file, node_id=args.node_id)
+    config = NodeConfig(
+        listen=args.listen,
+        ready_file=args.ready_file,
+        node_id=args.node_id,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        resume=args.resume,
+        crash_at=args.crash_at,
+    )
     if args.max_message_bytes is not None:
         config.max_message_bytes = args.max_message_bytes
     if args.chunk_bytes is not None:
@@ -163,9 +187,12 @@ def run_node(args: argparse.Namespace) -> int:
 
     from optimizer_node import NodeDaemon
 
+    from optimizer_node.faults import CrashPoints
+
     config = node_config_from_args(args)
     try:
         config.validate()
+        CrashPoints(config.crash_at)  # validates the spelling before anything starts
         admin_config = admin_config_from_args(args)
     except ValueError as exc:
         log.error("invalid node configuration: %s", exc)
