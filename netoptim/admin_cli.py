@@ -33,7 +33,9 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     admin.add_argument("--token", default=None, help=f"bearer token if the node requires one (default: ${TOKEN_ENV})")
     admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
-    calls = admin.add_subparsers(dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,shutdown,watch,health}")
+    calls = admin.add_subparsers(
+        dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,shutdown,watch,health}"
+    )
     calls.add_parser("status", help="what the node is doing")
     calls.add_parser("workers", help="the worker ranks the node has heard from")
     calls.add_parser("get-hparams", help="overrides in force and the hyperparameters of the last update")

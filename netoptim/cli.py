@@ -79,11 +79,24 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=_size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
     node.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
-    node.add_argument("--checkpoint-dir", default=None, help="directory for crash-safe checkpoints (one subdirectory per checkpoint); without it none are taken")
-    node.add_argument("--checkpoint-every", type=_non_negative_int, default=0, help="checkpoint every N steps; 0: only on request, on drain and on SIGTERM (default: %(default)s)")
+    node.add_argument(
+        "--checkpoint-dir", default=None, help="directory for crash-safe checkpoints (one subdirectory per checkpoint); without it none are taken"
+    )
+    node.add_argument(
+        "--checkpoint-every",
+        type=_non_negative_int,
+        default=0,
+        help="checkpoint every N steps; 0: only on request, on drain and on SIGTERM (default: %(default)s)",
+    )
     node.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints to keep; older ones are removed (default: %(default)s)")
-    node.add_argument("--resume", action="store_true", help="start from the newest intact checkpoint in --checkpoint-dir (damaged ones are skipped); workers that reconnect continue from its step")
-    node.add_argument("--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)")
+    node.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest intact checkpoint in --checkpoint-dir (damaged ones are skipped); workers that reconnect continue from its step",
+    )
+    node.add_argument(
+        "--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)"
+    )
     node.add_argument(
         "--admin",
         metavar="HOST:PORT",
@@ -186,7 +199,6 @@ def run_node(args: argparse.Namespace) -> int:
     import torch
 
     from optimizer_node import NodeDaemon
-
     from optimizer_node.faults import CrashPoints
 
     config = node_config_from_args(args)
