@@ -75,6 +75,15 @@ class CheckpointControls:
     def request_checkpoint(self) -> Future:
         """A checkpoint now if between steps, else at the end of the step in flight."""
         future: Future = Future()
+        if not self.config.checkpoint_dir or self._job is None:
+            future.set_exception(
+                ValueError(
+                    "this node has no checkpoint directory: start it with --checkpoint-dir"
+                    if not self.config.checkpoint_dir
+                    else "no job is registered yet: nothing to checkpoint"
+                )
+            )
+            return future
         self._checkpoint_waiters.append(future)
         if self._between_steps():
             self._settle_waiters()

@@ -1,0 +1,134 @@
+"""A node killed at the worst moments, restarted with --resume: training continues and ends bitwise
+where an uninterrupted run ends (nothing lost, nothing applied twice)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import grpc
+import pytest
+import torch
+
+from gpu_worker import RemoteAdamW
+from optimizer_node.faults import EXIT_STATUS
+from protos import admin_pb2, admin_pb2_grpc
+from tests.gpu_worker.harness import run_threads
+
+STEPS = 8
+WORLD = 2
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4))  # 316 params: 3 buckets of 128
+
+
+def train(address: str, steps: int = STEPS, timeout_s: float = 30) -> tuple[list[torch.Tensor] | None, list[BaseException]]:
+    """Worker threads that resume at the nodes' step; returns rank 0's parameters (None if a rank failed)."""
+    models = [make_model() for _ in range(WORLD)]
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=[address], rank=rank, world_size=WORLD, bucket_numel=128, timeout_s=timeout_s)
+            for step in range(opt.remote_step, steps):
+                generator = torch.Generator().manual_seed(step * WORLD + rank)
+                models[rank](torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            results[rank] = [p.detach().clone() for p in models[rank].parameters()]
+            opt.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    run_threads(worker, WORLD)
+    return (results.get(0) if not errors else None), errors
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    from netoptim.launcher import NodeProcess
+
+    with NodeProcess(tmp_path_factory.mktemp("reference")) as node:
+        params, errors = train(node.address)
+    assert not errors
+    return params
+
+
+@pytest.mark.parametrize("crash_at", ["push:20", "update:5", "checkpoint:4"], ids=["during-a-push", "during-an-update", "during-a-checkpoint-write"])
+def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(start_node, tmp_path, uninterrupted, crash_at):
+    checkpoints = str(tmp_path / "checkpoints")
+    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", crash_at))
+    params, errors = train(node.address, timeout_s=3)
+    assert params is None and errors, "the node should have died mid-training"
+    assert node.process.wait(10) == EXIT_STATUS
+    resumed = start_node("resumed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--resume"))
+    assert "resumed from" in resumed.log_text()
+    params, errors = train(resumed.address)
+    assert not errors, errors
+    assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))
+
+
+def test_sigterm_checkpoints_and_a_damaged_newest_checkpoint_is_skipped(start_node, tmp_path, uninterrupted):
+    checkpoints = tmp_path / "checkpoints"
+    node = start_node("first", extra_args=("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2"))
+    train(node.address, steps=5)
+    assert node.stop() == 0
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-0000000002", "step-0000000004", "step-0000000005"]  # SIGTERM wrote step 5
+    damaged = checkpoints / "step-0000000005" / "bucket-000001.bin"
+    damaged.write_bytes(b"\0" * damaged.stat().st_size)
+    resumed = start_node("second", extra_args=("--checkpoint-dir", str(checkpoints), "--resume"))
+    log = resumed.log_text()
+    assert "skipping checkpoint step-0000000005" in log and "does not match its checksum" in log and "step 4" in log
+    params, errors = train(resumed.address)
+    assert not errors and all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))
+
+
+def test_checkpoint_and_drain_through_admin(start_node, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    node = start_node(extra_args=("--checkpoint-dir", str(checkpoints), "--admin", "127.0.0.1:0"))
+    stub = admin_pb2_grpc.OptimizerNodeAdminStub(grpc.insecure_channel(node.admin_address))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Checkpoint(admin_pb2.CheckpointRequest(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no job" in info.value.details()
+    train(node.address, steps=2)
+    reply = stub.Checkpoint(admin_pb2.CheckpointRequest(), timeout=30)
+    manifest = json.loads(reply.manifest_json)
+    assert reply.step == 2 and reply.path.endswith("step-0000000002") and len(manifest["files"]) == 3
+
+    train(node.address, steps=3)
+    drained = stub.Drain(admin_pb2.DrainRequest(), timeout=30)
+    assert drained.step == 3 and (checkpoints / "step-0000000003" / "manifest.json").exists()
+    _, errors = train(node.address, steps=4, timeout_s=5)
+    assert errors and "DRAINING" in str(errors[0])
+    node.process.send_signal(signal.SIGTERM)
+    assert node.process.wait(20) == 0
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 24 KiB filesystem: room for one checkpoint of the test model, not two."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_full_disk_fails_the_checkpoint_not_the_node(start_node, tiny_disk):
+    node = start_node(extra_args=("--checkpoint-dir", str(tiny_disk), "--admin", "127.0.0.1:0"))
+    stub = admin_pb2_grpc.OptimizerNodeAdminStub(grpc.insecure_channel(node.admin_address))
+    train(node.address, steps=2)
+    assert stub.Checkpoint(admin_pb2.CheckpointRequest(), timeout=30).step == 2
+    train(node.address, steps=3)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Checkpoint(admin_pb2.CheckpointRequest(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "No space left on device" in info.value.details()
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["latest", "step-0000000002"]  # no half-written leftovers
+    _, errors = train(node.address, steps=4)  # the node keeps its state and keeps training
+    assert not errors and stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).step == 4
