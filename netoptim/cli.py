@@ -149,16 +149,48 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
 
 
+def _add_export_parser(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser(
+        "export",
+        help="merge the nodes' checkpoints into one model state dict",
+        description="Merge the checkpoints of all of a job's nodes (same step) into one ordinary state dict with the model's parameter names, loadable with model.load_state_dict.",
+    )
+    export.add_argument("--to", required=True, metavar="FILE", help="output file, ending in .safetensors or .pt")
+    export.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="one per node: a checkpoint directory (step-N), or a node's --checkpoint-dir for its newest intact checkpoint",
+    )
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from optimizer_node.checkpoint import CheckpointError, resolve
+    from optimizer_node.export import export
+
+    try:
+        checkpoints = [resolve(Path(path)) for path in args.checkpoints]
+        step, numel = export(checkpoints, Path(args.to))
+    except (CheckpointError, ValueError, OSError) as exc:
+        log.error("export failed: %s", exc)
+        return 1
+    print(f"exported step {step}: {numel:,} parameters from {len(checkpoints)} node checkpoint(s) to {args.to}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,admin}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,admin,export}")
     _add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_bench_parser(subparsers)
     add_admin_parser(subparsers)
+    _add_export_parser(subparsers)
     return parser
 
 
@@ -252,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from netoptim.launcher import run_demo
 
         return run_demo(args)
+    if args.command == "export":
+        return run_export(args)
     if args.command == "admin":
         return run_admin(args)
     if args.command == "bench":

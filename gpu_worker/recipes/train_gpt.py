@@ -68,8 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
     model = GPT(config)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    # Named parameters, so checkpoints export to a state dict with the model's own names.
+    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = RemoteAdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr,

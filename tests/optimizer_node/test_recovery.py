@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 
 import grpc
 import pytest
@@ -132,3 +133,35 @@ def test_a_full_disk_fails_the_checkpoint_not_the_node(start_node, tiny_disk):
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["latest", "step-0000000002"]  # no half-written leftovers
     _, errors = train(node.address, steps=4)  # the node keeps its state and keeps training
     assert not errors and stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).step == 4
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_merges_the_nodes_into_a_loadable_state_dict(start_node, tmp_path, suffix):
+    roots = [tmp_path / f"node{i}" for i in range(2)]
+    nodes = [start_node(f"node{i}", extra_args=("--checkpoint-dir", str(root))) for i, root in enumerate(roots)]
+    model = make_model()
+    named = dict(model.named_parameters())
+    opt = RemoteAdamW(model.named_parameters(), lr=0.05, nodes=[n.address for n in nodes], rank=0, world_size=1, bucket_numel=128)
+    for step in range(3):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    for node in nodes:
+        assert node.stop() == 0  # SIGTERM checkpoints step 3
+    output = tmp_path / f"model{suffix}"
+    result = subprocess.run([sys.executable, "-m", "netoptim", "export", "--to", str(output), *map(str, roots)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"exported step 3: {sum(p.numel() for p in named.values()):,} parameters from 2 node checkpoint(s)" in result.stdout
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(output)
+    else:
+        state = torch.load(output)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4))
+    fresh.load_state_dict(state, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+    # Only one node's checkpoint: a clear error naming what is missing.
+    result = subprocess.run([sys.executable, "-m", "netoptim", "export", "--to", str(output), str(roots[0])], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "checkpoints of node(s) [1] are missing" in result.stderr
