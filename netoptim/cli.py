@@ -98,6 +98,13 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)"
     )
     node.add_argument(
+        "--metrics-port",
+        type=_non_negative_int,
+        default=None,
+        help='serve Prometheus metrics at http://HOST:PORT/metrics (0: the OS picks; the URL goes into the ready file as "metrics")',
+    )
+    node.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (default: %(default)s)")
+    node.add_argument(
         "--admin",
         metavar="HOST:PORT",
         default=None,
@@ -259,6 +266,17 @@ def run_node(args: argparse.Namespace) -> int:
             log.error("cannot start the admin service on %s: %s", admin_config.address, exc)
             daemon.close()
             return 1
+    metrics = None
+    if args.metrics_port is not None:
+        from optimizer_node.metrics import MetricsServer
+
+        try:
+            metrics = MetricsServer(daemon.metrics, args.metrics_host, args.metrics_port).start()
+        except OSError as exc:
+            log.error("cannot serve metrics on %s:%s: %s", args.metrics_host, args.metrics_port, exc)
+            daemon.close()
+            return 1
+        daemon.metrics_address = metrics.address
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -272,6 +290,8 @@ def run_node(args: argparse.Namespace) -> int:
     finally:
         if admin is not None:
             admin.stop()
+        if metrics is not None:
+            metrics.stop()
     return 0
 
 

@@ -46,6 +46,7 @@ class NodeProcess:
         self.process: subprocess.Popen | None = None
         self.address = ""
         self.admin_address = ""
+        self.metrics_url = ""
 
     def start(self, timeout_s: float = 60.0) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
@@ -62,6 +63,7 @@ class NodeProcess:
         ready = json.loads(self.ready_file.read_text())
         self.address = ready["data"]
         self.admin_address = ready.get("admin", "")
+        self.metrics_url = ready.get("metrics", "")
         return self
 
     def log_text(self) -> str:

@@ -24,6 +24,7 @@ from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job import JobSpec
+from optimizer_node.metrics import NodeMetrics
 from optimizer_node.operator import OperatorControls
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.placement import BucketSpec
@@ -80,6 +81,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.clock = StepClock()
         self.admin_address: str | None = None
+        self.metrics_address: str | None = None
+        self.metrics = NodeMetrics(lambda: len(self._peers))
         self.started_at = time.time()
         self._crash_points = CrashPoints(config.crash_at)
         self._checkpoint_waiters: list = []
@@ -99,6 +102,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
             ready = {"data": self.address, "pid": os.getpid(), "node_id": self.node_id}
             if self.admin_address:
                 ready["admin"] = self.admin_address
+            if self.metrics_address:
+                ready["metrics"] = f"http://{self.metrics_address}/metrics"
             json.dump(ready, handle)
         os.replace(tmp, self.config.ready_file)
 
@@ -141,6 +146,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
     def handle(self, message: Message) -> None:
         """Handle one validated message; protocol violations are answered with ERROR."""
         header = message.header
+        self.metrics.received(header.payload_bytes)
         handlers = {
             MsgType.HELLO: self._on_hello,
             MsgType.INIT: self._on_init,
@@ -168,12 +174,14 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         except ConnectionError as exc:
             log.warning("could not reply %s: %s", header.msg_type.name, exc)
             return
+        self.metrics.sent(header.payload_bytes)
         if payload is not None and header.msg_type == MsgType.PARAMS:
             state = self._store.get(header.bucket_id)
             if state is not None:
                 state.pending_sends.append(handle)
 
     def _send_error(self, peer: bytes, code: ErrorCode, text: str, *, bucket_id: int = -1, step: int = -1) -> None:
+        self.metrics.rejected_message()
         self._send(peer, error_header(code, text, bucket_id=bucket_id, step=step))
 
     # ---------------------------------------------------------------- registration
@@ -368,10 +376,12 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         meta = {} if grad_norm is None else {"grad_norm": grad_norm}
         self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
         self.clock.current.send_s += time.perf_counter() - sending
+        self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival)
         done = self._buckets_done.get(state.step, 0) + 1
         if done == len(job.owned):
             self._buckets_done.pop(state.step, None)
             self.clock.step_completed(state.step)
+            self.metrics.step_completed(self.clock.last)
             self._step_completed(state.step)
         else:
             self._buckets_done[state.step] = done

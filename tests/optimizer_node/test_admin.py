@@ -154,3 +154,22 @@ def test_admin_command_line(admin_node):
     assert result.returncode == 0 and "SERVING" in result.stdout
     assert admin_cli(*target, "shutdown").returncode == 0
     assert node.process.wait(20) == 0
+
+
+def test_prometheus_metrics(start_node):
+    import urllib.request
+
+    node = start_node(extra_args=("--metrics-port", "0"))
+    assert node.metrics_url.startswith("http://127.0.0.1:")
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(node, model)
+    for _ in range(2):
+        one_step(model, opt)
+    opt.close()
+    text = urllib.request.urlopen(node.metrics_url, timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["netoptim_steps_total"] == 2 and values["netoptim_workers_connected"] == 1
+    assert values["netoptim_bytes_received_total"] == 4 * 15 * 3  # initial values + two gradients of 15 fp32
+    assert values["netoptim_bytes_sent_total"] == 4 * 15 * 3  # one pull + two updates
+    assert values['netoptim_bucket_update_latency_seconds_bucket{le="+Inf"}'] == 2
+    assert values['netoptim_last_step_seconds{part="update"}'] > 0
