@@ -31,6 +31,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     admin.add_argument("--target", required=True, metavar="HOST:PORT", help='the node\'s admin address (the "admin" field of its ready file)')
     admin.add_argument("--token", default=None, help=f"bearer token if the node requires one (default: ${TOKEN_ENV})")
+    admin.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA certificate (the node's --tls-cert when self-signed)")
     admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
     calls = admin.add_subparsers(
@@ -96,7 +97,12 @@ def run_admin(args: argparse.Namespace) -> int:
 
     token = args.token or os.environ.get(TOKEN_ENV)
     metadata = [("authorization", f"Bearer {token}")] if token else []
-    with grpc.insecure_channel(args.target) as channel:
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as handle:
+            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(root_certificates=handle.read()))
+    else:
+        channel = grpc.insecure_channel(args.target)
+    with channel:
         stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
         call = {"metadata": metadata, "timeout": args.timeout}
         try:

@@ -110,6 +110,8 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help='serve the gRPC admin service here (port 0: the OS picks; the address goes into the ready file as "admin"); bind to 127.0.0.1 unless the network is trusted or a token is set',
     )
+    node.add_argument("--tls-cert", default=None, help="PEM certificate for the admin service; with --tls-key it speaks TLS only")
+    node.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     node.add_argument(
         "--admin-token", default=None, help=f"require 'authorization: Bearer TOKEN' on admin calls (health checks excepted); default: ${TOKEN_ENV} if set"
     )
@@ -231,7 +233,9 @@ def admin_config_from_args(args: argparse.Namespace):  # -> AdminConfig | None
     host, sep, port = args.admin.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--admin {args.admin!r} must be HOST:PORT, like 127.0.0.1:0")
-    return AdminConfig(address=args.admin, token=args.admin_token or os.environ.get(TOKEN_ENV) or None)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return AdminConfig(address=args.admin, token=args.admin_token or os.environ.get(TOKEN_ENV) or None, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -262,7 +266,7 @@ def run_node(args: argparse.Namespace) -> int:
 
         try:
             admin = AdminServer(daemon, admin_config).start()
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             log.error("cannot start the admin service on %s: %s", admin_config.address, exc)
             daemon.close()
             return 1

@@ -51,6 +51,12 @@ class AdminConfig:
     token: str | None = None
     """When set, every call but health checks needs the metadata ``authorization: Bearer TOKEN``."""
 
+    tls_cert: str | None = None
+    """PEM certificate file; with tls_key, the service speaks TLS only."""
+
+    tls_key: str | None = None
+    """PEM private key file of tls_cert."""
+
     call_timeout_s: float = 10.0
     """How long a call waits for the daemon thread before answering UNAVAILABLE."""
 
@@ -205,19 +211,32 @@ class AdminServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         host, _, _port = config.address.rpartition(":")
-        port = self._server.add_insecure_port(config.address)
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("TLS needs both a certificate and its key")
+        if config.tls_cert and config.tls_key:
+            with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            port = self._server.add_secure_port(config.address, credentials)
+        else:
+            port = self._server.add_insecure_port(config.address)
         if port == 0:
             raise OSError(f"cannot bind the admin service to {config.address}")
         self.address = f"{host}:{port}"
         self._daemon = daemon
         self._token_required = bool(config.token)
+        self._tls = bool(config.tls_cert)
 
     def start(self) -> AdminServer:
         self._server.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._daemon.admin_address = self.address
-        log.info("admin service on %s (%s)", self.address, "token required" if self._token_required else "no token: bind it to a trusted interface only")
+        log.info(
+            "admin service on %s (%s, %s)",
+            self.address,
+            "token required" if self._token_required else "no token: bind it to a trusted interface only",
+            "TLS" if self._tls else "plaintext",
+        )
         return self
 
     def stop(self, grace_s: float = 2.0) -> None:

@@ -173,3 +173,40 @@ def test_prometheus_metrics(start_node):
     assert values["netoptim_bytes_sent_total"] == 4 * 15 * 3  # one pull + two updates
     assert values['netoptim_bucket_update_latency_seconds_bucket{le="+Inf"}'] == 2
     assert values['netoptim_last_step_seconds{part="update"}'] > 0
+
+
+def test_tls_admin_service(start_node, tmp_path):
+    key, cert = tmp_path / "node.key", tmp_path / "node.pem"
+    made = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+        timeout=60,
+    )
+    if made.returncode != 0:
+        pytest.skip("openssl could not make a test certificate")
+    node = start_node(extra_args=("--admin", "127.0.0.1:0", "--admin-token", TOKEN, "--tls-cert", str(cert), "--tls-key", str(key)))
+    secure = grpc.secure_channel(node.admin_address, grpc.ssl_channel_credentials(root_certificates=cert.read_bytes()))
+    status = admin_pb2_grpc.OptimizerNodeAdminStub(secure).GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
+    assert status.data_address == node.address
+    with pytest.raises(grpc.RpcError) as info:  # plaintext is refused
+        admin_pb2_grpc.OptimizerNodeAdminStub(grpc.insecure_channel(node.admin_address)).GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    result = admin_cli("--target", node.admin_address, "--token", TOKEN, "--tls-ca", str(cert), "status")
+    assert result.returncode == 0 and "step 0" in result.stdout
