@@ -20,6 +20,7 @@ _HYPER_FLAGS = (
     ("beta2", "AdamW beta2"),
     ("eps", "AdamW eps"),
     ("weight_decay", "decoupled weight decay"),
+    ("max_grad_norm", "global gradient-norm clipping threshold (several nodes: set it on every node; it cannot switch clipping on or off there)"),
 )
 
 

@@ -65,8 +65,11 @@ def _timings(timings: StepTimings) -> admin_pb2.StepTimings:
     return admin_pb2.StepTimings(wall_seconds=timings.wall_s, reduce_seconds=timings.reduce_s, update_seconds=timings.update_s, send_seconds=timings.send_s)
 
 
-def _overrides_message(overrides: HyperOverrides) -> admin_pb2.Hyperparameters:
-    return admin_pb2.Hyperparameters(**{name: getattr(overrides, name) for name in _OVERRIDE_FIELDS if getattr(overrides, name) is not None})
+def _overrides_message(overrides: HyperOverrides, max_grad_norm: float | None) -> admin_pb2.Hyperparameters:
+    values = {name: getattr(overrides, name) for name in _OVERRIDE_FIELDS if getattr(overrides, name) is not None}
+    if max_grad_norm is not None:
+        values["max_grad_norm"] = max_grad_norm
+    return admin_pb2.Hyperparameters(**values)
 
 
 def _workers(last_seen: dict[int, float]) -> list[admin_pb2.WorkerInfo]:
@@ -116,9 +119,9 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         return admin_pb2.ListWorkersResponse(world_size=status["world_size"], workers=_workers(status["workers"]))
 
     def GetHyperparameters(self, request: admin_pb2.GetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.GetHyperparametersResponse:
-        overrides, applied = self._call(context, lambda: (self._daemon.overrides, self._daemon.last_applied()))
+        overrides, clip, applied = self._call(context, lambda: (self._daemon.overrides, self._daemon.clip_override, self._daemon.last_applied()))
         return admin_pb2.GetHyperparametersResponse(
-            overrides=_overrides_message(overrides),
+            overrides=_overrides_message(overrides, clip),
             last_applied=[
                 admin_pb2.AppliedHyperparameters(group=group, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay)
                 for group, h in sorted(applied.items())
@@ -126,16 +129,25 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         )
 
     def SetHyperparameters(self, request: admin_pb2.SetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.SetHyperparametersResponse:
-        def change() -> HyperOverrides:
+        def change() -> tuple[HyperOverrides, float | None]:
             base = HyperOverrides() if request.clear else self._daemon.overrides
             values = {name: getattr(base, name) for name in _OVERRIDE_FIELDS}
             for name in _OVERRIDE_FIELDS:
                 if request.overrides.HasField(name):
                     values[name] = getattr(request.overrides, name)
-            self._daemon.set_overrides(HyperOverrides(**values))
-            return self._daemon.overrides
+            overrides = HyperOverrides(**values)
+            overrides.validate()
+            clip_changes = request.overrides.HasField("max_grad_norm") or request.clear
+            clip = request.overrides.max_grad_norm if request.overrides.HasField("max_grad_norm") else None
+            if clip_changes:
+                self._daemon.check_max_grad_norm(clip)
+            # Both validated: apply both, or neither.
+            self._daemon.set_overrides(overrides)
+            if clip_changes:
+                self._daemon.set_max_grad_norm(clip)
+            return self._daemon.overrides, self._daemon.clip_override
 
-        return admin_pb2.SetHyperparametersResponse(overrides=_overrides_message(self._call(context, change)))
+        return admin_pb2.SetHyperparametersResponse(overrides=_overrides_message(*self._call(context, change)))
 
     def Pause(self, request: admin_pb2.PauseRequest, context: grpc.ServicerContext) -> admin_pb2.PauseResponse:
         return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.pause(request.reason)))

@@ -74,6 +74,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self._awaiting_clip: int | None = None  # step whose norm partial went out
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         self._overrides = HyperOverrides()
+        self._clip_override: float | None = None  # operator's max_grad_norm, in force
+        self._clip_override_next: tuple[float | None] | None = None  # set mid-step, in force from the next step
         self._last_applied: dict[int, AdamWHyper] = {}  # param group -> hyperparameters of its last update
         self._pause_reason: str | None = None  # set while an operator has paused updates
         self._held: list[int] = []  # buckets whose gradients are summed but whose update waits for resume
@@ -347,7 +349,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self._crash_points.passed("push")
         if not in_flight.reduction.complete:
             return
-        if job.spec.max_grad_norm is not None:
+        if self.max_grad_norm is not None:
             self._maybe_request_norm(job)
         elif self._pause_reason is not None:
             self._held.append(bucket.bucket_id)
@@ -415,8 +417,9 @@ class NodeDaemon(OperatorControls, CheckpointControls):
             raise WireError(ErrorCode.BAD_REQUEST, f"no gradient norm expected for step {header.step} from rank {header.rank}")
         if not isinstance(total, float) or not total >= 0.0:
             raise WireError(ErrorCode.BAD_REQUEST, f"sum_of_squares must be a non-negative float, got {total!r}")
-        assert job.spec.max_grad_norm is not None
-        grad_norm, coefficient = clip_coefficient(total, job.spec.max_grad_norm)
+        max_norm = self.max_grad_norm
+        assert max_norm is not None
+        grad_norm, coefficient = clip_coefficient(total, max_norm)
         self._awaiting_clip = None
         for bucket_id in sorted(self._in_flight):
             state = self._store.get(bucket_id)

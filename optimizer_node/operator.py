@@ -7,6 +7,7 @@ through the daemon's command queue.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -42,6 +43,8 @@ class OperatorControls:
     _pause_reason: str | None
     _held: list[int]
     _stop: threading.Event | None
+    _clip_override: float | None
+    _clip_override_next: tuple[float | None] | None
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -50,6 +53,7 @@ class OperatorControls:
         def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep, clip: torch.Tensor | None, grad_norm: float | None = None) -> None: ...
         def _maybe_request_norm(self, job: _Job) -> None: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
+        def _between_steps(self) -> bool: ...
 
     def pause(self, reason: str) -> int:
         """Stop applying updates (gradients still arrive and are summed); tells every worker why."""
@@ -69,7 +73,7 @@ class OperatorControls:
         held, self._held = self._held, []
         if job is None:
             return 0
-        if job.spec.max_grad_norm is not None:
+        if self.max_grad_norm is not None:
             self._maybe_request_norm(job)
             return 0
         for bucket_id in held:
@@ -95,6 +99,45 @@ class OperatorControls:
         overrides.validate()
         self._overrides = overrides
         log.warning("hyperparameter overrides now %s", overrides)
+
+    @property
+    def clip_override(self) -> float | None:
+        """The operator's max_grad_norm (the one in force, or the one waiting for the next step)."""
+        return self._clip_override_next[0] if self._clip_override_next is not None else self._clip_override
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping threshold in force: the operator's override, else the job's."""
+        if self._clip_override is not None:
+            return self._clip_override
+        return self._job.spec.max_grad_norm if self._job is not None else None
+
+    def check_max_grad_norm(self, value: float | None) -> None:
+        """``ValueError`` if ``value`` (``None``: back to the job's) cannot be used."""
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"invalid max_grad_norm {value}: must be a positive number")
+        if self._job is None:
+            raise ValueError("no job is registered yet: max_grad_norm can be set once rank 0 registered")
+        spec = self._job.spec
+        clipping_now = (value if value is not None else spec.max_grad_norm) is not None
+        if spec.num_nodes > 1 and clipping_now != (spec.max_grad_norm is not None):
+            raise ValueError(
+                f"the job was registered {'with' if spec.max_grad_norm else 'without'} clipping over {spec.num_nodes} nodes; switching it on or off on one node would leave the others out: restart the workers with another max_grad_norm"
+            )
+
+    def set_max_grad_norm(self, value: float | None) -> None:
+        """Clip at ``value`` from the next step on (now, if between steps)."""
+        self.check_max_grad_norm(value)
+        if self._between_steps():
+            self._clip_override = value
+        else:
+            self._clip_override_next = (value,)
+        log.warning("max_grad_norm override now %s%s", value, "" if self._between_steps() else " (from the next step)")
+
+    def _activate_pending_clip(self) -> None:
+        if self._clip_override_next is not None:
+            (self._clip_override,) = self._clip_override_next
+            self._clip_override_next = None
 
     def last_applied(self) -> dict[int, AdamWHyper]:
         return dict(self._last_applied)

@@ -39,11 +39,13 @@ class CheckpointControls:
     _checkpoint_waiters: list[Future]
     _drain_step: int | None  # set while draining: no gradients for this step or later
     _last_checkpoint: dict[str, Any] | None
+    _clip_override: float | None
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
         @property
         def step(self) -> int: ...
+        def _activate_pending_clip(self) -> None: ...
 
     def _between_steps(self) -> bool:
         steps = {state.step for state in self._store}
@@ -58,7 +60,13 @@ class CheckpointControls:
             raise ValueError("no job is registered yet: nothing to checkpoint")
         if not self._between_steps():
             raise ValueError(f"step {self.step + 1} is in flight: checkpoints are taken between steps")
-        meta = {"node_id": self.node_id, "node_index": self._job.node_index, "job": self._job.spec.to_wire(), "overrides": self._overrides.to_dict()}
+        meta = {
+            "node_id": self.node_id,
+            "node_index": self._job.node_index,
+            "job": self._job.spec.to_wire(),
+            "overrides": self._overrides.to_dict(),
+            "max_grad_norm_override": self._clip_override,
+        }
         manifest = write_checkpoint(
             Path(self.config.checkpoint_dir),
             step=self.step,
@@ -112,6 +120,7 @@ class CheckpointControls:
 
     def _step_completed(self, step: int) -> None:
         """Called by the daemon when every owned bucket reached ``step``."""
+        self._activate_pending_clip()
         every = self.config.checkpoint_every
         if every and step % every == 0 and not self._checkpoint_waiters:
             try:
@@ -156,5 +165,6 @@ class CheckpointControls:
             state.step_tensor.fill_(snapshot.step_tensor)
             state.step = snapshot.step
         self._overrides = HyperOverrides(**manifest.get("overrides", {}))
+        self._clip_override = manifest.get("max_grad_norm_override")
         self._last_checkpoint = manifest
         log.info("resumed from %s: step %d, %d buckets, %d workers", checkpoint.path, checkpoint.step, len(owned), spec.world_size)

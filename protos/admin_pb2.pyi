@@ -77,20 +77,22 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class Hyperparameters(_message.Message):
-    __slots__ = ("lr", "lr_scale", "beta1", "beta2", "eps", "weight_decay")
+    __slots__ = ("lr", "lr_scale", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
     LR_FIELD_NUMBER: _ClassVar[int]
     LR_SCALE_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
     BETA2_FIELD_NUMBER: _ClassVar[int]
     EPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     lr: float
     lr_scale: float
     beta1: float
     beta2: float
     eps: float
     weight_decay: float
-    def __init__(self, lr: _Optional[float] = ..., lr_scale: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+    max_grad_norm: float
+    def __init__(self, lr: _Optional[float] = ..., lr_scale: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class GetHyperparametersRequest(_message.Message):
     __slots__ = ()

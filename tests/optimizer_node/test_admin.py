@@ -210,3 +210,42 @@ def test_tls_admin_service(start_node, tmp_path):
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     result = admin_cli("--target", node.admin_address, "--token", TOKEN, "--tls-ca", str(cert), "status")
     assert result.returncode == 0 and "step 0" in result.stdout
+
+
+def test_max_grad_norm_override(admin_node):
+    node, stub, _ = admin_node
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(node, model)
+    assert opt.last_grad_norm is None
+    for bad, word in [(-1.0, "positive"), (float("inf"), "positive")]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SetHyperparameters(
+                admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(max_grad_norm=bad, lr=0.5)), metadata=AUTH, timeout=10
+            )
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in info.value.details()
+    overrides = stub.GetHyperparameters(admin_pb2.GetHyperparametersRequest(), metadata=AUTH, timeout=10).overrides
+    assert not overrides.HasField("lr") and not overrides.HasField("max_grad_norm")  # the rejected call changed nothing
+    # A one-node job can switch clipping on: the next step reports the norm and clips to it.
+    reply = stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(max_grad_norm=1e-3)), metadata=AUTH, timeout=10)
+    assert reply.overrides.max_grad_norm == pytest.approx(1e-3)
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1, fused=True)
+    one_step(model, opt)
+    reference(torch.ones(2, 4)).pow(2).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
+    ref_opt.step()
+    assert opt.last_grad_norm == pytest.approx(float(norm), rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    opt.close()
+
+
+def test_clipping_cannot_be_switched_on_one_node_of_several(admin_node, start_node):
+    node, stub, _ = admin_node
+    other = start_node("other")
+    opt = RemoteAdamW(torch.nn.Linear(40, 40).parameters(), nodes=[node.address, other.address], rank=0, world_size=1, bucket_numel=1024)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(max_grad_norm=1.0)), metadata=AUTH, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without clipping over 2 nodes" in info.value.details()
+    opt.close()
