@@ -165,3 +165,12 @@ def test_export_merges_the_nodes_into_a_loadable_state_dict(start_node, tmp_path
     # Only one node's checkpoint: a clear error naming what is missing.
     result = subprocess.run([sys.executable, "-m", "netoptim", "export", "--to", str(output), str(roots[0])], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "checkpoints of node(s) [1] are missing" in result.stderr
+
+
+def test_an_unwritable_checkpoint_directory_does_not_stop_training(start_node, tmp_path):
+    target = "/proc/netoptim-checkpoints"  # not writable, even for root
+    node = start_node(extra_args=("--checkpoint-dir", target, "--checkpoint-every", "1"))
+    params, errors = train(node.address, steps=2)
+    assert not errors and params is not None
+    log = node.log_text()
+    assert "periodic checkpoint failed, training goes on: cannot write checkpoint of step 1 under /proc/netoptim-checkpoints" in log
