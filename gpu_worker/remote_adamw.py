@@ -18,6 +18,7 @@ from gpu_worker.layout import layout_from_groups
 from gpu_worker.session import OffloadSession
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.job import JobSpec
+from transport.security import CurveClientConfig
 from transport.wire import dtype_name
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class RemoteAdamW(torch.optim.Optimizer):
             gradient accumulation over several backward passes must run inside :meth:`no_sync`,
             as with DDP. Pushes happen only from the thread that built the optimizer (autograd's
             CUDA threads fall back to pushing in ``step()``).
+        curve_secret_key, curve_server_key: for nodes that require CURVE (``netoptim node
+            --curve-secret-key``): this worker's ``.key_secret`` file and the node's ``.key`` file.
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -94,6 +97,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         timeout_s: float = 300.0,
         push_during_backward: bool = False,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
         amsgrad: bool = False,
         maximize: bool = False,
     ) -> None:
@@ -117,7 +122,10 @@ class RemoteAdamW(torch.optim.Optimizer):
             params=tuple(specs),
         )
         self._params = tensors
-        self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s)
+        if bool(curve_secret_key) != bool(curve_server_key):
+            raise ValueError("curve_secret_key and curve_server_key go together")
+        curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
+        self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve)
         try:
             self._session.connect()
         except BaseException:

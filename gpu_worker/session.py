@@ -19,6 +19,7 @@ from optimizer_node.job import JobSpec
 from optimizer_node.placement import BucketSpec
 from transport import create_transport
 from transport.interface import ClientEndpoint, Message
+from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,9 @@ class NodeError(RuntimeError):
 class OffloadSession:
     """One worker rank's view of the job's optimizer nodes."""
 
-    def __init__(self, nodes: Sequence[str], job: JobSpec, rank: int, params: Sequence[torch.Tensor], *, timeout_s: float) -> None:
+    def __init__(
+        self, nodes: Sequence[str], job: JobSpec, rank: int, params: Sequence[torch.Tensor], *, timeout_s: float, curve: CurveClientConfig | None = None
+    ) -> None:
         job.validate()
         if len(nodes) != job.num_nodes:
             raise ValueError(f"the job has {job.num_nodes} nodes but {len(nodes)} addresses were given")
@@ -59,7 +62,8 @@ class OffloadSession:
         # Reused send buffers, one per bucket: a buffer is rewritten only after its reply came back,
         # so the zero-copy send that read it has finished. Pinned when gradients come from a GPU.
         self._send_buffers = [torch.empty(b.numel, dtype=self._wire_dtype, pin_memory=pin) for b in self.buckets]
-        self._transport = create_transport(self.nodes[0])
+        self._transport = create_transport(self.nodes[0], curve_client=curve)
+        self._curve = curve
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
         self._pushed: set[int] = set()
         self._closed = False
@@ -78,7 +82,12 @@ class OffloadSession:
             client.send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
         needs_init: list[int] = []
         for index in range(len(self._clients)):
-            reply = self._expect(index, MsgType.HELLO_OK, "registration (rank 0 registers the job; is it running?)")
+            hint = "is the node running and reachable" + (
+                "; is this worker's public key in the node's --curve-allow directory, and curve_server_key the node's key"
+                if self._curve
+                else "; if the node uses CURVE, give this worker its keys"
+            )
+            reply = self._expect(index, MsgType.HELLO_OK, f"registration (rank 0 registers the job; {hint}?)")
             owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
             if reply.header.meta.get("owned") != owned:
                 raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")

@@ -95,6 +95,15 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="start from the newest intact checkpoint in --checkpoint-dir (damaged ones are skipped); workers that reconnect continue from its step",
     )
     node.add_argument(
+        "--curve-secret-key",
+        default=None,
+        metavar="FILE",
+        help="the node's CURVE .key_secret file (netoptim keygen): encrypt the data plane and admit only allowed workers",
+    )
+    node.add_argument(
+        "--curve-allow", default=None, metavar="DIR", help="directory of the .key files of the workers allowed to connect (with --curve-secret-key)"
+    )
+    node.add_argument(
         "--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)"
     )
     node.add_argument(
@@ -158,6 +167,24 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
 
 
+def _add_keygen_parser(subparsers: argparse._SubParsersAction) -> None:
+    keygen = subparsers.add_parser(
+        "keygen",
+        help="make a CURVE key pair for the data plane",
+        description="Write NAME.key (public: give it to peers; a node's allow-list is a directory of workers' .key files) and NAME.key_secret (keep it private) into DIR.",
+    )
+    keygen.add_argument("--dir", required=True, help="where to write the two files")
+    keygen.add_argument("--name", required=True, help="base name of the files, e.g. node0 or worker3")
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from transport.security import generate_keypair
+
+    public, secret = generate_keypair(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
 def _add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     export = subparsers.add_parser(
         "export",
@@ -194,12 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,admin,export}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,admin,export,keygen}")
     _add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_bench_parser(subparsers)
     add_admin_parser(subparsers)
     _add_export_parser(subparsers)
+    _add_keygen_parser(subparsers)
     return parser
 
 
@@ -216,6 +244,8 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         keep=args.keep,
         resume=args.resume,
         crash_at=args.crash_at,
+        curve_secret_key=args.curve_secret_key,
+        curve_allow=args.curve_allow,
     )
     if args.max_message_bytes is not None:
         config.max_message_bytes = args.max_message_bytes
@@ -308,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from netoptim.launcher import run_demo
 
         return run_demo(args)
+    if args.command == "keygen":
+        return run_keygen(args)
     if args.command == "export":
         return run_export(args)
     if args.command == "admin":

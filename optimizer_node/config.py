@@ -44,6 +44,12 @@ class NodeConfig:
     resume: bool = False
     """Start from the newest intact checkpoint in checkpoint_dir (a fresh start if there is none)."""
 
+    curve_secret_key: str | None = None
+    """The node's CURVE ``.key_secret`` file: the data plane is encrypted and only allowed workers connect."""
+
+    curve_allow: str | None = None
+    """Directory of the ``.key`` files of the workers allowed to connect (with curve_secret_key)."""
+
     crash_at: str | None = None
     """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
 
@@ -56,5 +62,7 @@ class NodeConfig:
             raise ValueError("timeouts must be positive")
         if self.checkpoint_every < 0 or self.keep < 1:
             raise ValueError("checkpoint_every must be >= 0 and keep >= 1")
+        if bool(self.curve_secret_key) != bool(self.curve_allow):
+            raise ValueError("curve_secret_key and curve_allow go together")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every and resume need checkpoint_dir")

@@ -32,6 +32,7 @@ from optimizer_node.reduce import OrderedReduction
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
 from transport import create_transport
 from transport.interface import Message
+from transport.security import CurveServerConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
     def __init__(self, config: NodeConfig, store: BucketStore | None = None) -> None:
         config.validate()
         self.config = config
-        self._transport = create_transport(config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes)
+        curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
+        self._transport = create_transport(config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes, curve_server=curve)
         self._endpoint = self._transport.bind(config.listen)
         self.address = self._endpoint.address
         self.node_id = config.node_id or self.address

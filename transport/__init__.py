@@ -22,13 +22,13 @@ def backend_for(url: str) -> str:
     return _SCHEMES[scheme]
 
 
-def create_transport(url: str, **options: int) -> Transport:
+def create_transport(url: str, **options: object) -> Transport:
     """A transport able to bind or connect to ``url``."""
     backend = backend_for(url)
     if backend == "zmq":
         from transport.zmq_backend import ZmqTransport
 
-        return ZmqTransport(**options)
+        return ZmqTransport(**options)  # type: ignore[arg-type]
     raise AssertionError(f"no backend module for {backend}")
 
 

@@ -12,8 +12,10 @@ import time
 from collections.abc import Sequence
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
+from transport.security import CurveClientConfig, CurveServerConfig, secure_client_socket, secure_server_socket
 from transport.wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -94,8 +96,10 @@ def _prepare_bind_url(url: str) -> str:
 class ZmqServer(ServerEndpoint):
     """A ROUTER socket; each worker connection is one peer identity."""
 
-    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int, curve: CurveServerConfig | None = None) -> None:
         self._socket = context.socket(zmq.ROUTER)
+        if curve is not None:
+            secure_server_socket(self._socket, curve)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
         _tune(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -130,8 +134,10 @@ class ZmqServer(ServerEndpoint):
 class ZmqClient(ClientEndpoint):
     """A DEALER socket connected to one node."""
 
-    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int, curve: CurveClientConfig | None = None) -> None:
         self._socket = context.socket(zmq.DEALER)
+        if curve is not None:
+            secure_client_socket(self._socket, curve)
         _tune(self._socket)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.connect(url)
@@ -159,16 +165,35 @@ class ZmqClient(ClientEndpoint):
 class ZmqTransport(Transport):
     """Owns one ZeroMQ context; endpoints it creates must be closed before it."""
 
-    def __init__(self, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES, io_threads: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_threads: int = 1,
+        curve_server: CurveServerConfig | None = None,
+        curve_client: CurveClientConfig | None = None,
+    ) -> None:
+        for config in (curve_server, curve_client):
+            if config is not None:
+                config.validate()
         self._context = zmq.Context(io_threads=io_threads)
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
+        self._curve_server = curve_server
+        self._curve_client = curve_client
+        self._authenticator: ThreadAuthenticator | None = None
 
     def bind(self, url: str) -> ZmqServer:
-        return ZmqServer(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes)
+        if self._curve_server is not None and self._authenticator is None:
+            # ZAP handler: only clients whose public key is in the allow-list complete the handshake.
+            self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("netoptim.curve"))
+            self._authenticator.start()
+            self._authenticator.configure_curve(domain="*", location=self._curve_server.allowed_keys_dir)
+        return ZmqServer(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_server)
 
     def connect(self, url: str) -> ZmqClient:
-        return ZmqClient(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes)
+        return ZmqClient(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_client)
 
     def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
         poller = zmq.Poller()
@@ -179,4 +204,7 @@ class ZmqTransport(Transport):
         return [index for index, client in enumerate(clients) if ready.get(client.socket)]  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         self._context.term()

@@ -1,0 +1,88 @@
+"""CURVE on the data plane: encrypted, and only workers whose keys the node allows can push or pull."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gpu_worker import RemoteAdamW
+
+
+@pytest.fixture
+def keys(tmp_path):
+    for name in ("node", "good", "bad"):
+        result = subprocess.run(
+            [sys.executable, "-m", "netoptim", "keygen", "--dir", str(tmp_path / "keys"), "--name", name], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0 and "secret key:" in result.stdout
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "good.key").write_bytes((tmp_path / "keys" / "good.key").read_bytes())
+    return tmp_path / "keys", allowed
+
+
+def test_only_allowed_workers_get_in(start_node, keys):
+    key_dir, allowed = keys
+    node = start_node(extra_args=("--curve-secret-key", str(key_dir / "node.key_secret"), "--curve-allow", str(allowed)))
+    model = torch.nn.Linear(4, 2)
+    opt = RemoteAdamW(
+        model.parameters(),
+        lr=0.1,
+        nodes=[node.address],
+        rank=0,
+        world_size=1,
+        curve_secret_key=str(key_dir / "good.key_secret"),
+        curve_server_key=str(key_dir / "node.key"),
+    )
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, model.weight) and opt.remote_step == 1
+
+    stranger = torch.nn.Linear(4, 2)
+    stranger_before = stranger.weight.detach().clone()
+    with pytest.raises(TimeoutError, match="curve-allow"):  # a key the node does not allow: no handshake, no data
+        RemoteAdamW(
+            stranger.parameters(),
+            nodes=[node.address],
+            rank=0,
+            world_size=1,
+            timeout_s=2,
+            curve_secret_key=str(key_dir / "bad.key_secret"),
+            curve_server_key=str(key_dir / "node.key"),
+        )
+    with pytest.raises(TimeoutError, match="give this worker its keys"):  # no CURVE at all
+        RemoteAdamW(stranger.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
+    assert torch.equal(stranger.weight, stranger_before)  # it never received anything
+    status = node.log_text()
+    assert "registered job" in status and status.count("registered job") == 1  # the strangers never reached the node
+
+    model(torch.ones(1, 4)).sum().backward()  # the allowed worker is still served
+    opt.step()
+    assert opt.remote_step == 2
+    opt.close()
+
+
+def test_bad_key_files_are_clear_errors(tmp_path, keys):
+    key_dir, _ = keys
+    with pytest.raises(ValueError, match="holds no secret key"):
+        RemoteAdamW(
+            torch.nn.Linear(2, 2).parameters(),
+            nodes=["tcp://127.0.0.1:1"],
+            rank=0,
+            world_size=1,
+            curve_secret_key=str(key_dir / "good.key"),
+            curve_server_key=str(key_dir / "node.key"),
+        )
+    with pytest.raises(ValueError, match="go together"):
+        RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:1"], rank=0, world_size=1, curve_secret_key=str(key_dir / "good.key_secret"))
+    result = subprocess.run(
+        [sys.executable, "-m", "netoptim", "node", "--curve-secret-key", str(key_dir / "node.key_secret"), "--curve-allow", str(tmp_path / "empty")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and "must be a directory holding the workers' .key files" in result.stderr
