@@ -19,11 +19,13 @@ import multiprocessing
 import socket
 import tempfile
 import threading
+from pathlib import Path
 
 import torch
 
 from benchmarks.common import median_seconds
 from netoptim.launcher import NodeProcess
+from transport.security import CurveClientConfig, generate_keypair
 from transport.wire import MsgType, tensor_header
 from transport.zmq_backend import ZmqTransport
 
@@ -74,25 +76,38 @@ def raw_socket_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
         server.join(10)
 
 
-def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
+def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, curve: bool = False) -> float:
     buckets = [torch.ones(bucket_bytes // 4) for _ in range(nbytes // bucket_bytes)]
-    with tempfile.TemporaryDirectory() as workdir, NodeProcess(workdir, log_level="WARNING") as node:
-        transport = ZmqTransport()
-        client = transport.connect(node.address)
-        headers = [tensor_header(MsgType.ECHO, bucket, step=index) for index, bucket in enumerate(buckets)]
+    with tempfile.TemporaryDirectory() as workdir:
+        node_args: tuple[str, ...] = ()
+        client_curve = None
+        if curve:
+            keys, allowed = Path(workdir) / "keys", Path(workdir) / "allowed"
+            generate_keypair(str(keys), "node")
+            generate_keypair(str(allowed), "worker")
+            node_args = ("--curve-secret-key", str(keys / "node.key_secret"), "--curve-allow", str(allowed))
+            client_curve = CurveClientConfig(str(allowed / "worker.key_secret"), str(keys / "node.key"))
+        with NodeProcess(workdir, log_level="WARNING", extra_args=node_args) as node:
+            return _measure_node(node.address, buckets, repeats, client_curve, "netoptim push+pull" + (" (CURVE)" if curve else ""))
 
-        def round_trip() -> None:
-            for header, bucket in zip(headers, buckets, strict=True):
-                client.send(header, bucket)
-            for _ in buckets:
-                message = client.recv(60)
-                assert message is not None and message.header.numel == buckets[0].numel(), "the node did not echo"
 
-        try:
-            return median_seconds(round_trip, repeats, label="netoptim push+pull")
-        finally:
-            client.close()
-            transport.close()
+def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str) -> float:
+    transport = ZmqTransport(curve_client=curve)
+    client = transport.connect(address)
+    headers = [tensor_header(MsgType.ECHO, bucket, step=index) for index, bucket in enumerate(buckets)]
+
+    def round_trip() -> None:
+        for header, bucket in zip(headers, buckets, strict=True):
+            client.send(header, bucket)
+        for _ in buckets:
+            message = client.recv(60)
+            assert message is not None and message.header.numel == buckets[0].numel(), "the node did not echo"
+
+    try:
+        return median_seconds(round_trip, repeats, label=label)
+    finally:
+        client.close()
+        transport.close()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -101,6 +116,14 @@ def run(args: argparse.Namespace) -> dict:
     netoptim_s = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats)
     socket_s = raw_socket_seconds(args.bytes, args.bucket_bytes, args.repeats)
     netoptim_gbs, socket_gbs = 2 * args.bytes / netoptim_s / 1e9, 2 * args.bytes / socket_s / 1e9
+    curve_fields = {}
+    if args.curve:
+        curve_gbs = 2 * args.bytes / netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, curve=True) / 1e9
+        curve_fields = {
+            "netoptim_curve_push_pull_gbs": round(curve_gbs, 2),
+            "curve_ratio": round(curve_gbs / socket_gbs, 3),
+            "curve_cost": round(1 - curve_gbs / netoptim_gbs, 3),
+        }
     return {
         "benchmark": "transport",
         "ratio": round(netoptim_gbs / socket_gbs, 3),
@@ -112,4 +135,5 @@ def run(args: argparse.Namespace) -> dict:
         "plain_socket_gbs": round(socket_gbs, 2),
         "netoptim_ms": round(netoptim_s * 1e3, 2),
         "plain_socket_ms": round(socket_s * 1e3, 2),
+        **curve_fields,
     }

@@ -164,6 +164,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
     transport.add_argument("--bytes", type=_size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
     transport.add_argument("--bucket-bytes", type=_size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")
+    transport.add_argument("--curve", action="store_true", help="also measure with CURVE encryption on (keys made for the run) and report its cost")
     transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
 
 

@@ -21,6 +21,7 @@ def test_optimizer_bench_reports_a_ratio():
 
 
 def test_transport_bench_reports_a_ratio():
-    report = bench("transport", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1")
+    report = bench("transport", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1", "--curve")
     assert report["benchmark"] == "transport" and report["bytes"] == 8 << 20
     assert report["ratio"] > 0 and report["netoptim_push_pull_gbs"] > 0 and report["plain_socket_gbs"] > 0
+    assert report["netoptim_curve_push_pull_gbs"] > 0 and report["curve_ratio"] > 0
