@@ -52,3 +52,20 @@ def test_half_precision_wire_converges_like_fp32(start_node, wire_dtype):
     assert all(p.dtype == torch.float32 for p in bf16)
     assert max_difference(fp32, bf16) <= 2e-2
     assert max_difference(fp32, bf16) > 0.0  # it really went through bf16
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp-curve"])
+def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
+    extra: dict = {}
+    if transport == "ipc":
+        node = start_node(listen=f"ipc://{tmp_path}/node.sock")
+    else:
+        from transport.security import generate_keypair
+
+        node_public, node_secret = generate_keypair(str(tmp_path / "keys"), "node")
+        _, worker_secret = generate_keypair(str(tmp_path / "allowed"), "worker")
+        node = start_node(extra_args=("--curve-secret-key", str(node_secret), "--curve-allow", str(tmp_path / "allowed")))
+        extra = {"curve_secret_key": str(worker_secret), "curve_server_key": str(node_public)}
+    params, _ = run_offloaded(RunConfig(nodes=[node.address], extra=extra))
+    fused_ref, _ = reference_averaged(2, fused=True)
+    assert max_difference(params, fused_ref) == 0.0
