@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def node_update() -> None:
         for index in range(num_buckets):
-            reduction = OrderedReduction(scratch[index], args.workers)
+            reduction = OrderedReduction(sizes[index], args.workers, lambda index=index: scratch[index])
             for rank in reversed(range(args.workers)):  # worst arrival order: all but the last are held
                 reduction.add(rank, [(0, frames[index][rank])])
             adamw_update(params[index], reduction.result, exp_avgs[index], exp_avg_sqs[index], steps[index], hyper, grad_divisor=divisor)

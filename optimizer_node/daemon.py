@@ -331,7 +331,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
             raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
-            in_flight = _BucketStep(header.step, hyper, OrderedReduction(state.grad, job.spec.world_size), time.perf_counter())
+            in_flight = _BucketStep(header.step, hyper, OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer), time.perf_counter())
         elif header.rank in in_flight.reduction.received:
             raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
         elif hyper != in_flight.hyper:
@@ -364,6 +364,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         state.pending_sends.clear()
         started = time.perf_counter()
         grad = in_flight.reduction.result
+        assert grad is not None, "a complete reduction has a result"
         hyper = self._overrides.apply(in_flight.hyper)
         self._last_applied[job.owned[state.bucket_id].group] = hyper
         divisor = None
@@ -406,6 +407,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         partial = 0.0
         for bucket_id in sorted(self._in_flight):
             grad = self._in_flight[bucket_id].reduction.result
+            assert grad is not None
             grad.div_(job.spec.world_size)
             partial += sum_of_squares(grad)
         self._awaiting_clip = step

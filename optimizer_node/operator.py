@@ -158,7 +158,7 @@ class OperatorControls:
             "step": self.step,
             "world_size": self._job.spec.world_size if self._job else 0,
             "buckets_owned": len(self._job.owned) if self._job else 0,
-            "bytes_owned": 16 * owned,
+            "bytes_owned": 12 * owned,
             "bytes_in_ram": sum(state.state_bytes for state in states),
             "bytes_on_disk": 0,
             "workers": self.workers(),

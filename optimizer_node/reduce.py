@@ -7,6 +7,8 @@ zero-copy view of the received frames until the ranks before it are in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 TensorPieces = list[tuple[int, torch.Tensor]]
@@ -14,17 +16,17 @@ TensorPieces = list[tuple[int, torch.Tensor]]
 
 
 class OrderedReduction:
-    """Accumulates ``world_size`` gradients in rank order into :attr:`result`.
+    """Accumulates ``world_size`` gradients of ``numel`` elements in rank order into :attr:`result`.
 
     When rank 0's gradient arrived as one writable fp32 frame, that frame itself becomes the
-    accumulator (saving a copy of the bucket, a quarter of the node's memory traffic with two
-    workers); otherwise ``out`` is.
+    accumulator: no copy of the bucket (a quarter of the node's memory traffic with two workers) and
+    no buffer of its own. Otherwise ``buffer()`` provides the fp32 accumulator.
     """
 
-    def __init__(self, out: torch.Tensor, world_size: int) -> None:
-        assert out.dtype == torch.float32 and out.dim() == 1
-        self.out = out
-        self.result = out
+    def __init__(self, numel: int, world_size: int, buffer: Callable[[], torch.Tensor]) -> None:
+        self.numel = numel
+        self._buffer = buffer
+        self.result: torch.Tensor | None = None
         self.world_size = world_size
         self.received: set[int] = set()
         self._held: dict[int, TensorPieces] = {}
@@ -47,9 +49,12 @@ class OrderedReduction:
             self._next_rank += 1
 
     def _accumulate(self, pieces: TensorPieces, *, first: bool) -> None:
-        if first and len(pieces) == 1 and pieces[0][1].dtype == torch.float32 and pieces[0][1].numel() == self.out.numel():
+        if first and len(pieces) == 1 and pieces[0][1].dtype == torch.float32 and pieces[0][1].numel() == self.numel:
             self.result = pieces[0][1]
             return
+        if self.result is None:
+            self.result = self._buffer()
+            assert self.result.dtype == torch.float32 and self.result.numel() == self.numel
         for offset, view in pieces:
             target = self.result[offset : offset + view.numel()]
             if first:

@@ -24,8 +24,10 @@ class BucketState:
     exp_avg: torch.Tensor  # (numel,) fp32
     exp_avg_sq: torch.Tensor  # (numel,) fp32
     step_tensor: torch.Tensor  # () fp32, as torch's AdamW keeps it
-    grad: torch.Tensor  # (numel,) fp32 reduction buffer, reused every step
     step: int = 0
+    # (numel,) fp32 reduction buffer, made on first need: gradients that arrive as one fp32 frame
+    # are summed in the frame itself and never need it.
+    grad: torch.Tensor | None = None
     # Zero-copy sends still reading ``param`` (or the wire copy); waited for before the next update.
     pending_sends: list[SendHandle] = field(default_factory=list)
     wire_copy: torch.Tensor | None = None  # reused cast buffer when the wire dtype is not fp32
@@ -34,9 +36,15 @@ class BucketState:
     def numel(self) -> int:
         return self.param.numel()
 
+    def reduction_buffer(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = torch.empty(self.numel, dtype=torch.float32)
+        return self.grad
+
     @property
     def state_bytes(self) -> int:
-        return 4 * 4 * self.numel
+        """Bytes held: parameters and both moments, plus the reduction buffer if one was needed."""
+        return 4 * self.numel * (3 if self.grad is None else 4)
 
 
 class BucketStore(ABC):
@@ -74,7 +82,6 @@ class InMemoryStore(BucketStore):
             exp_avg=torch.zeros(numel, dtype=torch.float32),
             exp_avg_sq=torch.zeros(numel, dtype=torch.float32),
             step_tensor=torch.zeros((), dtype=torch.float32),
-            grad=torch.empty(numel, dtype=torch.float32),
         )
         self._buckets[bucket_id] = state
         return state

@@ -77,7 +77,7 @@ def test_status_workers_and_step_stream(admin_node):
     assert [e.step for e in events] == [1, 2, 3] and all(e.timings.wall_seconds > 0 for e in events)
     status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
     assert status.registered and status.step == 3 and status.world_size == 1 and status.buckets_owned == 1
-    assert status.bytes_owned == 16 * 15 and status.last_step.update_seconds > 0
+    assert status.bytes_owned == 12 * 15 and status.last_step.update_seconds > 0
     workers = stub.ListWorkers(admin_pb2.ListWorkersRequest(), metadata=AUTH, timeout=10)
     assert [w.rank for w in workers.workers] == [0] and workers.workers[0].last_seen_unix > 0
     opt.close()

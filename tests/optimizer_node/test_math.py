@@ -61,14 +61,14 @@ def test_reduction_sums_in_rank_order_whatever_the_arrival_order():
     for grad in grads[1:]:
         expected += grad
     for order in ([4, 2, 0, 3, 1], [0, 1, 2, 3, 4], [3, 4, 1, 2, 0]):
-        reduction = OrderedReduction(torch.empty(500), 5)
+        reduction = OrderedReduction(500, 5, lambda: torch.empty(500))
         for rank in order:
             assert not reduction.complete
             reduction.add(rank, [(0, grads[rank][:200]), (200, grads[rank][200:])])
         assert reduction.complete and reduction.missing() == []
         assert torch.equal(reduction.result, expected)
     whole = [g.clone() for g in grads]
-    reduction = OrderedReduction(torch.empty(500), 5)
+    reduction = OrderedReduction(500, 5, lambda: torch.empty(500))
     for rank in (2, 0, 1, 4, 3):
         reduction.add(rank, [(0, whole[rank])])
     assert reduction.result.data_ptr() == whole[0].data_ptr()  # rank 0's frame became the accumulator
@@ -76,7 +76,7 @@ def test_reduction_sums_in_rank_order_whatever_the_arrival_order():
 
 
 def test_reduction_upcasts_bf16():
-    reduction = OrderedReduction(torch.empty(4), 2)
+    reduction = OrderedReduction(4, 2, lambda: torch.empty(4))
     reduction.add(1, [(0, torch.full((4,), 1.5, dtype=torch.bfloat16))])
     assert reduction.missing() == [0]
     reduction.add(0, [(0, torch.full((4,), 0.25, dtype=torch.bfloat16))])
