@@ -183,6 +183,7 @@ class ZmqTransport(Transport):
         self._curve_server = curve_server
         self._curve_client = curve_client
         self._authenticator: ThreadAuthenticator | None = None
+        self._pollers: dict[tuple[zmq.Socket, ...], zmq.Poller] = {}
 
     def bind(self, url: str) -> ZmqServer:
         if self._curve_server is not None and self._authenticator is None:
@@ -196,10 +197,14 @@ class ZmqTransport(Transport):
         return ZmqClient(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_client)
 
     def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
-        poller = zmq.Poller()
-        for client in clients:
-            assert isinstance(client, ZmqClient)
-            poller.register(client.socket, zmq.POLLIN)
+        key = tuple(client.socket for client in clients)  # type: ignore[attr-defined]
+        poller = self._pollers.get(key)
+        if poller is None:  # a worker polls the same connections every step: build the poller once
+            poller = zmq.Poller()
+            for client in clients:
+                assert isinstance(client, ZmqClient)
+                poller.register(client.socket, zmq.POLLIN)
+            self._pollers = {key: poller}
         ready = dict(poller.poll(int(timeout_s * 1000)))
         return [index for index, client in enumerate(clients) if ready.get(client.socket)]  # type: ignore[attr-defined]
 
