@@ -53,6 +53,15 @@ class _Job:
     spec: JobSpec
     node_index: int
     owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
+    segments: dict[int, list[tuple[int, int]]]  # bucket_id -> (offset, numel) per parameter piece, for the update
+    divisor: torch.Tensor  # () fp32 world size: the averaging divisor, made once
+
+    @classmethod
+    def create(cls, spec: JobSpec, node_index: int, plan: list[BucketSpec] | None = None) -> _Job:
+        """This node's share of a job; the per-bucket update arguments are derived once here, not per step."""
+        owned = {b.bucket_id: b for b in (plan if plan is not None else spec.plan()) if b.node == node_index}
+        segments = {b.bucket_id: [(seg.bucket_offset, seg.numel) for seg in b.segments] for b in owned.values()}
+        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.world_size), dtype=torch.float32))
 
 
 class NodeDaemon(OperatorControls, CheckpointControls):
@@ -220,8 +229,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
                 log.info("rank %d said HELLO before rank 0; holding it until rank 0 registers", header.rank)
                 self._deferred_hellos.append(message)
                 return
-            owned = {b.bucket_id: b for b in plan if b.node == node_index}
-            self._job = _Job(spec, node_index, owned)
+            self._job = _Job.create(spec, node_index, plan)
+            owned = self._job.owned
             total = sum(b.numel for b in owned.values())
             log.info(
                 "registered job: %d workers, %d nodes (this is node %d), %d parameters, %d buckets here (%.1f M elements), wire %s, clipping %s",
@@ -369,11 +378,10 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self._last_applied[job.owned[state.bucket_id].group] = hyper
         divisor = None
         if clip is None:
-            divisor = torch.tensor(float(job.spec.world_size), dtype=torch.float32)
+            divisor = job.divisor
         else:
             grad.mul_(clip)  # already divided by world_size for the norm
-        segments = [(seg.bucket_offset, seg.numel) for seg in job.owned[state.bucket_id].segments]
-        adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, hyper, segments=segments, grad_divisor=divisor)
+        adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, hyper, segments=job.segments[state.bucket_id], grad_divisor=divisor)
         state.step += 1
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()

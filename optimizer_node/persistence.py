@@ -152,12 +152,13 @@ class CheckpointControls:
         manifest = checkpoint.manifest
         spec = JobSpec.from_wire(manifest["job"])
         node_index = int(manifest["node_index"])
-        owned = {b.bucket_id: b for b in spec.plan() if b.node == node_index}
-        if set(owned) != set(checkpoint.buckets):
-            raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")
         from optimizer_node.daemon import _Job  # the daemon module imports this one
 
-        self._job = _Job(spec, node_index, owned)
+        job = _Job.create(spec, node_index)
+        owned = job.owned
+        if set(owned) != set(checkpoint.buckets):
+            raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")
+        self._job = job
         for bucket_id, snapshot in sorted(checkpoint.buckets.items()):
             state = self._store.create(bucket_id, snapshot.param)
             state.exp_avg.copy_(snapshot.exp_avg)
