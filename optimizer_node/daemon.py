@@ -2,14 +2,19 @@
 bucket store together.
 
 One thread owns the server endpoint and all state. Each PUSH is validated completely before it
-touches any state, so a rejected message leaves the node exactly as it was. A bucket is updated as
-soon as every worker's gradient for it has arrived (no barrier across buckets) and its new values go
-straight back to every worker; only global-norm clipping waits for all buckets of a step, because the
-norm needs them all.
+touches any state, so a rejected message leaves the node exactly as it was. A bucket is ready for its
+update as soon as every worker's gradient for it has arrived (no barrier across buckets); only
+global-norm clipping waits for all buckets of a step, because the norm needs them all.
+
+Priority: the serve loop handles every message already waiting before it applies one ready update,
+and it applies the ready bucket with the lowest id first: the bucket the next forward pass needs
+first. In full mode the new values go to every worker at once; in layer-wise mode they go to the
+workers that asked for that bucket at that step (PULL with ``at_step``), in the order they asked.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -46,6 +51,8 @@ class _BucketStep:
     hyper: AdamWHyper
     reduction: OrderedReduction
     first_arrival: float
+    clip: torch.Tensor | None = None  # the clip coefficient, once the global norm is known
+    grad_norm: float | None = None
 
 
 @dataclass(slots=True)
@@ -80,7 +87,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self._peers: dict[int, bytes] = {}  # rank -> transport identity
         self._last_seen: dict[int, float] = {}
         self._deferred_hellos: list[Message] = []
-        self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, rank)
+        self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._in_flight: dict[int, _BucketStep] = {}
         self._awaiting_clip: int | None = None  # step whose norm partial went out
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
@@ -89,7 +96,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self._clip_override_next: tuple[float | None] | None = None  # set mid-step, in force from the next step
         self._last_applied: dict[int, AdamWHyper] = {}  # param group -> hyperparameters of its last update
         self._pause_reason: str | None = None  # set while an operator has paused updates
-        self._held: list[int] = []  # buckets whose gradients are summed but whose update waits for resume
+        self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self._stop: threading.Event | None = None
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.clock = StepClock()
@@ -128,8 +135,9 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         try:
             while not stop.is_set():
                 self.commands.run_pending()
+                can_apply = bool(self._ready) and self._pause_reason is None
                 try:
-                    message = self._endpoint.recv(self.config.poll_interval_s)
+                    message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
                 except WireError as exc:
                     log.warning("rejected a malformed message: %s", exc)
                     if exc.peer is not None:
@@ -137,6 +145,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
                     continue
                 if message is not None:
                     self.handle(message)
+                elif can_apply:
+                    self.apply_next()
         finally:
             self.commands.run_pending()
             self._checkpoint_on_exit()
@@ -293,19 +303,43 @@ class NodeDaemon(OperatorControls, CheckpointControls):
             initial[offset : offset + view.numel()].copy_(view)
         self._store.create(bucket.bucket_id, initial)
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))
-        for peer, _rank in self._deferred_pulls.pop(bucket.bucket_id, []):
-            self._send_params(self._store.get(bucket.bucket_id), [peer])  # type: ignore[arg-type]
+        state = self._store.get(bucket.bucket_id)
+        assert state is not None
+        self._answer_deferred_pulls(state)
 
     # ---------------------------------------------------------------- parameters out
 
     def _on_pull(self, message: Message) -> None:
+        """PARAMS now, or once the bucket exists (rank 0 initializes it) and reached ``at_step``.
+
+        Without ``at_step`` the bucket's current values are sent. A PULL for a step the bucket has
+        passed is STALE_STEP; one for a step more than one ahead is FUTURE_STEP (no worker can have
+        pushed the gradient that would bring the bucket there)."""
         job = self._require_rank(message)
-        bucket = self._owned_bucket(job, message.header)
+        header = message.header
+        bucket = self._owned_bucket(job, header)
+        at_step = header.meta.get("at_step")
+        if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 0):
+            raise WireError(ErrorCode.BAD_REQUEST, f"at_step must be a non-negative integer, got {at_step!r}")
         state = self._store.get(bucket.bucket_id)
-        if state is None:  # rank 0 has not sent it yet; answer once it has
-            self._deferred_pulls.setdefault(bucket.bucket_id, []).append((message.peer, message.header.rank))
+        current = 0 if state is None else state.step
+        if at_step is not None and at_step < current:
+            raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {current}; its values of step {at_step} are gone")
+        if at_step is not None and at_step > current + 1:
+            raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {current}; step {at_step} is more than one update ahead")
+        if state is None or (at_step is not None and at_step > current):  # answered once it gets there
+            self._deferred_pulls.setdefault(bucket.bucket_id, []).append((message.peer, current if at_step is None else at_step))
             return
         self._send_params(state, [message.peer])
+
+    def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> None:
+        waiting = self._deferred_pulls.pop(state.bucket_id, [])
+        due = [peer for peer, step in waiting if step <= state.step]
+        later = [(peer, step) for peer, step in waiting if step > state.step]
+        if later:
+            self._deferred_pulls[state.bucket_id] = later
+        if due:
+            self._send_params(state, due, meta)
 
     def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
         job = self._require_job()
@@ -362,12 +396,28 @@ class NodeDaemon(OperatorControls, CheckpointControls):
             return
         if self.max_grad_norm is not None:
             self._maybe_request_norm(job)
-        elif self._pause_reason is not None:
-            self._held.append(bucket.bucket_id)
         else:
-            self._apply(job, state, in_flight, clip=None)
+            heapq.heappush(self._ready, bucket.bucket_id)
 
-    def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep, clip: torch.Tensor | None, grad_norm: float | None = None) -> None:
+    def apply_next(self) -> bool:
+        """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
+        if not self._ready or self._pause_reason is not None:
+            return False
+        job = self._require_job()
+        bucket_id = heapq.heappop(self._ready)
+        state = self._store.get(bucket_id)
+        assert state is not None, "a bucket with gradients has state"
+        self._apply(job, state, self._in_flight[bucket_id])
+        return True
+
+    def apply_all_ready(self) -> int:
+        """Apply every ready update now, lowest bucket id first; returns how many."""
+        applied = 0
+        while self.apply_next():
+            applied += 1
+        return applied
+
+    def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep) -> None:
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
@@ -377,17 +427,20 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         hyper = self._overrides.apply(in_flight.hyper)
         self._last_applied[job.owned[state.bucket_id].group] = hyper
         divisor = None
-        if clip is None:
+        if in_flight.clip is None:
             divisor = job.divisor
         else:
-            grad.mul_(clip)  # already divided by world_size for the norm
+            grad.mul_(in_flight.clip)  # already divided by world_size for the norm
         adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, hyper, segments=job.segments[state.bucket_id], grad_divisor=divisor)
         state.step += 1
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()
         self.clock.current.update_s += sending - started
-        meta = {} if grad_norm is None else {"grad_norm": grad_norm}
-        self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
+        meta = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
+        if job.spec.mode == "full":
+            self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
+        else:
+            self._answer_deferred_pulls(state, meta)
         self.clock.current.send_s += time.perf_counter() - sending
         self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival)
         done = self._buckets_done.get(state.step, 0) + 1
@@ -409,6 +462,8 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
         if self._pause_reason is not None or self._awaiting_clip is not None:
             return  # resume() asks again
+        if any(s.clip is not None for s in self._in_flight.values()):
+            return  # the norm of this step is known; its updates are queued
         if len(self._in_flight) < len(job.owned) or not all(s.reduction.complete for s in self._in_flight.values()):
             return
         step = next(iter(self._in_flight.values())).step
@@ -422,7 +477,7 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         self._send(self._peers[0], Header(msg_type=MsgType.NORM_PARTIAL, step=step, meta={"sum_of_squares": partial, "node_index": job.node_index}))
 
     def _on_clip(self, message: Message) -> None:
-        job = self._require_rank(message)
+        self._require_rank(message)
         header = message.header
         total = header.meta.get("sum_of_squares")
         if header.rank != 0 or self._awaiting_clip is None or header.step != self._awaiting_clip:
@@ -433,10 +488,9 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         assert max_norm is not None
         grad_norm, coefficient = clip_coefficient(total, max_norm)
         self._awaiting_clip = None
-        for bucket_id in sorted(self._in_flight):
-            state = self._store.get(bucket_id)
-            assert state is not None
-            self._apply(job, state, self._in_flight[bucket_id], clip=coefficient, grad_norm=grad_norm)
+        for bucket_id, in_flight in self._in_flight.items():
+            in_flight.clip, in_flight.grad_norm = coefficient, grad_norm
+            heapq.heappush(self._ready, bucket_id)
 
     # ---------------------------------------------------------------- diagnostics
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from optimizer_node.daemon import _BucketStep, _Job
-    from optimizer_node.storage import BucketState, BucketStore
+    from optimizer_node.storage import BucketStore
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class OperatorControls:
     _overrides: HyperOverrides
     _last_applied: dict[int, AdamWHyper]
     _pause_reason: str | None
-    _held: list[int]
+    _ready: list[int]
     _stop: threading.Event | None
     _clip_override: float | None
     _clip_override_next: tuple[float | None] | None
@@ -50,8 +50,8 @@ class OperatorControls:
 
         @property
         def step(self) -> int: ...
-        def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep, clip: torch.Tensor | None, grad_norm: float | None = None) -> None: ...
         def _maybe_request_norm(self, job: _Job) -> None: ...
+        def apply_all_ready(self) -> int: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
         def _between_steps(self) -> bool: ...
 
@@ -63,24 +63,18 @@ class OperatorControls:
         return self.step
 
     def resume(self) -> int:
-        """Apply what was held and go on; returns how many buckets were updated now."""
+        """Apply the updates held while paused and go on; returns how many buckets were updated now."""
         if self._pause_reason is None:
             return 0
         self._pause_reason = None
         log.warning("updates resumed")
         self._notify_workers({"paused": False, "reason": ""})
         job = self._job
-        held, self._held = self._held, []
         if job is None:
             return 0
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and not self._ready:
             self._maybe_request_norm(job)
-            return 0
-        for bucket_id in held:
-            state = self._store.get(bucket_id)
-            assert state is not None
-            self._apply(job, state, self._in_flight[bucket_id], clip=None)
-        return len(held)
+        return self.apply_all_ready()
 
     def _notify_workers(self, meta: dict) -> None:
         for peer in self._peers.values():

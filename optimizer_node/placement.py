@@ -72,11 +72,13 @@ class BucketSpec:
     segments: tuple[Segment, ...]
 
 
-def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int) -> list[BucketSpec]:
+def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int, unit_starts: Sequence[int] = ()) -> list[BucketSpec]:
     """Split ``params`` into buckets and assign each to one of ``num_nodes`` nodes.
 
-    Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count, for
-    duplicate parameter names, or for groups that are not contiguous in ``params``.
+    ``unit_starts`` are parameter indices where a new bucket must begin (the first parameter of each
+    layer-wise unit), so that a unit's parameters travel in buckets of their own. Deterministic in its
+    inputs. Raises ``ValueError`` for a non-positive size or node count, for duplicate parameter
+    names, for groups that are not contiguous in ``params``, or for unit starts out of range.
     """
     if bucket_numel < SPLIT_ALIGNMENT:
         raise ValueError(f"bucket_numel must be at least {SPLIT_ALIGNMENT}, got {bucket_numel}")
@@ -87,6 +89,8 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int)
         if spec.name in seen:
             raise ValueError(f"duplicate parameter name {spec.name!r}")
         seen.add(spec.name)
+    if any(not 0 <= start < len(params) for start in unit_starts):
+        raise ValueError(f"unit starts {list(unit_starts)} must be parameter indices in [0, {len(params)})")
     groups_in_order = [spec.group for spec in params]
     finished_groups: set[int] = set()
     for previous, current in itertools.pairwise(groups_in_order):
@@ -106,8 +110,9 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int)
             raw_buckets.append((current_group, current_numel, current))
         current, current_numel = [], 0
 
+    boundaries = set(unit_starts)
     for index, spec in enumerate(params):
-        if spec.group != current_group:
+        if spec.group != current_group or index in boundaries:
             close_bucket()
             current_group = spec.group
         offset = 0
