@@ -1,6 +1,8 @@
 """Worker side of netoptim: forward/backward on the worker, optimizer state on the optimizer nodes."""
 
+from gpu_worker.offload import offload
 from gpu_worker.remote_adamw import RemoteAdamW
 from gpu_worker.session import NodeError, OffloadSession
+from gpu_worker.streaming import StreamStats
 
-__all__ = ["NodeError", "OffloadSession", "RemoteAdamW"]
+__all__ = ["NodeError", "OffloadSession", "RemoteAdamW", "StreamStats", "offload"]

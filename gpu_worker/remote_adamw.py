@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.session import OffloadSession
+from gpu_worker.streaming import LayerStreamer, StreamStats
+from gpu_worker.units import UnitPlan
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.job import JobSpec
 from transport.security import CurveClientConfig
@@ -74,6 +76,8 @@ class RemoteAdamW(torch.optim.Optimizer):
             CUDA threads fall back to pushing in ``step()``).
         curve_secret_key, curve_server_key: for nodes that require CURVE (``netoptim node
             --curve-secret-key``): this worker's ``.key_secret`` file and the node's ``.key`` file.
+        units: set by :func:`gpu_worker.offload` for layer-wise mode: the worker then holds only the
+            units it computes, fetched just in time; ``step()`` pushes and returns without waiting.
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -101,6 +105,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         curve_server_key: str | None = None,
         amsgrad: bool = False,
         maximize: bool = False,
+        units: UnitPlan | None = None,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
@@ -113,6 +118,10 @@ class RemoteAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         rank, world_size = _default_rank_and_world(rank, world_size)
         specs, tensors = layout_from_groups(self.param_groups)
+        unit_starts: list[int] = []
+        if units is not None:  # layer-wise: the layout is ordered by unit, each unit in buckets of its own
+            order, unit_starts = units.order(tensors)
+            specs, tensors = [specs[i] for i in order], [tensors[i] for i in order]
         job = JobSpec(
             world_size=world_size,
             num_nodes=len(nodes),
@@ -120,20 +129,27 @@ class RemoteAdamW(torch.optim.Optimizer):
             wire_dtype=wire,
             max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
             params=tuple(specs),
+            mode="full" if units is None else "layerwise",
+            unit_starts=tuple(unit_starts),
         )
         self._params = tensors
         if bool(curve_secret_key) != bool(curve_server_key):
             raise ValueError("curve_secret_key and curve_server_key go together")
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
         self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve)
-        try:
-            self._session.connect()
-        except BaseException:
-            self._session.close()
-            raise
         self._owner_thread = threading.get_ident()
         self._sync_enabled = True
         self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push
+        self._streamer: LayerStreamer | None = None
+        try:
+            if units is None:
+                self._session.connect()
+            else:
+                self._streamer = LayerStreamer(units, self._session, hypers=self._hypers_of_step, sync_enabled=lambda: self._sync_enabled)
+                self._streamer.connect()
+        except BaseException:
+            self._session.close()
+            raise
         buckets = self._session.buckets
         self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
         self._param_buckets: list[list[int]] = [[] for _ in tensors]
@@ -142,13 +158,32 @@ class RemoteAdamW(torch.optim.Optimizer):
                 self._param_buckets[seg.param_index].append(bucket.bucket_id)
         self._ready: list[set[int]] = [set() for _ in buckets]
         self._hook_handles = (
-            [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i, p in enumerate(tensors)] if push_during_backward else []
+            [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i, p in enumerate(tensors)]
+            if push_during_backward and units is None
+            else []
         )
 
     @property
     def remote_step(self) -> int:
         """The number of updates the nodes have applied: where to resume the data."""
         return self._session.step
+
+    @property
+    def stream_stats(self) -> StreamStats | None:
+        """Layer-wise mode: fetch waits, transfer times and the peak parameter bytes this worker held."""
+        return None if self._streamer is None else self._streamer.stats
+
+    def gather_parameters(self) -> dict[str, torch.Tensor]:
+        """Layer-wise mode: every parameter's current value from the nodes (waits for the last
+        update), copied to the CPU one unit at a time. Full mode: copies of the local parameters."""
+        if self._streamer is not None:
+            return self._streamer.gather()
+        return {spec.name: p.detach().to("cpu", copy=True) for spec, p in zip(self._session.job.params, self._params, strict=True)}
+
+    def _hypers_of_step(self) -> list[AdamWHyper]:
+        if self._step_hypers is None:
+            self._step_hypers = self._group_hypers()
+        return self._step_hypers
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -175,9 +210,7 @@ class RemoteAdamW(torch.optim.Optimizer):
                 raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
             ready.add(index)
             if len(ready) == len(self._bucket_params[bucket_id]):
-                if self._step_hypers is None:
-                    self._step_hypers = self._group_hypers()
-                self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._step_hypers)
+                self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
 
     def _group_hypers(self) -> list[AdamWHyper]:
         hypers = []
@@ -195,7 +228,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        hypers = self._step_hypers if self._step_hypers is not None else self._group_hypers()
+        hypers = self._hypers_of_step()
         grads = [p.grad for p in self._params]
         for param, grad in zip(self._params, grads, strict=True):
             if grad is not None and grad.is_sparse:
@@ -203,7 +236,10 @@ class RemoteAdamW(torch.optim.Optimizer):
             if grad is not None and not math.prod(grad.shape) == param.numel():
                 raise ValueError("a gradient's shape differs from its parameter's")
         try:
-            self._session.finish_step(grads, hypers)
+            if self._streamer is not None:
+                self._streamer.finish_step()
+            else:
+                self._session.finish_step(grads, hypers)
         finally:
             self._step_hypers = None
             for ready in self._ready:
@@ -234,6 +270,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        if self._streamer is not None:
+            self._streamer.remove_hooks()
         self._session.close()
 
     def __del__(self) -> None:

@@ -1,15 +1,17 @@
 """A worker's connections to the optimizer nodes of its job.
 
-:class:`OffloadSession` registers the layout, pulls the current parameters and runs one step: push
-every gradient bucket, then install each bucket's new values as the owning node sends them back. It
-knows nothing of ``torch.optim``; :class:`gpu_worker.RemoteAdamW` is the optimizer facade over it.
+:class:`OffloadSession` registers the layout, pushes gradient buckets and installs the values the
+nodes send back. In full mode (:meth:`connect` + :meth:`finish_step`) every bucket comes back after
+every step; in layer-wise mode the caller asks for buckets when it needs them (:meth:`request`) and
+handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`` or of modules;
+:class:`gpu_worker.RemoteAdamW` and :class:`gpu_worker.streaming.LayerStreamer` sit on top of it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,7 +20,7 @@ from optimizer_node.adamw import AdamWHyper
 from optimizer_node.job import JobSpec
 from optimizer_node.placement import BucketSpec
 from transport import create_transport
-from transport.interface import ClientEndpoint, Message
+from transport.interface import ClientEndpoint, Message, SendHandle
 from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
 
@@ -58,10 +60,13 @@ class OffloadSession:
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
-        pin = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
-        # Reused send buffers, one per bucket: a buffer is rewritten only after its reply came back,
-        # so the zero-copy send that read it has finished. Pinned when gradients come from a GPU.
-        self._send_buffers = [torch.empty(b.numel, dtype=self._wire_dtype, pin_memory=pin) for b in self.buckets]
+        # Send buffers are reused once the zero-copy send that read them is done; pinned when
+        # gradients come from a GPU, so the device-to-host copies can be asynchronous.
+        self._pin = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
+        self._free_buffers: dict[int, list[torch.Tensor]] = {}  # numel -> buffers no send reads
+        self._sending: list[tuple[SendHandle, torch.Tensor]] = []
+        self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
+        self._norm_partials: dict[int, float] = {}
         self._transport = create_transport(self.nodes[0], curve_client=curve)
         self._curve = curve
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
@@ -76,7 +81,28 @@ class OffloadSession:
         return min(self.bucket_steps, default=0)
 
     def connect(self) -> None:
-        """Register (rank 0) or check (other ranks) the layout, then pull the current parameters."""
+        """Full mode: register (rank 0) or check (other ranks) the layout, then pull the current parameters."""
+        needs_init = self.hello()
+        if needs_init and self.rank == 0:
+            log.info("registering initial values of %d buckets", len(needs_init))
+            initial = torch.empty(max(self.buckets[b].numel for b in needs_init), dtype=torch.float32)
+            for bucket_id in needs_init:
+                values = initial[: self.buckets[bucket_id].numel]
+                gather_bucket(self.buckets[bucket_id], self.params, values)
+                self.send_initial(bucket_id, values)
+        for bucket in self.buckets:
+            self._clients[bucket.node].send(Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket.bucket_id))
+        waiting = set(range(len(self.buckets)))
+        self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=False)
+        try:
+            self.receive_until(lambda: not waiting, lambda: f"no parameters for {len(waiting)} bucket(s)")
+        finally:
+            self.on_params = None
+        log.info("rank %d connected to %d node(s); the job is at step %d", self.rank, len(self.nodes), self.step)
+
+    def hello(self) -> list[int]:
+        """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
+        that still need initial values (only rank 0 sends them, with :meth:`send_initial`)."""
         hello = {"job": self.job.to_wire()}
         for index, client in enumerate(self._clients):
             client.send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
@@ -92,18 +118,20 @@ class OffloadSession:
             if reply.header.meta.get("owned") != owned:
                 raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
             needs_init += reply.header.meta.get("needs_init", [])
-        if needs_init and self.rank == 0:
-            log.info("registering initial values of %d buckets", len(needs_init))
-            for bucket_id in needs_init:
-                bucket = self.buckets[bucket_id]
-                initial = torch.empty(bucket.numel, dtype=torch.float32)
-                gather_bucket(bucket, self.params, initial)
-                self._clients[bucket.node].send(tensor_header(MsgType.INIT, initial, rank=self.rank, bucket_id=bucket_id), initial)
-                self._expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}")
-        for bucket in self.buckets:
-            self._clients[bucket.node].send(Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket.bucket_id))
-        self._receive_params(set(range(len(self.buckets))), expect_next_step=False)
-        log.info("rank %d connected to %d node(s); the job is at step %d", self.rank, len(self.nodes), self.step)
+            for bucket_id in owned:
+                self.bucket_steps[bucket_id] = int(reply.header.step)
+        return sorted(needs_init)
+
+    def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:
+        """Rank 0: give a bucket its initial fp32 values (flat, ``numel`` of the bucket); waits for the ACK."""
+        bucket = self.buckets[bucket_id]
+        self._clients[bucket.node].send(tensor_header(MsgType.INIT, values, rank=self.rank, bucket_id=bucket_id), values)
+        self._expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}")
+
+    def request(self, bucket_id: int, at_step: int) -> None:
+        """Layer-wise: ask for a bucket's values of ``at_step``; the node answers once the bucket is there."""
+        bucket = self.buckets[bucket_id]
+        self._clients[bucket.node].send(Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket_id, meta={"at_step": at_step}))
 
     # ---------------------------------------------------------------- one step
 
@@ -115,7 +143,8 @@ class OffloadSession:
         """
         if bucket_id in self._pushed:
             raise RuntimeError(f"bucket {bucket_id} was already pushed for step {self.bucket_steps[bucket_id]}")
-        bucket, buffer = self.buckets[bucket_id], self._send_buffers[bucket_id]
+        bucket = self.buckets[bucket_id]
+        buffer = self._send_buffer(bucket.numel)
         gather_bucket(bucket, grads, buffer)
         if buffer.is_pinned():
             torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
@@ -127,17 +156,44 @@ class OffloadSession:
             bucket_id=bucket_id,
             meta={"hyper": hypers[bucket.group].to_wire()},
         )
-        self._clients[bucket.node].send(header, buffer)
+        self._sending.append((self._clients[bucket.node].send(header, buffer), buffer))
         self._pushed.add(bucket_id)
+
+    def _send_buffer(self, numel: int) -> torch.Tensor:
+        """A send buffer of ``numel`` wire elements that no zero-copy send still reads."""
+        still_sending = []
+        for handle, buffer in self._sending:
+            if handle.done():
+                self._free_buffers.setdefault(buffer.numel(), []).append(buffer)
+            else:
+                still_sending.append((handle, buffer))
+        self._sending = still_sending
+        free = self._free_buffers.get(numel)
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=self._wire_dtype, pin_memory=self._pin)
+
+    def release_send_buffers(self) -> None:
+        """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""
+        self._free_buffers.clear()
+
+    def advance(self, bucket_ids: Sequence[int]) -> None:
+        """Layer-wise: the pushed buckets' step is over for this worker (their values come on request)."""
+        for bucket_id in bucket_ids:
+            self.bucket_steps[bucket_id] += 1
+        self._pushed.difference_update(bucket_ids)
 
     def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet, then install each bucket's new values as it comes back."""
         for bucket in self.buckets:
             if bucket.bucket_id not in self._pushed:
                 self.push_bucket(bucket.bucket_id, grads, hypers)
+        waiting = set(range(len(self.buckets)))
+        self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
         try:
-            self._receive_params(set(range(len(self.buckets))), expect_next_step=True)
+            self.receive_until(lambda: not waiting, lambda: f"no parameters for {len(waiting)} bucket(s)")
         finally:
+            self.on_params = None
             self._pushed.clear()
 
     @property
@@ -145,15 +201,20 @@ class OffloadSession:
         """Buckets already pushed for the step in progress."""
         return frozenset(self._pushed)
 
-    def _receive_params(self, waiting: set[int], *, expect_next_step: bool) -> None:
-        partials: dict[int, float] = {}
+    def receive_until(self, done: Callable[[], bool], missing: Callable[[], str]) -> None:
+        """Handle what the nodes send until ``done()``; ``TimeoutError`` (with ``missing()`` and each
+        node's account of what it waits for) when nothing arrives for ``timeout_s``.
+
+        PARAMS go to ``on_params``; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
+        clipped step here, whatever it was waiting for; an ERROR raises :class:`NodeError`."""
         nodes_with_buckets = sorted({b.node for b in self.buckets})
         deadline = time.monotonic() + self.timeout_s
-        while waiting:
+        while not done():
             remaining = deadline - time.monotonic()
             ready = self._transport.wait_readable(self._clients, max(remaining, 0.0))
             if not ready:
-                raise TimeoutError(self._diagnose_timeout(waiting))
+                raise TimeoutError(self._diagnose_timeout(missing()))
+            deadline = time.monotonic() + self.timeout_s  # the timeout counts from the last message
             for index in ready:
                 message = self._clients[index].recv(0.0)
                 if message is None:
@@ -165,15 +226,18 @@ class OffloadSession:
                     self._log_notice(index, header)
                     continue
                 if header.msg_type == MsgType.NORM_PARTIAL:
-                    partials[index] = float(header.meta["sum_of_squares"])
-                    if len(partials) == len(nodes_with_buckets):
-                        total = sum(partials[n] for n in nodes_with_buckets)  # node order: deterministic
+                    self._norm_partials[index] = float(header.meta["sum_of_squares"])
+                    if len(self._norm_partials) == len(nodes_with_buckets):
+                        total = sum(self._norm_partials[n] for n in nodes_with_buckets)  # node order: deterministic
+                        self._norm_partials.clear()
                         for node in nodes_with_buckets:
                             self._clients[node].send(Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": total}))
                     continue
-                if header.msg_type != MsgType.PARAMS:
+                if header.msg_type != MsgType.PARAMS or self.on_params is None:
                     raise RuntimeError(f"unexpected {header.msg_type.name} from node {self.nodes[index]}")
-                self._install(index, message, waiting, expect_next_step)
+                if "grad_norm" in header.meta:
+                    self.last_grad_norm = float(header.meta["grad_norm"])
+                self.on_params(index, message)
 
     def _install(self, node_index: int, message: Message, waiting: set[int], expect_next_step: bool) -> None:
         header = message.header
@@ -189,8 +253,6 @@ class OffloadSession:
             raise RuntimeError(f"bucket {bucket_id} came back at step {header.step}, expected {self.bucket_steps[bucket_id] + 1}")
         scatter_bucket(bucket, message.tensors, self.params)
         self.bucket_steps[bucket_id] = header.step
-        if "grad_norm" in header.meta:
-            self.last_grad_norm = float(header.meta["grad_norm"])
         waiting.discard(bucket_id)
 
     # ---------------------------------------------------------------- errors
@@ -215,9 +277,9 @@ class OffloadSession:
             raise RuntimeError(f"node {self.nodes[node_index]} answered {header.msg_type.name}, expected {msg_type.name}")
         return message
 
-    def _diagnose_timeout(self, waiting: set[int]) -> str:
+    def _diagnose_timeout(self, missing: str) -> str:
         """Ask each node what it is waiting for, to name the missing ranks in the error."""
-        lines = [f"rank {self.rank}, step {self.step}: no parameters for {len(waiting)} bucket(s) after {self.timeout_s:.0f} s"]
+        lines = [f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s"]
         for index, client in enumerate(self._clients):
             client.send(Header(msg_type=MsgType.QUERY, rank=self.rank))
             deadline = time.monotonic() + min(5.0, self.timeout_s)

@@ -14,7 +14,6 @@ consecutive buckets, hence consecutive layers, over all nodes.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,9 +75,10 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int,
     """Split ``params`` into buckets and assign each to one of ``num_nodes`` nodes.
 
     ``unit_starts`` are parameter indices where a new bucket must begin (the first parameter of each
-    layer-wise unit), so that a unit's parameters travel in buckets of their own. Deterministic in its
-    inputs. Raises ``ValueError`` for a non-positive size or node count, for duplicate parameter
-    names, for groups that are not contiguous in ``params``, or for unit starts out of range.
+    layer-wise unit), so that a unit's parameters travel in buckets of their own. A bucket also ends
+    wherever the param group changes, so groups may interleave (layer-wise jobs order parameters by
+    unit). Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count,
+    for duplicate parameter names, or for unit starts out of range.
     """
     if bucket_numel < SPLIT_ALIGNMENT:
         raise ValueError(f"bucket_numel must be at least {SPLIT_ALIGNMENT}, got {bucket_numel}")
@@ -91,14 +91,6 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int,
         seen.add(spec.name)
     if any(not 0 <= start < len(params) for start in unit_starts):
         raise ValueError(f"unit starts {list(unit_starts)} must be parameter indices in [0, {len(params)})")
-    groups_in_order = [spec.group for spec in params]
-    finished_groups: set[int] = set()
-    for previous, current in itertools.pairwise(groups_in_order):
-        if current != previous:
-            finished_groups.add(previous)
-            if current in finished_groups:
-                raise ValueError(f"param group {current} is not contiguous in the layout")
-
     raw_buckets: list[tuple[int, int, list[Segment]]] = []  # (group, numel, segments)
     current: list[Segment] = []
     current_numel = 0

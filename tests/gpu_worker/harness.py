@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gpu_worker import RemoteAdamW
+from gpu_worker import RemoteAdamW, offload
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -59,6 +59,7 @@ class RunConfig:
     bucket_numel: int = 300  # small, so parameters split over buckets and buckets over nodes
     steps: int = STEPS
     extra: dict = field(default_factory=dict)
+    layerwise: bool = False  # stream the three Linear layers as units; the LayerNorm stays in the root unit
 
 
 def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | None]]:
@@ -72,8 +73,7 @@ def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | N
     def worker(rank: int) -> None:
         try:
             model = models[rank]
-            opt = RemoteAdamW(
-                param_groups(model, named=True),
+            options = dict(
                 lr=1e-2,
                 weight_decay=0.1,
                 nodes=list(config.nodes),
@@ -85,15 +85,25 @@ def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | N
                 timeout_s=60,
                 **config.extra,
             )
+            if config.layerwise:
+                opt = offload(model, [model[0], model[2], model[5]], params=param_groups(model, named=True), **options)
+            else:
+                opt = RemoteAdamW(param_groups(model, named=True), **options)
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             for step in range(config.steps):
-                loss_fn(model, *shard(step, rank, config.world_size)).backward()
+                loss = loss_fn(model, *shard(step, rank, config.world_size))
+                if rank == 0 and config.layerwise and step > 0:
+                    norms.append(opt.last_grad_norm)  # layer-wise: the last step's norm came with this forward's parameters
+                loss.backward()
                 opt.step()
                 opt.zero_grad()
                 scheduler.step()
-                if rank == 0:
+                if rank == 0 and not config.layerwise:
                     norms.append(opt.last_grad_norm)
-            results[rank] = [p.detach().clone() for p in model.parameters()]
+            values = opt.gather_parameters()
+            if rank == 0 and config.layerwise:
+                norms.append(opt.last_grad_norm)
+            results[rank] = [values[name] for name, _ in model.named_parameters()]
             opt.close()
         except BaseException as exc:
             errors.append(exc)

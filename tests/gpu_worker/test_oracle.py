@@ -13,13 +13,21 @@ log = logging.getLogger(__name__)
 
 
 @pytest.mark.parametrize(
-    ("world_size", "num_nodes", "max_grad_norm", "early_push"),
-    [(2, 1, None, False), (2, 2, None, True), (4, 1, None, False), (2, 1, 0.05, False), (4, 2, 0.05, True)],
-    ids=["2w-1n", "2w-2n-early-push", "4w-1n", "2w-1n-clip", "4w-2n-clip-early-push"],
+    ("world_size", "num_nodes", "max_grad_norm", "early_push", "layerwise"),
+    [
+        (2, 1, None, False, False),
+        (2, 2, None, True, False),
+        (4, 1, None, False, False),
+        (2, 1, 0.05, False, False),
+        (4, 2, 0.05, True, False),
+        (2, 2, None, True, True),
+        (2, 1, 0.05, True, True),
+    ],
+    ids=["2w-1n", "2w-2n-early-push", "4w-1n", "2w-1n-clip", "4w-2n-clip-early-push", "2w-2n-layerwise", "2w-1n-clip-layerwise"],
 )
-def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm, early_push):
+def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm, early_push, layerwise):
     nodes = [start_node(f"node{i}").address for i in range(num_nodes)]
-    config = RunConfig(world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm, extra={"push_during_backward": early_push})
+    config = RunConfig(world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm, extra={} if layerwise else {"push_during_backward": early_push}, layerwise=layerwise)
     params, norms = run_offloaded(config)
 
     fused_ref, ref_norms = reference_averaged(world_size, fused=True, max_grad_norm=max_grad_norm)
@@ -28,7 +36,7 @@ def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_no
     diff_fused, diff_default, diff_whole = max_difference(params, fused_ref), max_difference(params, default_ref), max_difference(params, whole_batch)
     log.info("max |diff|: vs fused AdamW %.3g, vs default AdamW %.3g, vs whole batch %.3g", diff_fused, diff_default, diff_whole)
     print(
-        f"\n{world_size} workers, {num_nodes} nodes, clip {max_grad_norm}: vs fused AdamW {diff_fused:.3g}, vs default AdamW {diff_default:.3g}, vs whole batch {diff_whole:.3g}"
+        f"\n{world_size} workers, {num_nodes} nodes, clip {max_grad_norm}, layer-wise {layerwise}: vs fused AdamW {diff_fused:.3g}, vs default AdamW {diff_default:.3g}, vs whole batch {diff_whole:.3g}"
     )
 
     if max_grad_norm is None:

@@ -56,8 +56,8 @@ def test_balanced_and_deterministic():
 def test_bad_input():
     with pytest.raises(ValueError, match="duplicate parameter name"):
         plan_buckets([ParamSpec("a", (1,), "float32", 0)] * 2, 64, 1)
-    with pytest.raises(ValueError, match="not contiguous"):
-        plan_buckets(specs(1, 1, 1, groups=[0, 1, 0]), 64, 1)
+    with pytest.raises(ValueError, match="unit starts"):
+        plan_buckets(specs(1, 1), 64, 1, unit_starts=[2])
     with pytest.raises(ValueError, match="at least 64"):
         plan_buckets(specs(1), 10, 1)
     with pytest.raises(ValueError, match="num_nodes"):
@@ -70,3 +70,11 @@ def test_first_difference_names_the_parameter():
     b = [a[0], ParamSpec("p1", (6,), "float32", 0)]
     assert "parameter 1 differs" in first_difference(a, b) and "[5]" in first_difference(a, b)
     assert "first extra in this worker: 2 'x'" in first_difference(a, [*a, ParamSpec("x", (1,), "float32", 0)])
+
+
+def test_buckets_end_at_group_changes_and_unit_starts():
+    interleaved = plan_buckets(specs(1, 1, 1, groups=[0, 1, 0]), 64, 1)
+    assert [(b.group, [s.param_index for s in b.segments]) for b in interleaved] == [(0, [0]), (1, [1]), (0, [2])]
+    units = plan_buckets(specs(10, 10, 10, 10), 1000, 2, unit_starts=[0, 2])
+    assert [[s.param_index for s in b.segments] for b in units] == [[0, 1], [2, 3]]
+    assert [b.node for b in units] == [0, 1]
