@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,24 @@ class GPTConfig:
             raise ValueError(f"all sizes must be positive: {self}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+
+
+def gpt_initializer(config: GPTConfig) -> Callable[[str, torch.Tensor], None]:
+    """``init_fn(name, tensor)`` with :class:`GPT`'s initialization rules, for a GPT built on the meta
+    device and initialized one layer-wise unit at a time (see :func:`gpu_worker.offload`)."""
+    residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+
+    def init(name: str, tensor: torch.Tensor) -> None:
+        if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            nn.init.normal_(tensor, mean=0.0, std=residual_std)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(tensor)
+        elif tensor.dim() >= 2:
+            nn.init.normal_(tensor, mean=0.0, std=0.02)
+        else:  # LayerNorm weights
+            nn.init.ones_(tensor)
+
+    return init
 
 
 class CausalSelfAttention(nn.Module):

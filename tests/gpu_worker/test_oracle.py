@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 )
 def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm, early_push, layerwise):
     nodes = [start_node(f"node{i}").address for i in range(num_nodes)]
-    config = RunConfig(world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm, extra={} if layerwise else {"push_during_backward": early_push}, layerwise=layerwise)
+    config = RunConfig(
+        world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm, extra={} if layerwise else {"push_during_backward": early_push}, layerwise=layerwise
+    )
     params, norms = run_offloaded(config)
 
     fused_ref, ref_norms = reference_averaged(world_size, fused=True, max_grad_norm=max_grad_norm)
