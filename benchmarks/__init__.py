@@ -12,6 +12,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.optimizer_bench import run
     elif args.bench == "transport":
         from benchmarks.transport_bench import run
+    elif args.bench == "train":
+        from benchmarks.train_bench import run
     else:
         raise AssertionError(args.bench)
     print(json.dumps(run(args), indent=2))

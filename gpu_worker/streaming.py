@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from gpu_worker.device_copy import HostToDevice
+from gpu_worker.device_copy import HostToDevice, trim_host_heap
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
 from optimizer_node.adamw import AdamWHyper
@@ -141,9 +141,14 @@ class LayerStreamer:
                     values = staging[: self.session.buckets[bucket_id].numel]
                     self._gather_values(bucket_id, values)
                     self.session.send_initial(bucket_id, values)
+                del staging
+                for tensor in tensors:  # this unit is on the nodes now: free it before the next
+                    tensor.untyped_storage().resize_(0)
+                self._measure()
         for index in self.units:
             for i in self.units[index].params:
                 self.params[i].untyped_storage().resize_(0)
+        trim_host_heap()
         self.session.on_params = self._on_params
         self._install_hooks()
         log.info("rank %d streams %d units (prefetch %d), the job is at step %d", self.session.rank, len(self.units), self.plan.prefetch, self.step)
@@ -205,6 +210,7 @@ class LayerStreamer:
         for i in unit.params:
             self.params[i].untyped_storage().resize_(0)
         unit.resident = False
+        trim_host_heap()
 
     def _on_params(self, node_index: int, message: Message) -> None:
         header = message.header
@@ -308,6 +314,7 @@ class LayerStreamer:
             unit.grads_ready.clear()
         self.session.advance([b.bucket_id for b in self.session.buckets])
         self.session.release_send_buffers()
+        trim_host_heap()
         self.step += 1
 
     def gather(self) -> dict[str, torch.Tensor]:

@@ -51,6 +51,16 @@ def _size(text: str) -> int:
     return value
 
 
+def _size_list(text: str) -> list[str]:
+    """Model sizes of ``netoptim bench train``, comma-separated."""
+    known = ("small", "base", "1b")
+    sizes = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [size for size in sizes if size not in known]
+    if not sizes or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes are a comma-separated list of {', '.join(known)}")
+    return sizes
+
+
 def _address(text: str) -> str:
     from transport import backend_for
 
@@ -149,7 +159,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=_positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=_positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -165,6 +175,22 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     transport.add_argument("--bucket-bytes", type=_size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")
     transport.add_argument("--curve", action="store_true", help="also measure with CURVE encryption on (keys made for the run) and report its cost")
     transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
+    train = which.add_parser("train", help="GPT training tokens/s and worker peak RSS: torch DDP vs netoptim full-model vs layer-wise mode")
+    train.add_argument(
+        "--sizes",
+        type=_size_list,
+        default=["small", "base"],
+        help="comma-separated model sizes from small (3M), base (85M), 1b (1.0B; DDP and full mode are skipped where they cannot fit) (default: small,base)",
+    )
+    train.add_argument("--workers", type=_positive_int, default=2, help="worker processes in every mode (default: %(default)s)")
+    train.add_argument("--nodes", type=_positive_int, default=1, help="optimizer nodes for the netoptim modes (default: %(default)s)")
+    train.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker (default: %(default)s)")
+    train.add_argument("--batch", type=_positive_int, default=4, help="sequences per worker per step (default: %(default)s)")
+    train.add_argument("--seq", type=_positive_int, default=64, help="tokens per sequence (at most the model's block size) (default: %(default)s)")
+    train.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
+    train.add_argument("--steps", type=_positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
+    train.add_argument("--prefetch", type=_non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    train.add_argument("--timeout-s", type=_positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
 
 
 def _add_keygen_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -25,3 +25,12 @@ def test_transport_bench_reports_a_ratio():
     assert report["benchmark"] == "transport" and report["bytes"] == 8 << 20
     assert report["ratio"] > 0 and report["netoptim_push_pull_gbs"] > 0 and report["plain_socket_gbs"] > 0
     assert report["netoptim_curve_push_pull_gbs"] > 0 and report["curve_ratio"] > 0
+
+
+def test_train_bench_compares_ddp_full_and_layerwise():
+    report = bench("train", "--sizes", "small", "--steps", "1", "--warmup", "0", "--batch", "1", "--seq", "16")
+    entry = report["sizes"]["small"]
+    assert report["ratio"] == entry["layerwise_over_ddp_tokens"] > 0
+    for mode in ("ddp", "full", "layerwise"):
+        assert entry[mode]["tokens_per_s"] > 0 and entry[mode]["peak_rss_mb_per_worker"] > entry[mode]["rss_after_import_mb"] > 0
+    assert 0.0 <= entry["layerwise"]["comm_hidden_fraction"] <= 1.0 and entry["layerwise"]["peak_param_mb"] > 0

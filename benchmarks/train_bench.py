@@ -1,0 +1,233 @@
+"""``netoptim bench train``: training throughput and worker memory, netoptim against torch DDP.
+
+For each model size, in one run and with the same number of worker processes, threads per worker,
+batch and sequence length:
+
+- ``ddp``: ``DistributedDataParallel`` over gloo with ``torch.optim.AdamW(fused=True)`` on every worker;
+- ``full``: netoptim full-model mode (``RemoteAdamW``; every worker holds the model, the nodes the state);
+- ``layerwise``: netoptim layer-wise mode (``gpu_worker.offload``; the model is built on the meta
+  device and the worker holds the blocks it computes plus ``--prefetch`` more).
+
+Each worker is a fresh process, so its peak RSS (``ru_maxrss``) is its own. Communication hidden
+behind compute (layer-wise) is ``1 - blocked / transfer``: ``transfer`` sums, over every unit fetch,
+the time from the request to the last byte, ``blocked`` the time the worker actually waited for it.
+A mode whose estimated memory does not fit this machine is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+
+import torch
+
+from gpu_worker.models import GPTConfig
+
+SIZES = {
+    "small": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
+    "base": GPTConfig(vocab_size=256, block_size=64, n_layer=12, n_head=12, n_embd=768),
+    "1b": GPTConfig(vocab_size=256, block_size=64, n_layer=20, n_head=16, n_embd=2048),
+}
+MODES = ("ddp", "full", "layerwise")
+BYTES_PER_PARAM = {"ddp": 16, "full": 12, "layerwise": 0}  # per worker: params, grads, Adam moments / send buffers
+NODE_BYTES_PER_PARAM = 16  # fp32 params, two moments, a reduction buffer
+
+
+def param_count(config: GPTConfig) -> int:
+    per_block = 12 * config.n_embd**2 + 13 * config.n_embd
+    return config.n_layer * per_block + (2 * config.vocab_size + config.block_size + 2) * config.n_embd
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    data = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def _worker(mode: str, rank: int, world_size: int, config_fields: dict, settings: dict, nodes: list[str], dist_url: str, results: mp.Queue) -> None:
+    try:
+        results.put(_train(mode, rank, world_size, GPTConfig(**config_fields), settings, nodes, dist_url))
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: dict, nodes: list[str], dist_url: str) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gpu_worker import RemoteAdamW, offload
+    from gpu_worker.models import GPT, gpt_initializer
+
+    torch.set_num_threads(settings["threads"])
+    start_rss = _rss_mb()
+    options = dict(nodes=nodes, rank=rank, world_size=world_size, lr=1e-4, timeout_s=600)
+    if mode == "ddp":
+        dist.init_process_group("gloo", init_method=dist_url, rank=rank, world_size=world_size)
+        torch.manual_seed(0)
+        model = GPT(config)
+        forward = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif mode == "full":
+        torch.manual_seed(0)
+        model = forward = GPT(config)
+        opt = RemoteAdamW(model.named_parameters(), **options)
+    else:
+        with torch.device("meta"):
+            model = forward = GPT(config)
+        opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings["prefetch"], **options)
+    step_times, step_call_times, loss = [], [], float("nan")
+    waited = transferred = 0.0
+    for step in range(settings["warmup"] + settings["steps"]):
+        if step == settings["warmup"] and opt_stats(opt) is not None:
+            waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
+        started = time.perf_counter()
+        _logits, loss_tensor = forward(*_batch(config, step, rank, settings["batch"], settings["seq"]))
+        loss_tensor.backward()
+        stepping = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        finished = time.perf_counter()
+        loss = loss_tensor.item()
+        if step >= settings["warmup"]:
+            step_times.append(finished - started)
+            step_call_times.append(finished - stepping)
+    stats = opt_stats(opt)
+    if mode == "ddp":
+        dist.destroy_process_group()
+    else:
+        opt.close()
+    step_s = statistics.median(step_times)
+    report = {
+        "rank": rank,
+        "step_s": step_s,
+        "tokens_per_s": settings["batch"] * settings["seq"] / step_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_after_import_mb": start_rss,
+        "optimizer_step_s": statistics.median(step_call_times),
+        "loss": loss,
+    }
+    if stats is not None:
+        blocked, transfer = stats.fetch_wait_s - waited, stats.fetch_transfer_s - transferred
+        report |= {
+            "fetch_blocked_s_per_step": blocked / settings["steps"],
+            "fetch_transfer_s_per_step": transfer / settings["steps"],
+            "comm_hidden_fraction": 1 - blocked / transfer if transfer > 0 else 1.0,
+            "peak_param_mb": stats.peak_param_bytes / 2**20,
+        }
+    return report
+
+
+def opt_stats(opt: object):
+    return getattr(opt, "stream_stats", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
+    from netoptim.launcher import NodeProcess
+
+    settings = {
+        "threads": args.threads,
+        "batch": args.batch,
+        "seq": min(args.seq, config.block_size),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "prefetch": args.prefetch,
+    }
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="netoptim-bench-") as workdir:
+        node_processes = [] if mode == "ddp" else [NodeProcess(workdir, name=f"node{i}").start() for i in range(args.nodes)]
+        try:
+            nodes = [n.address for n in node_processes]
+            dist_url = f"tcp://127.0.0.1:{_free_port()}"
+            workers = [
+                context.Process(target=_worker, args=(mode, rank, args.workers, asdict(config), settings, nodes, dist_url, results))
+                for rank in range(args.workers)
+            ]
+            for worker in workers:
+                worker.start()
+            reports = [results.get(timeout=args.timeout_s) for _ in workers]
+            for worker in workers:
+                worker.join(60)
+        finally:
+            for node in node_processes:
+                node.stop()
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        raise RuntimeError(f"{mode} workers failed: {errors}")
+    reports.sort(key=lambda r: r["rank"])
+    summary = {
+        "tokens_per_s": args.workers * settings["batch"] * settings["seq"] / max(r["step_s"] for r in reports),  # the slowest worker sets the pace
+        "step_s": max(r["step_s"] for r in reports),
+        "peak_rss_mb_per_worker": max(r["peak_rss_mb"] for r in reports),
+        "rss_after_import_mb": max(r["rss_after_import_mb"] for r in reports),
+        "optimizer_step_s": max(r["optimizer_step_s"] for r in reports),
+        "loss": reports[0]["loss"],
+    }
+    if "comm_hidden_fraction" in reports[0]:
+        summary |= {
+            key: statistics.median(r[key] for r in reports)
+            for key in ("comm_hidden_fraction", "fetch_blocked_s_per_step", "fetch_transfer_s_per_step", "peak_param_mb")
+        }
+    if mode == "full":
+        summary["comm_exposed_s_per_step"] = summary["optimizer_step_s"]  # full mode waits for every bucket in step()
+    return summary
+
+
+def _fits(mode: str, numel: int, args: argparse.Namespace) -> str | None:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = args.workers * BYTES_PER_PARAM[mode] * numel + (0 if mode == "ddp" else NODE_BYTES_PER_PARAM * numel)
+    if need > 0.8 * ram:
+        return f"skipped: needs about {need / 2**30:.0f} GiB of the machine's {ram / 2**30:.0f} GiB"
+    return None
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    report: dict = {
+        "benchmark": "train",
+        "workers": args.workers,
+        "nodes": args.nodes,
+        "threads_per_worker": args.threads,
+        "batch": args.batch,
+        "seq": args.seq,
+    }
+    report["sizes"] = {}
+    ratio = None
+    jobs = [(size, mode) for size in args.sizes for mode in MODES]
+    for size, mode in tqdm(jobs, desc="train bench", leave=False):
+        config = SIZES[size]
+        entry = report["sizes"].setdefault(size, {"params": param_count(config), "config": asdict(config)})
+        skipped = _fits(mode, entry["params"], args)
+        entry[mode] = {"status": skipped} if skipped else _run_mode(mode, config, args)
+    for size in args.sizes:
+        entry = report["sizes"][size]
+        if "tokens_per_s" in entry["ddp"] and "tokens_per_s" in entry["layerwise"]:
+            entry["layerwise_over_ddp_tokens"] = entry["layerwise"]["tokens_per_s"] / entry["ddp"]["tokens_per_s"]
+            entry["layerwise_over_ddp_peak_rss"] = entry["layerwise"]["peak_rss_mb_per_worker"] / entry["ddp"]["peak_rss_mb_per_worker"]
+            above = {mode: entry[mode]["peak_rss_mb_per_worker"] - entry[mode]["rss_after_import_mb"] for mode in ("ddp", "layerwise")}
+            entry["layerwise_over_ddp_peak_rss_above_import"] = above["layerwise"] / above["ddp"]  # what the model and training add
+            if "tokens_per_s" in entry["full"]:
+                entry["full_over_ddp_tokens"] = entry["full"]["tokens_per_s"] / entry["ddp"]["tokens_per_s"]
+            ratio = entry["layerwise_over_ddp_tokens"]  # the largest size both ran
+    report["ratio"] = ratio
+    return report
