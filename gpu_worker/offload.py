@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ def offload(
     units: Sequence[nn.Module] | nn.ModuleList,
     *,
     nodes: Sequence[str],
-    params: Iterable[Any] | None = None,
+    params: Iterable[Any] | Callable[[nn.Module], Iterable[Any]] | None = None,
     prefetch: int = 1,
     init_fn: InitFn | None = None,
     device: torch.device | str | None = None,
@@ -40,8 +40,9 @@ def offload(
         units: the modules to stream, in the order the forward calls them (``model.blocks``). They
             must not nest; activation checkpointing inside or around them works.
         nodes: the optimizer nodes' data-plane addresses, as for :class:`RemoteAdamW`.
-        params: what to give the optimizer (param groups or named parameters); default
-            ``model.named_parameters()``. Build it after a meta model was offloaded, or let this default.
+        params: what to give the optimizer (param groups or named parameters), or a function of the
+            model that returns it (needed for a meta model, whose parameters are replaced here);
+            default ``model.named_parameters()``.
         prefetch: units fetched ahead of the one computing.
         init_fn: initializer for meta parameters, called once per parameter.
         device: where parameters are materialized (default: the model's device, CPU for a meta model).
@@ -56,4 +57,8 @@ def offload(
     if optimizer_options.pop("push_during_backward", True) is False:
         raise ValueError("layer-wise mode always pushes gradients during backward")
     plan = plan_units(model, units, prefetch=prefetch, init_fn=init_fn, device=device)
-    return RemoteAdamW(model.named_parameters() if params is None else params, nodes=nodes, units=plan, **optimizer_options)
+    if params is None:
+        params = model.named_parameters()
+    elif callable(params):
+        params = params(model)
+    return RemoteAdamW(params, nodes=nodes, units=plan, **optimizer_options)

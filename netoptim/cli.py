@@ -151,6 +151,7 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         help="dtype of gradients and parameters on the wire (default: %(default)s)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed of the model and the data order (default: %(default)s)")
+    demo.add_argument("--layerwise", action="store_true", help="layer-wise mode: workers stream the blocks from the nodes instead of holding the model")
 
 
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -135,8 +135,10 @@ def run_demo(args: argparse.Namespace) -> int:
             for node in nodes:
                 node.start()
             addresses = ",".join(node.address for node in nodes)
-            print(f"netoptim demo: {args.nodes} optimizer node(s) at {addresses}, {args.workers} worker process(es), {args.steps} steps", flush=True)
-            status = run_workers(["--nodes", addresses, "--steps", str(args.steps), "--wire-dtype", args.wire_dtype, "--seed", str(args.seed)], args.workers)
+            mode = "layer-wise" if args.layerwise else "full-model"
+            print(f"netoptim demo: {args.nodes} optimizer node(s) at {addresses}, {args.workers} {mode} worker process(es), {args.steps} steps", flush=True)
+            script = ["--nodes", addresses, "--steps", str(args.steps), "--wire-dtype", args.wire_dtype, "--seed", str(args.seed)]
+            status = run_workers([*script, "--layerwise"] if args.layerwise else script, args.workers)
         finally:
             for node in nodes:
                 node.stop()

@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from gpu_worker import RemoteAdamW
-from gpu_worker.models import GPT, GPTConfig
+from gpu_worker import RemoteAdamW, offload
+from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     parser.add_argument("--sample-tokens", type=int, default=160, help="bytes to generate at the end (rank 0)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    parser.add_argument("--layerwise", action="store_true", help="stream the blocks from the nodes (layer-wise mode): the model is never whole on a worker")
+    parser.add_argument("--prefetch", type=int, default=1, help="layer-wise: blocks fetched ahead of the one computing")
     return parser
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on matrices only; named, so checkpoints export with the model's own names."""
+    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def lr_lambda(steps: int) -> Callable[[int], float]:
@@ -67,19 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
-    model = GPT(config)
-    # Named parameters, so checkpoints export to a state dict with the model's own names.
-    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = RemoteAdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        nodes=args.nodes.split(","),
-        rank=rank,
-        world_size=world_size,
-        wire_dtype=WIRE_DTYPES[args.wire_dtype],
-    )
+    options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=args.nodes.split(","), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
+    if args.layerwise:
+        with torch.device("meta"):  # rank 0 initializes one block at a time, straight to the nodes
+            model = GPT(config)
+        optimizer = offload(model, model.blocks, params=param_groups, init_fn=gpt_initializer(config), prefetch=args.prefetch, **options)
+    else:
+        model = GPT(config)
+        optimizer = RemoteAdamW(param_groups(model), **options)
     start_step = optimizer.remote_step  # non-zero when the nodes already trained this job
     schedule = lr_lambda(args.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step + start_step))

@@ -76,8 +76,9 @@ def test_node_writes_ready_file_and_stops_on_sigterm(node):
     assert "node config:" in log and "stopped at step 0" in log
 
 
-def test_demo_trains_and_the_loss_falls():
-    result = netoptim("demo", "--steps", "60", timeout=300)
+@pytest.mark.parametrize("mode", [(), ("--layerwise",)], ids=["full-model", "layer-wise"])
+def test_demo_trains_and_the_loss_falls(mode):
+    result = netoptim("demo", "--steps", "60", *mode, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"loss: ([\d.]+) at the start -> ([\d.]+) at the end", result.stdout)
     assert match, result.stdout
