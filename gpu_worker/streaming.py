@@ -136,6 +136,7 @@ class LayerStreamer:
                     if tensor.untyped_storage().nbytes() == 0:
                         self._allocate(tensor)
                 initialize(self.plan, tensors)
+                self._measure()
                 staging = torch.empty(max(self.session.buckets[b].numel for b in todo), dtype=torch.float32)
                 for bucket_id in todo:
                     values = staging[: self.session.buckets[bucket_id].numel]
@@ -144,7 +145,6 @@ class LayerStreamer:
                 del staging
                 for tensor in tensors:  # this unit is on the nodes now: free it before the next
                     tensor.untyped_storage().resize_(0)
-                self._measure()
         for index in self.units:
             for i in self.units[index].params:
                 self.params[i].untyped_storage().resize_(0)
