@@ -30,6 +30,12 @@ class HostToDevice:
                 (torch.empty(staging_numel, dtype=torch.float32, pin_memory=True), None) for _ in range(staging_buffers)
             )
 
+    def begin(self) -> None:
+        """Before copies into freshly allocated device memory: that memory may have belonged to a
+        tensor the compute stream still reads, so the side stream first waits for the compute stream."""
+        if self.cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """``target.copy_(source)``; on CUDA queued on the side stream (see :meth:`record`)."""
         if not self.cuda:

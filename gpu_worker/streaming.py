@@ -186,6 +186,7 @@ class LayerStreamer:
             if self.params[i].untyped_storage().nbytes() == 0:
                 self._allocate(self.params[i])
         unit.resident, unit.step, unit.ready_event = True, self.step, None
+        self._copier.begin()
         unit.pending = set(unit.buckets)
         unit.requested_at = time.perf_counter()
         for bucket_id in unit.buckets:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from optimizer_node.adamw import AdamWHyper, HyperOverrides, adamw_update, clip_coefficient, sum_of_squares
+from optimizer_node.adamw import AdamWHyper, HyperOverrides, adamw_update
+from optimizer_node.clipping import GlobalNormClipping
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
@@ -34,11 +35,12 @@ from optimizer_node.operator import OperatorControls
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
+from optimizer_node.replies import ParameterReplies
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
-from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
+from transport.wire import ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class _Job:
         return cls(spec, node_index, owned, segments, torch.tensor(float(spec.world_size), dtype=torch.float32))
 
 
-class NodeDaemon(OperatorControls, CheckpointControls):
+class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalNormClipping):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig, store: BucketStore | None = None) -> None:
@@ -307,53 +309,6 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         assert state is not None
         self._answer_deferred_pulls(state)
 
-    # ---------------------------------------------------------------- parameters out
-
-    def _on_pull(self, message: Message) -> None:
-        """PARAMS now, or once the bucket exists (rank 0 initializes it) and reached ``at_step``.
-
-        Without ``at_step`` the bucket's current values are sent. A PULL for a step the bucket has
-        passed is STALE_STEP; one for a step more than one ahead is FUTURE_STEP (no worker can have
-        pushed the gradient that would bring the bucket there)."""
-        job = self._require_rank(message)
-        header = message.header
-        bucket = self._owned_bucket(job, header)
-        at_step = header.meta.get("at_step")
-        if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 0):
-            raise WireError(ErrorCode.BAD_REQUEST, f"at_step must be a non-negative integer, got {at_step!r}")
-        state = self._store.get(bucket.bucket_id)
-        current = 0 if state is None else state.step
-        if at_step is not None and at_step < current:
-            raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {current}; its values of step {at_step} are gone")
-        if at_step is not None and at_step > current + 1:
-            raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {current}; step {at_step} is more than one update ahead")
-        if state is None or (at_step is not None and at_step > current):  # answered once it gets there
-            self._deferred_pulls.setdefault(bucket.bucket_id, []).append((message.peer, current if at_step is None else at_step))
-            return
-        self._send_params(state, [message.peer])
-
-    def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> None:
-        waiting = self._deferred_pulls.pop(state.bucket_id, [])
-        due = [peer for peer, step in waiting if step <= state.step]
-        later = [(peer, step) for peer, step in waiting if step > state.step]
-        if later:
-            self._deferred_pulls[state.bucket_id] = later
-        if due:
-            self._send_params(state, due, meta)
-
-    def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
-        job = self._require_job()
-        if job.spec.wire_dtype == "float32":
-            payload = state.param
-        else:
-            if state.wire_copy is None:
-                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
-            payload = state.wire_copy
-            payload.copy_(state.param)
-        header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
-        for peer in peers:
-            self._send(peer, header, payload)
-
     # ---------------------------------------------------------------- gradients in
 
     def _on_push(self, message: Message) -> None:
@@ -455,42 +410,6 @@ class NodeDaemon(OperatorControls, CheckpointControls):
         log.debug(
             "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
         )
-
-    # ---------------------------------------------------------------- clipping
-
-    def _maybe_request_norm(self, job: _Job) -> None:
-        """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
-        if self._pause_reason is not None or self._awaiting_clip is not None:
-            return  # resume() asks again
-        if any(s.clip is not None for s in self._in_flight.values()):
-            return  # the norm of this step is known; its updates are queued
-        if len(self._in_flight) < len(job.owned) or not all(s.reduction.complete for s in self._in_flight.values()):
-            return
-        step = next(iter(self._in_flight.values())).step
-        partial = 0.0
-        for bucket_id in sorted(self._in_flight):
-            grad = self._in_flight[bucket_id].reduction.result
-            assert grad is not None
-            grad.div_(job.spec.world_size)
-            partial += sum_of_squares(grad)
-        self._awaiting_clip = step
-        self._send(self._peers[0], Header(msg_type=MsgType.NORM_PARTIAL, step=step, meta={"sum_of_squares": partial, "node_index": job.node_index}))
-
-    def _on_clip(self, message: Message) -> None:
-        self._require_rank(message)
-        header = message.header
-        total = header.meta.get("sum_of_squares")
-        if header.rank != 0 or self._awaiting_clip is None or header.step != self._awaiting_clip:
-            raise WireError(ErrorCode.BAD_REQUEST, f"no gradient norm expected for step {header.step} from rank {header.rank}")
-        if not isinstance(total, float) or not total >= 0.0:
-            raise WireError(ErrorCode.BAD_REQUEST, f"sum_of_squares must be a non-negative float, got {total!r}")
-        max_norm = self.max_grad_norm
-        assert max_norm is not None
-        grad_norm, coefficient = clip_coefficient(total, max_norm)
-        self._awaiting_clip = None
-        for bucket_id, in_flight in self._in_flight.items():
-            in_flight.clip, in_flight.grad_norm = coefficient, grad_norm
-            heapq.heappush(self._ready, bucket_id)
 
     # ---------------------------------------------------------------- diagnostics
 

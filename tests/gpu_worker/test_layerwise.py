@@ -128,7 +128,7 @@ def test_meta_model_is_initialized_unit_by_unit_and_trains(start_node):
     assert all(p.is_meta for p in model.parameters())
     opt = offload(model, model.blocks, nodes=[node.address], init_fn=gpt_initializer(CONFIG), bucket_numel=4096, timeout_s=30)
     assert not any(p.is_meta for p in model.parameters())
-    root, block, total = unit_bytes(model)
+    root, block, _total = unit_bytes(model)
     assert opt.stream_stats.peak_param_bytes == max(root, block), "rank 0 materialized one unit at a time"
     values = opt.gather_parameters()
     assert abs(values["blocks.0.mlp.0.weight"].std().item() - 0.02) < 0.005 and torch.all(values["blocks.0.ln_1.weight"] == 1)

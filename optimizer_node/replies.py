@@ -1,0 +1,80 @@
+"""How a node sends parameters: PULL answered now or once the bucket reaches the step asked for
+(layer-wise workers ask just in time; rank 0's initial values release the first pulls), in the wire
+dtype. A mixin of :class:`~optimizer_node.daemon.NodeDaemon`; runs on the daemon thread only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from optimizer_node.config import NodeConfig
+from optimizer_node.storage import BucketState, BucketStore
+from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, tensor_header
+
+if TYPE_CHECKING:
+    from optimizer_node.daemon import _Job
+    from optimizer_node.placement import BucketSpec
+    from transport.interface import Message
+
+
+class ParameterReplies:
+    """PULL and PARAMS."""
+
+    # State owned by NodeDaemon, used here.
+    config: NodeConfig
+    _store: BucketStore
+    _deferred_pulls: dict[int, list[tuple[bytes, int]]]
+
+    if TYPE_CHECKING:  # provided by NodeDaemon
+
+        def _require_job(self) -> _Job: ...
+        def _require_rank(self, message: Message) -> _Job: ...
+        def _owned_bucket(self, job: _Job, header: Header) -> BucketSpec: ...
+        def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
+
+    def _on_pull(self, message: Message) -> None:
+        """PARAMS now, or once the bucket exists (rank 0 initializes it) and reached ``at_step``.
+
+        Without ``at_step`` the bucket's current values are sent. A PULL for a step the bucket has
+        passed is STALE_STEP; one for a step more than one ahead is FUTURE_STEP (no worker can have
+        pushed the gradient that would bring the bucket there)."""
+        job = self._require_rank(message)
+        header = message.header
+        bucket = self._owned_bucket(job, header)
+        at_step = header.meta.get("at_step")
+        if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 0):
+            raise WireError(ErrorCode.BAD_REQUEST, f"at_step must be a non-negative integer, got {at_step!r}")
+        state = self._store.get(bucket.bucket_id)
+        current = 0 if state is None else state.step
+        if at_step is not None and at_step < current:
+            raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {current}; its values of step {at_step} are gone")
+        if at_step is not None and at_step > current + 1:
+            raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {current}; step {at_step} is more than one update ahead")
+        if state is None or (at_step is not None and at_step > current):  # answered once it gets there
+            self._deferred_pulls.setdefault(bucket.bucket_id, []).append((message.peer, current if at_step is None else at_step))
+            return
+        self._send_params(state, [message.peer])
+
+    def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> None:
+        waiting = self._deferred_pulls.pop(state.bucket_id, [])
+        due = [peer for peer, step in waiting if step <= state.step]
+        later = [(peer, step) for peer, step in waiting if step > state.step]
+        if later:
+            self._deferred_pulls[state.bucket_id] = later
+        if due:
+            self._send_params(state, due, meta)
+
+    def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
+        job = self._require_job()
+        if job.spec.wire_dtype == "float32":
+            payload = state.param
+        else:
+            if state.wire_copy is None:
+                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+            payload = state.wire_copy
+            payload.copy_(state.param)
+        header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
+        for peer in peers:
+            self._send(peer, header, payload)
