@@ -294,6 +294,9 @@ class OffloadSession:
             if status.get("paused"):
                 lines.append(f"node {self.nodes[index]}: updates paused by its operator ({status['paused']})")
                 continue
+            if status.get("storage_error"):
+                lines.append(f"node {self.nodes[index]}: its state storage fails: {status['storage_error']}")
+                continue
             missing_ranks = sorted({rank for _bucket, _step, ranks in status["missing"] for rank in ranks})
             if missing_ranks:
                 lines.append(f"node {self.nodes[index]}: waiting for gradients from rank(s) {missing_ranks} on {len(status['missing'])} bucket(s)")

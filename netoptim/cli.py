@@ -113,6 +113,20 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--curve-allow", default=None, metavar="DIR", help="directory of the .key files of the workers allowed to connect (with --curve-secret-key)"
     )
     node.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="out-of-core mode: keep parameters and AdamW state in files here (scratch space, cleared at start; put it on a fast local disk, on the checkpoint directory's filesystem so checkpoints are hard links)",
+    )
+    node.add_argument(
+        "--memory-budget", type=_size, default=None, metavar="SIZE", help="out-of-core mode: at most this much state in memory, e.g. 4GiB (with --state-dir)"
+    )
+    node.add_argument(
+        "--sync-state-writes",
+        action="store_true",
+        help="out-of-core mode: fdatasync every state write and drop it from the page cache (bounded page cache, disk-speed updates)",
+    )
+    node.add_argument(
         "--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)"
     )
     node.add_argument(
@@ -273,6 +287,9 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         crash_at=args.crash_at,
         curve_secret_key=args.curve_secret_key,
         curve_allow=args.curve_allow,
+        state_dir=args.state_dir,
+        memory_budget=args.memory_budget,
+        sync_state_writes=args.sync_state_writes,
     )
     if args.max_message_bytes is not None:
         config.max_message_bytes = args.max_message_bytes

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from optimizer_node.storage import BucketState
+from optimizer_node.storage import BucketState, write_synced
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,21 @@ class CheckpointError(Exception):
 
 @dataclass(slots=True)
 class BucketSnapshot:
+    """One verified bucket file of a checkpoint; its tensors are read when asked for."""
+
     bucket_id: int
     step: int
     step_tensor: float
-    param: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    numel: int
+    path: Path
+
+    def values(self) -> torch.Tensor:
+        """param, exp_avg and exp_avg_sq back to back (3 x numel fp32)."""
+        return torch.from_file(str(self.path), shared=False, size=3 * self.numel, dtype=torch.float32)
+
+    @property
+    def param(self) -> torch.Tensor:
+        return torch.from_file(str(self.path), shared=False, size=self.numel, dtype=torch.float32)
 
 
 @dataclass(slots=True)
@@ -71,20 +81,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_synced(path: Path, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "wb") as handle:
-        for chunk in chunks:
-            handle.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return size, digest.hexdigest()
-
-
-def _raw(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().numpy()).cast("B")
+    written = write_synced(path, [memoryview(chunk) for chunk in chunks])
+    return int(written["bytes"]), str(written["sha256"])
 
 
 def step_directory(root: Path, step: int) -> Path:
@@ -98,11 +96,14 @@ def write_checkpoint(
     states: Iterable[BucketState],
     meta: dict[str, Any],
     keep: int,
+    write_file: Callable[[BucketState, Path], dict[str, int | str]],
     after_file: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Write a checkpoint of ``states`` (all at ``step``) under ``root``; returns its manifest.
 
-    ``meta`` (the job, the node index, the overrides) goes into the manifest. ``keep`` complete
+    ``meta`` (the job, the node index, the overrides) goes into the manifest; ``write_file`` puts one
+    bucket's state in a file (the store's :meth:`~optimizer_node.storage.BucketStore.write_checkpoint_file`:
+    written out, or hard-linked by an out-of-core store). ``keep`` complete
     checkpoints are kept, older ones are removed. Raises :class:`CheckpointError` (nothing of the new
     checkpoint left behind, the previous ones untouched) when the directory is unwritable or full.
     """
@@ -119,15 +120,8 @@ def write_checkpoint(
             if state.step != step:
                 raise CheckpointError(f"bucket {state.bucket_id} is at step {state.step}, not {step}: checkpoints are taken between steps")
             name = f"bucket-{state.bucket_id:06d}.bin"
-            size, digest = _write_synced(temporary / name, [_raw(state.param), _raw(state.exp_avg), _raw(state.exp_avg_sq)])
-            files[name] = {
-                "bucket_id": state.bucket_id,
-                "numel": state.numel,
-                "step": state.step,
-                "step_tensor": float(state.step_tensor),
-                "bytes": size,
-                "sha256": digest,
-            }
+            written = write_file(state, temporary / name)
+            files[name] = {"bucket_id": state.bucket_id, "numel": state.numel, "step": state.step, "step_tensor": float(state.step_tensor), **written}
             after_file()
         manifest = {"format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(), **meta, "files": files}
         _write_synced(temporary / MANIFEST, [json.dumps(manifest, indent=1).encode()])
@@ -177,22 +171,32 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path} has format version {manifest.get('format_version')!r}, this netoptim reads {FORMAT_VERSION}")
     buckets = {}
     for name, entry in manifest["files"].items():
-        try:
-            data = (path / name).read_bytes()
-        except OSError as exc:
-            raise CheckpointError(f"{path / name}: {exc.strerror or exc}") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(
-                f"{path / name} does not match its checksum in the manifest ({len(data)} bytes, {entry['bytes']} expected): the file is damaged"
-            )
+        size, digests = _digest_file(path / name, sha256="sha256" in entry)
+        if size != entry["bytes"] or any(entry.get(kind, value) != value for kind, value in digests.items()):
+            raise CheckpointError(f"{path / name} does not match its checksum in the manifest ({size} bytes, {entry['bytes']} expected): the file is damaged")
         numel = entry["numel"]
-        values = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        if values.numel() != 3 * numel:
-            raise CheckpointError(f"{path / name} holds {values.numel()} values, {3 * numel} expected")
-        buckets[entry["bucket_id"]] = BucketSnapshot(
-            entry["bucket_id"], entry["step"], entry["step_tensor"], values[:numel], values[numel : 2 * numel], values[2 * numel :]
-        )
+        if size != 12 * numel:
+            raise CheckpointError(f"{path / name} holds {size // 4} values, {3 * numel} expected")
+        buckets[entry["bucket_id"]] = BucketSnapshot(entry["bucket_id"], entry["step"], entry["step_tensor"], numel, path / name)
     return Checkpoint(path, manifest, buckets)
+
+
+def _digest_file(path: Path, *, sha256: bool, block: int = 8 << 20) -> tuple[int, dict[str, str | int]]:
+    """Size and checksums of a file, read in blocks (never whole into memory)."""
+    digest = hashlib.sha256() if sha256 else None
+    crc = 0
+    size = 0
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(block):
+                size += len(chunk)
+                if digest is not None:
+                    digest.update(chunk)
+                else:
+                    crc = zlib.crc32(chunk, crc)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+    return size, ({"sha256": digest.hexdigest()} if digest is not None else {"crc32": crc})
 
 
 def read_latest(root: Path) -> Checkpoint | None:

@@ -50,6 +50,15 @@ class NodeConfig:
     curve_allow: str | None = None
     """Directory of the ``.key`` files of the workers allowed to connect (with curve_secret_key)."""
 
+    state_dir: str | None = None
+    """Out-of-core mode: keep the buckets' state in files here (scratch: cleared at start)."""
+
+    memory_budget: int | None = None
+    """Out-of-core mode: bytes of bucket state held in memory at most (with state_dir)."""
+
+    sync_state_writes: bool = False
+    """Out-of-core mode: fdatasync each state write and drop it from the page cache."""
+
     crash_at: str | None = None
     """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
 
@@ -66,3 +75,7 @@ class NodeConfig:
             raise ValueError("curve_secret_key and curve_allow go together")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every and resume need checkpoint_dir")
+        if bool(self.state_dir) != (self.memory_budget is not None):
+            raise ValueError("state_dir and memory_budget go together (--state-dir DIR --memory-budget SIZE)")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError("memory_budget must be positive")

@@ -31,18 +31,22 @@ from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job import JobSpec
 from optimizer_node.metrics import NodeMetrics
+from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.replies import ParameterReplies
-from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
+from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
 from transport.wire import ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
 log = logging.getLogger(__name__)
+
+STORAGE_RETRY_S = 1.0
+"""After the store failed (disk full, a damaged state file), updates are retried this often."""
 
 
 @dataclass(slots=True)
@@ -84,6 +88,9 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         self._endpoint = self._transport.bind(config.listen)
         self.address = self._endpoint.address
         self.node_id = config.node_id or self.address
+        if store is None and config.state_dir:
+            assert config.memory_budget is not None
+            store = OutOfCoreStore(config.state_dir, config.memory_budget, sync=config.sync_state_writes)
         self._store = store if store is not None else InMemoryStore()
         self._job: _Job | None = None
         self._peers: dict[int, bytes] = {}  # rank -> transport identity
@@ -98,7 +105,9 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         self._clip_override_next: tuple[float | None] | None = None  # set mid-step, in force from the next step
         self._last_applied: dict[int, AdamWHyper] = {}  # param group -> hyperparameters of its last update
         self._pause_reason: str | None = None  # set while an operator has paused updates
-        self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
+        self._ready: list[int] = []
+        self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
+        self._storage_retry_at = 0.0  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self._stop: threading.Event | None = None
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.clock = StepClock()
@@ -137,7 +146,8 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         try:
             while not stop.is_set():
                 self.commands.run_pending()
-                can_apply = bool(self._ready) and self._pause_reason is None
+                self._store.poll()
+                can_apply = bool(self._ready) and self._pause_reason is None and time.monotonic() >= self._storage_retry_at
                 try:
                     message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
                 except WireError as exc:
@@ -159,6 +169,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
     def close(self) -> None:
         self._endpoint.close()
         self._transport.close()
+        self._store.close()
 
     @property
     def step(self) -> int:
@@ -330,6 +341,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
             in_flight = _BucketStep(header.step, hyper, OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer), time.perf_counter())
+            self._store.prefetch(bucket.bucket_id)  # out of core: read the state while the other ranks' gradients arrive
         elif header.rank in in_flight.reduction.received:
             raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
         elif hyper != in_flight.hyper:
@@ -360,9 +372,19 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             return False
         job = self._require_job()
         bucket_id = heapq.heappop(self._ready)
+        for upcoming in heapq.nsmallest(2, self._ready):  # out of core: read the next while this one updates
+            self._store.prefetch(upcoming)
         state = self._store.get(bucket_id)
         assert state is not None, "a bucket with gradients has state"
-        self._apply(job, state, self._in_flight[bucket_id])
+        try:
+            self._apply(job, state, self._in_flight[bucket_id])
+        except StorageError as exc:
+            heapq.heappush(self._ready, bucket_id)  # nothing was applied: its gradients wait for the retry
+            self.storage_error = str(exc)
+            self._storage_retry_at = time.monotonic() + STORAGE_RETRY_S
+            log.error("bucket %d not updated, retrying in %.0f s: %s", bucket_id, STORAGE_RETRY_S, exc)
+            return False
+        self.storage_error = None
         return True
 
     def apply_all_ready(self) -> int:
@@ -376,6 +398,13 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
+        self._store.acquire(state)  # StorageError here leaves everything as it was
+        try:
+            self._update_and_send(job, state, in_flight)
+        finally:
+            self._store.release(state, dirty=True)
+
+    def _update_and_send(self, job: _Job, state: BucketState, in_flight: _BucketStep) -> None:
         started = time.perf_counter()
         grad = in_flight.reduction.result
         assert grad is not None, "a complete reduction has a result"
@@ -424,6 +453,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             "awaiting_clip": self._awaiting_clip,
             "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),
             "paused": self._pause_reason,
+            "storage_error": self.storage_error,
         }
         self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
 

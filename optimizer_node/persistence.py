@@ -73,6 +73,7 @@ class CheckpointControls:
             states=list(self._store),
             meta=meta,
             keep=self.config.keep,
+            write_file=self._store.write_checkpoint_file,
             after_file=lambda: self._crash_points.passed("checkpoint"),
         )
         manifest["path"] = str(step_directory(Path(self.config.checkpoint_dir), self.step))
@@ -160,11 +161,7 @@ class CheckpointControls:
             raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")
         self._job = job
         for bucket_id, snapshot in sorted(checkpoint.buckets.items()):
-            state = self._store.create(bucket_id, snapshot.param)
-            state.exp_avg.copy_(snapshot.exp_avg)
-            state.exp_avg_sq.copy_(snapshot.exp_avg_sq)
-            state.step_tensor.fill_(snapshot.step_tensor)
-            state.step = snapshot.step
+            self._store.restore(bucket_id, snapshot.step, snapshot.step_tensor, snapshot.path, snapshot.numel)
         self._overrides = HyperOverrides(**manifest.get("overrides", {}))
         self._clip_override = manifest.get("max_grad_norm_override")
         self._last_checkpoint = manifest

@@ -68,13 +68,17 @@ class ParameterReplies:
 
     def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
         job = self._require_job()
-        if job.spec.wire_dtype == "float32":
-            payload = state.param
-        else:
-            if state.wire_copy is None:
-                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
-            payload = state.wire_copy
-            payload.copy_(state.param)
-        header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
-        for peer in peers:
-            self._send(peer, header, payload)
+        self._store.acquire(state)
+        try:
+            if job.spec.wire_dtype == "float32":
+                payload = state.param
+            else:
+                if state.wire_copy is None:
+                    state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+                payload = state.wire_copy
+                payload.copy_(state.param)
+            header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
+            for peer in peers:
+                self._send(peer, header, payload)
+        finally:
+            self._store.release(state, dirty=False)

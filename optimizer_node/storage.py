@@ -1,18 +1,28 @@
-"""Where a node keeps the fp32 master parameters and AdamW state of the buckets it owns.
+r"""Where a node keeps the fp32 master parameters and AdamW state of the buckets it owns.
 
-``InMemoryStore`` keeps everything resident in host memory. The daemon only talks to the
-:class:`BucketStore` interface, so an out-of-core store can replace it without touching the daemon.
+``InMemoryStore`` keeps everything resident in host memory; ``optimizer_node.ooc_store`` keeps it in
+files under a memory budget. The daemon only talks to the :class:`BucketStore` interface: it
+``acquire``\ s a bucket before it reads or writes its tensors and ``release``\ s it after, and it
+tells the store which buckets it will need soon (``prefetch``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from transport.interface import SendHandle
+
+
+class StorageError(Exception):
+    """The store cannot read or write a bucket's state (disk full, a damaged or changed state file);
+    the message says which bucket and what to do. The bucket's state in memory is unchanged."""
 
 
 @dataclass(slots=True)
@@ -20,7 +30,7 @@ class BucketState:
     """The master copy and optimizer state of one bucket. ``step`` counts applied updates."""
 
     bucket_id: int
-    param: torch.Tensor  # (numel,) fp32 master parameters
+    param: torch.Tensor  # (numel,) fp32 master parameters; out of core: valid only while acquired
     exp_avg: torch.Tensor  # (numel,) fp32
     exp_avg_sq: torch.Tensor  # (numel,) fp32
     step_tensor: torch.Tensor  # () fp32, as torch's AdamW keeps it
@@ -31,10 +41,11 @@ class BucketState:
     # Zero-copy sends still reading ``param`` (or the wire copy); waited for before the next update.
     pending_sends: list[SendHandle] = field(default_factory=list)
     wire_copy: torch.Tensor | None = None  # reused cast buffer when the wire dtype is not fp32
+    numel: int = -1  # set from param at creation; known while the tensors are on disk
 
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
+    def __post_init__(self) -> None:
+        if self.numel < 0:
+            self.numel = self.param.numel()
 
     def reduction_buffer(self) -> torch.Tensor:
         if self.grad is None:
@@ -64,6 +75,73 @@ class BucketStore(ABC):
 
     @abstractmethod
     def __len__(self) -> int: ...
+
+    # Residency. In memory everything is always resident, so these do nothing.
+
+    def prefetch(self, bucket_id: int) -> None:
+        """The bucket will be acquired soon: start loading it if it is not resident."""
+        return None
+
+    def acquire(self, state: BucketState) -> None:
+        """Make the bucket's tensors resident and keep them so until :meth:`release` (blocks)."""
+        return None
+
+    def release(self, state: BucketState, *, dirty: bool) -> None:
+        """Done with the tensors; ``dirty`` if they were changed."""
+        return None
+
+    def poll(self) -> None:
+        """Finish background work that completed (called by the daemon between messages)."""
+        return None
+
+    def resident_bytes(self) -> int:
+        """Bytes of state held in memory now."""
+        return sum(state.state_bytes for state in self)
+
+    def close(self) -> None:
+        """Finish background work and release resources."""
+        return None
+
+    # Checkpoints.
+
+    def write_checkpoint_file(self, state: BucketState, path: Path) -> dict[str, int | str]:
+        """Put the bucket's state (param, exp_avg, exp_avg_sq as fp32, back to back) in ``path``,
+        durably; returns ``bytes`` and a checksum (``sha256`` or ``crc32``) for the manifest."""
+        self.acquire(state)
+        try:
+            return write_synced(path, [raw_bytes(state.param), raw_bytes(state.exp_avg), raw_bytes(state.exp_avg_sq)])
+        finally:
+            self.release(state, dirty=False)
+
+    def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
+        """Create a bucket from a verified checkpoint file."""
+        values = torch.from_file(str(path), shared=False, size=3 * numel, dtype=torch.float32)
+        state = self.create(bucket_id, values[:numel])
+        self.acquire(state)
+        state.exp_avg.copy_(values[numel : 2 * numel])
+        state.exp_avg_sq.copy_(values[2 * numel :])
+        state.step_tensor.fill_(step_tensor)
+        state.step = step
+        self.release(state, dirty=True)
+        return state
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().numpy()).cast("B")
+
+
+def write_synced(path: Path, chunks: list[memoryview]) -> dict[str, int | str]:
+    """Write ``chunks`` to a new file at ``path`` and fsync it; ``bytes`` and ``sha256`` of what was written."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as handle:
+        for chunk in chunks:
+            handle.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 class InMemoryStore(BucketStore):

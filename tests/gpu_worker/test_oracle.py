@@ -79,3 +79,21 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
     params, _ = run_offloaded(RunConfig(nodes=[node.address], extra=extra))
     fused_ref, _ = reference_averaged(2, fused=True)
     assert max_difference(params, fused_ref) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("layerwise", "clip", "wire"), [(False, None, "float32"), (True, None, "float32"), (False, 0.05, "float32"), (False, None, "bfloat16")]
+)
+def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_path, layerwise, clip, wire):
+    """A budget of two buckets forces every bucket through its state file at every step."""
+    wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[wire]
+    nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), "--memory-budget", str(2 * 300 * 12))).address for i in range(2)]
+    config = RunConfig(nodes=nodes, layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype)
+    out_of_core, _ = run_offloaded(config)
+    in_memory, _ = run_offloaded(
+        RunConfig(nodes=[start_node("mem0").address, start_node("mem1").address], layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype)
+    )
+    assert max_difference(out_of_core, in_memory) == 0.0
+    if clip is None and wire == "float32":
+        assert max_difference(out_of_core, reference_averaged(2, fused=True)[0]) == 0.0
+    assert len(list((tmp_path / "state0").glob("bucket-*.bin"))) > 2, "the state lives in files"

@@ -1,0 +1,354 @@
+"""Out-of-core bucket state: fp32 parameters and AdamW moments in files, under a memory budget.
+
+Each bucket's state is one file, ``bucket-NNNNNN.vSSSSSSSSSS.bin`` (param, exp_avg, exp_avg_sq as fp32,
+back to back: the checkpoint file format), where ``S`` is the step it holds. A new version is written
+to a new name and the old name is then unlinked, so a file never changes once written: a checkpoint
+is a hard link to each bucket's current file (no copy), and a torn write never damages a version
+that anything refers to. Every write records the file's size, inode, mtime and CRC-32; a read checks
+all four, so a file truncated, replaced or edited under the node is an error, not silent garbage.
+
+Residency: a bucket being updated or sent is *acquired* (resident, pinned). Other resident buckets
+are a cache: when the whole state fits the budget they stay (nothing is written until a checkpoint
+or an eviction needs it); when it does not, a bucket is written back as soon as it is released and
+its memory freed once the write is done. The daemon says which buckets come next (``prefetch``):
+reads run on I/O threads while it updates another bucket and earlier writes drain, the read
+``i+1`` / update ``i`` / write ``i-1`` pipeline. All bookkeeping happens on the daemon thread; the I/O
+threads only read or write a buffer they are handed.
+
+I/O method: plain buffered ``readinto``/``write`` of whole files from a small thread pool (measured by
+``netoptim bench offload``; see docs/operations.md). With ``sync=True`` every write is followed by
+``fdatasync`` and the page cache of the file is dropped, so the node's footprint, page cache included,
+stays near the budget, at the disk's real speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optimizer_node.storage import BucketState, BucketStore, StorageError
+
+log = logging.getLogger(__name__)
+
+_EVICTED = torch.empty(0, dtype=torch.float32)
+BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True, slots=True)
+class _FileInfo:
+    step: int
+    size: int
+    inode: int
+    mtime_ns: int
+    crc32: int
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    state: BucketState
+    flat: torch.Tensor | None = None  # (3 * numel,) fp32 while resident
+    file: _FileInfo | None = None  # the newest version on disk
+    dirty: bool = False  # resident values are newer than the file
+    pins: int = 0
+    reading: Future | None = None
+    writing: Future | None = None
+    last_use: int = 0
+
+
+def _write_file(path: Path, flat: torch.Tensor, step: int, sync: bool) -> _FileInfo:
+    data = memoryview(flat.numpy()).cast("B")
+    crc = zlib.crc32(data)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        if sync:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        stat = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return _FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc)
+
+
+def _read_file(path: Path, flat: torch.Tensor, expected: _FileInfo, sync: bool) -> None:
+    data = memoryview(flat.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as handle:
+        stat = os.fstat(handle.fileno())
+        if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
+            raise StorageError(f"{path} was changed outside the node (size {stat.st_size}, expected {expected.size})")
+        got = handle.readinto(data)
+        if sync:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if got != len(data) or zlib.crc32(data) != expected.crc32:
+        raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
+
+
+class OutOfCoreStore(BucketStore):
+    """Bucket state in files under ``state_dir``, at most ``memory_budget`` bytes of it in memory."""
+
+    def __init__(self, state_dir: str | Path, memory_budget: int, *, io_threads: int = 2, sync: bool = False) -> None:
+        if memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {memory_budget}")
+        self.state_dir = Path(state_dir)
+        self.memory_budget = memory_budget
+        self.sync = sync
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.state_dir / ".write-probe"
+            probe.write_bytes(b"netoptim")
+            probe.unlink()
+        except OSError as exc:
+            raise StorageError(f"cannot use {self.state_dir} as the state directory: {exc.strerror or exc}; give --state-dir a writable directory") from None
+        for stale in self.state_dir.glob("bucket-*.bin"):  # scratch of an earlier run; checkpoints are elsewhere
+            stale.unlink()
+        self._slots: dict[int, _Slot] = {}
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-io")
+        self._resident = 0
+        self._total = 0
+        self._clock = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # ---------------------------------------------------------------- BucketStore
+
+    def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
+        if bucket_id in self._slots:
+            raise ValueError(f"bucket {bucket_id} already exists")
+        numel = initial.numel()
+        state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.zeros(()), numel=numel)
+        slot = _Slot(state)
+        self._slots[bucket_id] = slot
+        self._total += BYTES_PER_PARAM * numel
+        self._make_resident(slot)
+        slot.flat.zero_()  # type: ignore[union-attr]
+        state.param.copy_(initial.reshape(-1))
+        slot.dirty = True
+        self._after_use(slot)
+        return state
+
+    def get(self, bucket_id: int) -> BucketState | None:
+        slot = self._slots.get(bucket_id)
+        return None if slot is None else slot.state
+
+    def __iter__(self) -> Iterator[BucketState]:
+        return iter([self._slots[b].state for b in sorted(self._slots)])
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def resident_bytes(self) -> int:
+        return self._resident
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all buckets' state, resident or not."""
+        return self._total
+
+    def prefetch(self, bucket_id: int) -> None:
+        slot = self._slots.get(bucket_id)
+        if slot is None or slot.flat is not None or slot.file is None:
+            return
+        if not self._make_room(BYTES_PER_PARAM * slot.state.numel, block=False):
+            return  # no room without waiting: the acquire will read it
+        self._start_read(slot)
+
+    def acquire(self, state: BucketState) -> None:
+        slot = self._slots[state.bucket_id]
+        slot.pins += 1  # pinned first: nothing below may evict it
+        try:
+            if slot.writing is not None:  # its last values are still being written: no changes until done
+                self._finish_write(slot)
+            if slot.flat is None:
+                self._make_room(BYTES_PER_PARAM * state.numel, block=True)
+                self._start_read(slot)
+            if slot.reading is not None:
+                self._finish_read(slot)
+        except BaseException:
+            slot.pins -= 1
+            raise
+
+    def release(self, state: BucketState, *, dirty: bool) -> None:
+        slot = self._slots[state.bucket_id]
+        assert slot.pins > 0, "release without acquire"
+        slot.pins -= 1
+        slot.dirty |= dirty
+        self._after_use(slot)
+
+    def poll(self) -> None:
+        for slot in self._slots.values():
+            if slot.writing is not None and slot.writing.done():
+                self._finish_write(slot)
+
+    def close(self) -> None:
+        for slot in self._slots.values():
+            if slot.writing is not None:
+                try:
+                    self._finish_write(slot)
+                except StorageError as exc:
+                    log.error("%s", exc)
+        self._pool.shutdown(wait=True)
+
+    def write_checkpoint_file(self, state: BucketState, path: Path) -> dict[str, int | str]:
+        """Hard-link the bucket's current file (written first if memory holds newer values)."""
+        slot = self._slots[state.bucket_id]
+        if slot.writing is not None:
+            self._finish_write(slot)
+        if slot.dirty or slot.file is None or slot.file.step != state.step:
+            self._start_write(slot)
+            self._finish_write(slot)
+        assert slot.file is not None
+        source = self._path(state.bucket_id, slot.file.step)
+        try:
+            os.link(source, path)
+        except OSError:  # another filesystem: copy instead
+            os.sync()
+            with open(source, "rb") as reader, open(path, "wb") as writer:
+                while block := reader.read(8 << 20):
+                    writer.write(block)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return {"bytes": slot.file.size, "crc32": slot.file.crc32}
+
+    def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
+        """Adopt a verified checkpoint file as the bucket's current version (a hard link, no copy)."""
+        state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.tensor(float(step_tensor)), numel=numel)
+        state.step = step
+        target = self._path(bucket_id, step)
+        try:
+            os.link(path, target)
+        except OSError:
+            target.write_bytes(path.read_bytes())
+        stat = target.stat()
+        crc = 0
+        with open(target, "rb") as handle:
+            while block := handle.read(8 << 20):
+                crc = zlib.crc32(block, crc)
+        slot = _Slot(state, file=_FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc))
+        self._slots[bucket_id] = slot
+        self._total += BYTES_PER_PARAM * numel
+        return state
+
+    # ---------------------------------------------------------------- residency
+
+    def _path(self, bucket_id: int, step: int) -> Path:
+        return self.state_dir / f"bucket-{bucket_id:06d}.v{step:010d}.bin"
+
+    def _make_resident(self, slot: _Slot) -> None:
+        numel = slot.state.numel
+        self._make_room(BYTES_PER_PARAM * numel, block=True)
+        slot.flat = torch.empty(3 * numel, dtype=torch.float32)
+        self._resident += BYTES_PER_PARAM * numel
+        self._bind(slot)
+
+    def _bind(self, slot: _Slot) -> None:
+        numel = slot.state.numel
+        assert slot.flat is not None
+        slot.state.param, slot.state.exp_avg, slot.state.exp_avg_sq = slot.flat[:numel], slot.flat[numel : 2 * numel], slot.flat[2 * numel :]
+
+    def _evict(self, slot: _Slot) -> None:
+        assert slot.pins == 0 and not slot.dirty and slot.writing is None and slot.reading is None
+        for handle in slot.state.pending_sends:  # zero-copy sends still read the buffer
+            handle.wait(60.0)
+        slot.state.pending_sends.clear()
+        slot.state.param = slot.state.exp_avg = slot.state.exp_avg_sq = _EVICTED
+        slot.state.grad = slot.state.wire_copy = None
+        slot.flat = None
+        self._resident -= BYTES_PER_PARAM * slot.state.numel
+
+    def _make_room(self, nbytes: int, *, block: bool) -> bool:
+        """Free memory until ``nbytes`` more fit the budget; False if that needs waiting and ``block`` is off."""
+        while self._resident + nbytes > self.memory_budget:
+            self.poll()
+            idle = [s for s in self._slots.values() if s.flat is not None and s.pins == 0 and s.reading is None]
+            clean = [s for s in idle if not s.dirty and s.writing is None]
+            if clean:
+                self._evict(min(clean, key=lambda s: s.last_use))
+                continue
+            if not block:
+                return False
+            writing = [s for s in idle if s.writing is not None]
+            if writing:
+                self._finish_write(min(writing, key=lambda s: s.last_use))
+                continue
+            dirty = [s for s in idle if s.dirty]
+            if dirty:
+                self._start_write(min(dirty, key=lambda s: s.last_use))
+                continue
+            prefetched = [s for s in self._slots.values() if s.reading is not None and s.pins == 0]
+            if prefetched:  # a read nobody waits for yet: let it land, then it can go
+                self._finish_read(prefetched[0])
+                continue
+            if self._resident == 0:
+                return True  # one bucket larger than the budget: allow it alone
+            raise StorageError(
+                f"the memory budget of {self.memory_budget / 2**20:.2f} MiB cannot hold the buckets in use ({self._resident / 2**20:.2f} MiB): raise --memory-budget"
+            )
+        return True
+
+    def _after_use(self, slot: _Slot) -> None:
+        self._clock += 1
+        slot.last_use = self._clock
+        if slot.pins == 0 and slot.dirty and slot.writing is None and self.total_bytes > self.memory_budget:
+            self._start_write(slot)  # over-subscribed: write behind at once, so reads find room
+
+    # ---------------------------------------------------------------- I/O
+
+    def _start_read(self, slot: _Slot) -> None:
+        assert slot.file is not None, "a bucket without a file is always resident"
+        numel = slot.state.numel
+        slot.flat = torch.empty(3 * numel, dtype=torch.float32)
+        self._resident += BYTES_PER_PARAM * numel
+        slot.reading = self._pool.submit(_read_file, self._path(slot.state.bucket_id, slot.file.step), slot.flat, slot.file, self.sync)
+
+    def _finish_read(self, slot: _Slot) -> None:
+        assert slot.reading is not None
+        future, slot.reading = slot.reading, None
+        try:
+            future.result()
+        except (OSError, StorageError) as exc:
+            slot.flat = None
+            self._resident -= BYTES_PER_PARAM * slot.state.numel
+            raise StorageError(
+                f"bucket {slot.state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
+            ) from None
+        self.bytes_read += BYTES_PER_PARAM * slot.state.numel
+        self._bind(slot)
+
+    def _start_write(self, slot: _Slot) -> None:
+        assert slot.flat is not None and slot.writing is None
+        step = slot.state.step
+        if slot.file is not None and slot.file.step == step:
+            self._path(slot.state.bucket_id, step).unlink(missing_ok=True)  # same step rewritten (a restore): replace it
+            slot.file = None
+        slot.writing = self._pool.submit(_write_file, self._path(slot.state.bucket_id, step), slot.flat, step, self.sync)
+        slot.dirty = False
+
+    def _finish_write(self, slot: _Slot) -> None:
+        assert slot.writing is not None
+        future, slot.writing = slot.writing, None
+        try:
+            info = future.result()
+        except OSError as exc:
+            slot.dirty = True  # the values stay in memory; nothing on disk changed
+            raise StorageError(f"bucket {slot.state.bucket_id}: cannot write its state under {self.state_dir}: {exc.strerror or exc}; free space there") from None
+        previous, slot.file = slot.file, info
+        if previous is not None and previous.step != info.step:
+            self._path(slot.state.bucket_id, previous.step).unlink(missing_ok=True)  # a checkpoint's hard link keeps its data
+        self.bytes_written += info.size
+        if slot.pins == 0 and not slot.dirty and self.total_bytes > self.memory_budget:
+            self._evict(slot)
