@@ -78,6 +78,9 @@ class RemoteAdamW(torch.optim.Optimizer):
             --curve-secret-key``): this worker's ``.key_secret`` file and the node's ``.key`` file.
         units: set by :func:`gpu_worker.offload` for layer-wise mode: the worker then holds only the
             units it computes, fetched just in time; ``step()`` pushes and returns without waiting.
+        push_window_bytes: layer-wise mode: gradient bytes this worker may have pushed that the
+            nodes have not used up yet; backward waits beyond it, so a slow node (out of core) is
+            never flooded. Each node holds at most this much per worker of unconsumed gradients.
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -106,6 +109,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         units: UnitPlan | None = None,
+        push_window_bytes: int = 1 << 30,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
@@ -145,6 +149,9 @@ class RemoteAdamW(torch.optim.Optimizer):
             if units is None:
                 self._session.connect()
             else:
+                if push_window_bytes <= 0:
+                    raise ValueError(f"push_window_bytes must be positive, got {push_window_bytes}")
+                self._session.push_window_bytes = push_window_bytes
                 self._streamer = LayerStreamer(units, self._session, hypers=self._hypers_of_step, sync_enabled=lambda: self._sync_enabled)
                 self._streamer.connect()
         except BaseException:

@@ -66,6 +66,10 @@ class OffloadSession:
         self._free_buffers: dict[int, list[torch.Tensor]] = {}  # numel -> buffers no send reads
         self._sending: list[tuple[SendHandle, torch.Tensor]] = []
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
+        # Layer-wise flow control: gradient bytes pushed and not yet consumed by their node; a push
+        # that would exceed the window first waits for CONSUMED messages.
+        self.push_window_bytes: int | None = None
+        self._unconsumed: dict[int, int] = {}
         self._norm_partials: dict[int, float] = {}
         self._transport = create_transport(self.nodes[0], curve_client=curve)
         self._curve = curve
@@ -144,6 +148,14 @@ class OffloadSession:
         if bucket_id in self._pushed:
             raise RuntimeError(f"bucket {bucket_id} was already pushed for step {self.bucket_steps[bucket_id]}")
         bucket = self.buckets[bucket_id]
+        if self.push_window_bytes is not None:
+            nbytes = bucket.numel * self._wire_dtype.itemsize
+            window = self.push_window_bytes
+            self.receive_until(
+                lambda: not self._unconsumed or sum(self._unconsumed.values()) + nbytes <= window,
+                lambda: f"the nodes have not consumed {sum(self._unconsumed.values())} bytes of gradients",
+            )
+            self._unconsumed[bucket_id] = nbytes
         buffer = self._send_buffer(bucket.numel)
         gather_bucket(bucket, grads, buffer)
         if buffer.is_pinned():
@@ -224,6 +236,9 @@ class OffloadSession:
                     raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
                 if header.msg_type == MsgType.NOTICE:
                     self._log_notice(index, header)
+                    continue
+                if header.msg_type == MsgType.CONSUMED:
+                    self._unconsumed.pop(header.bucket_id, None)
                     continue
                 if header.msg_type == MsgType.NORM_PARTIAL:
                     self._norm_partials[index] = float(header.meta["sum_of_squares"])

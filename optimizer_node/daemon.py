@@ -362,9 +362,16 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         if not in_flight.reduction.complete:
             return
         if self.max_grad_norm is not None:
+            self._tell_consumed(job, bucket.bucket_id, header.step)  # clipping holds every sum until the norm is known
             self._maybe_request_norm(job)
         else:
             heapq.heappush(self._ready, bucket.bucket_id)
+
+    def _tell_consumed(self, job: _Job, bucket_id: int, step: int) -> None:
+        """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
+        if job.spec.mode == "layerwise":
+            for rank in range(job.spec.world_size):
+                self._send(self._peers[rank], Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
 
     def apply_next(self) -> bool:
         """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
@@ -424,6 +431,8 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         if job.spec.mode == "full":
             self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
         else:
+            if in_flight.clip is None:
+                self._tell_consumed(job, state.bucket_id, in_flight.step)
             self._answer_deferred_pulls(state, meta)
         self.clock.current.send_s += time.perf_counter() - sending
         self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival)

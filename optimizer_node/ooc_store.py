@@ -226,7 +226,9 @@ class OutOfCoreStore(BucketStore):
 
     def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
         """Adopt a verified checkpoint file as the bucket's current version (a hard link, no copy)."""
-        state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.tensor(float(step_tensor)), numel=numel)
+        state = BucketState(
+            bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.tensor(float(step_tensor)), numel=numel
+        )
         state.step = step
         target = self._path(bucket_id, step)
         try:
@@ -345,7 +347,9 @@ class OutOfCoreStore(BucketStore):
             info = future.result()
         except OSError as exc:
             slot.dirty = True  # the values stay in memory; nothing on disk changed
-            raise StorageError(f"bucket {slot.state.bucket_id}: cannot write its state under {self.state_dir}: {exc.strerror or exc}; free space there") from None
+            raise StorageError(
+                f"bucket {slot.state.bucket_id}: cannot write its state under {self.state_dir}: {exc.strerror or exc}; free space there"
+            ) from None
         previous, slot.file = slot.file, info
         if previous is not None and previous.step != info.step:
             self._path(slot.state.bucket_id, previous.step).unlink(missing_ok=True)  # a checkpoint's hard link keeps its data

@@ -54,6 +54,7 @@ class MsgType(enum.IntEnum):
     ERROR = 12  # either way: a request was rejected, with an ErrorCode and a message
     ECHO = 13  # transport benchmark and liveness: the payload comes straight back
     NOTICE = 14  # node -> workers: an operator paused or resumed updates (meta: paused, reason)
+    CONSUMED = 15  # node -> worker (layer-wise): its gradient of this bucket and step is used up; flow control
 
 
 class ErrorCode(enum.IntEnum):

@@ -206,3 +206,19 @@ def test_a_node_that_dies_mid_fetch_is_a_clear_error(start_node):
     with pytest.raises(TimeoutError, match=r"unit '<root>' is missing .* no answer \(is it running\?\)"):
         model(*tokens(1, 0, 1))
     opt.close()
+
+
+def test_a_small_push_window_throttles_backward_and_changes_nothing(start_node):
+    """With room for one bucket of unconsumed gradients, every push waits for the previous one's update."""
+    reference = train([start_node("wide").address], layerwise=True, world_size=1, steps=2)[0]
+    node = start_node("narrow")
+    model = make_gpt()
+    opt = offload(model, model.blocks, nodes=[node.address], lr=3e-3, weight_decay=0.1, bucket_numel=4096, push_window_bytes=4096 * 4, timeout_s=30)
+    for step in range(2):
+        _logits, loss = model(*tokens(step, 0, 1))
+        loss.backward()
+        assert sum(opt._session._unconsumed.values()) <= 4096 * 4
+        opt.step()
+    narrow = opt.gather_parameters()
+    opt.close()
+    assert all(torch.equal(reference[k], narrow[k]) for k in reference)
