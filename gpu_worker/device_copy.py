@@ -9,9 +9,6 @@ the backward kernels that produced them by an event, and the sender waits for th
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 from collections import deque
 
 import torch
@@ -71,23 +68,3 @@ def device_to_host_ready(device: torch.device) -> None:
     """Before a send buffer filled by non-blocking device-to-host copies is read by the transport."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-@functools.cache
-def _malloc_trim() -> object | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def trim_host_heap() -> None:
-    """Give freed heap memory back to the OS (glibc only; elsewhere a no-op).
-
-    A layer-wise worker frees megabytes of parameters, gradients and receive frames every step;
-    glibc keeps freed heap pages mapped, so without this the resident size creeps up towards the
-    model's size even though the worker holds only its window."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

@@ -208,6 +208,71 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--timeout-s", type=_positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
 
 
+def _count(text: str) -> int:
+    """A parameter count like 3B, 85M, 1.3e9 or 125000000."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+    stripped = text.strip().lower()
+    factor = scale.get(stripped[-1:], 1)
+    try:
+        value = int(float(stripped[:-1] if factor > 1 else stripped) * factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count like 3B, 85M or 125000000") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _add_plan_memory_parser(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser(
+        "plan-memory",
+        help="RAM and disk each optimizer node needs for a model, before starting anything",
+        description="Print what each node needs for its share of a job: RAM in memory, RAM and disk out of core (--state-dir/--memory-budget), so you know before you start. Nodes check the same figures when a job registers and refuse one they cannot hold.",
+    )
+    plan.add_argument("--params", type=_count, required=True, help="trainable parameters of the model, like 3B, 85M or 125000000")
+    plan.add_argument("--workers", type=_positive_int, required=True, help="data-parallel workers")
+    plan.add_argument("--nodes", type=_positive_int, default=1, help="optimizer nodes sharing the state (default: %(default)s)")
+    plan.add_argument(
+        "--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="gradient/parameter dtype on the wire (default: %(default)s)"
+    )
+    plan.add_argument("--layerwise", action="store_true", help="workers run layer-wise mode (their push window bounds the gradients a node holds)")
+    plan.add_argument("--push-window", type=_size, default=1 << 30, help="layer-wise: unconsumed gradient bytes per worker (default: 1GiB)")
+    plan.add_argument("--memory-budget", type=_size, default=None, help="out of core: the node's --memory-budget, e.g. 4GiB")
+    plan.add_argument("--keep", type=_non_negative_int, default=0, help="checkpoints kept on the same disk as the state (default: %(default)s)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run_plan_memory(args: argparse.Namespace) -> int:
+    import json
+
+    from optimizer_node.memory_plan import available_memory, node_needs
+
+    share = -(-args.params // args.nodes)
+    wire_bytes = 4 if args.wire_dtype == "float32" else 2
+    needs = node_needs(
+        share,
+        workers=args.workers,
+        wire_bytes=wire_bytes,
+        layerwise=args.layerwise,
+        push_window_bytes=args.push_window,
+        memory_budget=args.memory_budget,
+        keep_checkpoints=args.keep,
+    )
+    available = available_memory()
+    if args.json:
+        print(json.dumps({"nodes": args.nodes, "per_node": needs.to_dict(), "this_host_available_ram": available}, indent=2))
+        return 0
+    gib = 2**30
+    print(f"{args.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire")
+    print(f"  in memory:   {needs.ram_in_memory / gib:8.1f} GiB RAM per node")
+    if needs.ram_out_of_core is not None:
+        print(f"  out of core: {needs.ram_out_of_core / gib:8.1f} GiB RAM per node with --memory-budget {args.memory_budget / gib:.1f}GiB")
+    print(f"               {needs.disk_out_of_core / gib:8.1f} GiB disk per node under --state-dir (live state + {args.keep} checkpoint(s))")
+    if available is not None:
+        verdict = "fits" if needs.ram_in_memory <= available else "does NOT fit: use --state-dir/--memory-budget or more nodes"
+        print(f"  this host has {available / gib:.1f} GiB available: in memory {verdict}")
+    return 0
+
+
 def _add_keygen_parser(subparsers: argparse._SubParsersAction) -> None:
     keygen = subparsers.add_parser(
         "keygen",
@@ -262,10 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,admin,export,keygen}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,plan-memory,admin,export,keygen}")
     _add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_bench_parser(subparsers)
+    _add_plan_memory_parser(subparsers)
     add_admin_parser(subparsers)
     _add_export_parser(subparsers)
     _add_keygen_parser(subparsers)
@@ -388,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_export(args)
     if args.command == "admin":
         return run_admin(args)
+    if args.command == "plan-memory":
+        return run_plan_memory(args)
     if args.command == "bench":
         from benchmarks import run_benchmark
 

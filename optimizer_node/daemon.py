@@ -30,6 +30,7 @@ from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job import JobSpec
+from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from optimizer_node.metrics import NodeMetrics
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
@@ -41,7 +42,7 @@ from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, Stor
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
-from transport.wire import ErrorCode, Header, MsgType, WireError, error_header, tensor_header
+from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +253,10 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
                 log.info("rank %d said HELLO before rank 0; holding it until rank 0 registers", header.rank)
                 self._deferred_hellos.append(message)
                 return
+            problem = self._fit_problem(spec, node_index, plan)
+            if problem is not None:
+                log.error("cannot take the job: %s", problem)
+                raise WireError(ErrorCode.CANNOT_FIT, f"node {self.node_id}: {problem}")
             self._job = _Job.create(spec, node_index, plan)
             owned = self._job.owned
             total = sum(b.numel for b in owned.values())
@@ -289,6 +294,17 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             deferred, self._deferred_hellos = self._deferred_hellos, []
             for held in deferred:
                 self.handle(held)
+
+    def _fit_problem(self, spec: JobSpec, node_index: int, plan: list[BucketSpec]) -> str | None:
+        params = sum(b.numel for b in plan if b.node == node_index)
+        needs = node_needs(params, workers=spec.world_size, wire_bytes=WIRE_DTYPES[spec.wire_dtype].itemsize, layerwise=spec.mode == "layerwise")
+        return fit_problem(
+            needs,
+            state_dir=self.config.state_dir,
+            memory_budget=self.config.memory_budget,
+            bucket_bytes=STATE_BYTES_PER_PARAM * spec.bucket_numel,
+            num_nodes=spec.num_nodes,
+        )
 
     def _owned_bucket(self, job: _Job, header: Header) -> BucketSpec:
         spec = job.owned.get(header.bucket_id)

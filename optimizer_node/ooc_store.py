@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from optimizer_node.host_memory import trim_host_heap
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,9 @@ class OutOfCoreStore(BucketStore):
         for stale in self.state_dir.glob("bucket-*.bin"):  # scratch of an earlier run; checkpoints are elsewhere
             stale.unlink()
         self._slots: dict[int, _Slot] = {}
+        # Freed state buffers by size, reused: memory for state is allocated once, up to the budget,
+        # instead of being freed to (and fragmenting) the heap at every eviction.
+        self._spare: dict[int, list[torch.Tensor]] = {}
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-io")
         self._resident = 0
         self._total = 0
@@ -127,6 +131,7 @@ class OutOfCoreStore(BucketStore):
         if bucket_id in self._slots:
             raise ValueError(f"bucket {bucket_id} already exists")
         numel = initial.numel()
+        self._make_room(BYTES_PER_PARAM * numel, block=True)  # may fail (disk full): then nothing is registered
         state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.zeros(()), numel=numel)
         slot = _Slot(state)
         self._slots[bucket_id] = slot
@@ -253,9 +258,20 @@ class OutOfCoreStore(BucketStore):
     def _make_resident(self, slot: _Slot) -> None:
         numel = slot.state.numel
         self._make_room(BYTES_PER_PARAM * numel, block=True)
-        slot.flat = torch.empty(3 * numel, dtype=torch.float32)
+        slot.flat = self._buffer(numel)
         self._resident += BYTES_PER_PARAM * numel
         self._bind(slot)
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        """A state buffer for a bucket of ``numel``: a spare one, else a new one (the caller made room)."""
+        spare = self._spare.get(numel)
+        if spare:
+            return spare.pop()
+        spare_bytes = sum(BYTES_PER_PARAM * b.numel() // 3 for buffers in self._spare.values() for b in buffers)
+        if spare_bytes and self._resident + spare_bytes + BYTES_PER_PARAM * numel > self.memory_budget:
+            self._spare.clear()  # buckets of other sizes: give their buffers back before growing
+            trim_host_heap()
+        return torch.empty(3 * numel, dtype=torch.float32)
 
     def _bind(self, slot: _Slot) -> None:
         numel = slot.state.numel
@@ -269,6 +285,8 @@ class OutOfCoreStore(BucketStore):
         slot.state.pending_sends.clear()
         slot.state.param = slot.state.exp_avg = slot.state.exp_avg_sq = _EVICTED
         slot.state.grad = slot.state.wire_copy = None
+        assert slot.flat is not None
+        self._spare.setdefault(slot.state.numel, []).append(slot.flat)
         slot.flat = None
         self._resident -= BYTES_PER_PARAM * slot.state.numel
 
@@ -313,7 +331,7 @@ class OutOfCoreStore(BucketStore):
     def _start_read(self, slot: _Slot) -> None:
         assert slot.file is not None, "a bucket without a file is always resident"
         numel = slot.state.numel
-        slot.flat = torch.empty(3 * numel, dtype=torch.float32)
+        slot.flat = self._buffer(numel)
         self._resident += BYTES_PER_PARAM * numel
         slot.reading = self._pool.submit(_read_file, self._path(slot.state.bucket_id, slot.file.step), slot.flat, slot.file, self.sync)
 
@@ -323,6 +341,8 @@ class OutOfCoreStore(BucketStore):
         try:
             future.result()
         except (OSError, StorageError) as exc:
+            assert slot.flat is not None
+            self._spare.setdefault(slot.state.numel, []).append(slot.flat)
             slot.flat = None
             self._resident -= BYTES_PER_PARAM * slot.state.numel
             raise StorageError(

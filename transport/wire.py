@@ -75,6 +75,7 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 13  # a well-formed request that makes no sense in the node's state
     INTERNAL = 14
     DRAINING = 15  # the node finished its last step before a drain and takes no more gradients
+    CANNOT_FIT = 16  # the node cannot hold its share of the job (RAM, disk or memory budget); the message says what to change
 
 
 class WireError(Exception):

@@ -59,14 +59,20 @@ def uninterrupted(tmp_path_factory):
     return params
 
 
-@pytest.mark.parametrize("crash_at", ["push:20", "update:5", "checkpoint:4"], ids=["during-a-push", "during-an-update", "during-a-checkpoint-write"])
-def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(start_node, tmp_path, uninterrupted, crash_at):
+@pytest.mark.parametrize(
+    ("crash_at", "out_of_core"),
+    [("push:20", False), ("update:5", False), ("checkpoint:4", False), ("update:5", True), ("checkpoint:4", True)],
+    ids=["during-a-push", "during-an-update", "during-a-checkpoint-write", "out-of-core-during-an-update", "out-of-core-during-a-checkpoint-write"],
+)
+def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(start_node, tmp_path, uninterrupted, crash_at, out_of_core):
     checkpoints = str(tmp_path / "checkpoints")
-    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", crash_at))
+    # Out of core: a budget of two of the three buckets, so state really goes through its files.
+    storage = ("--state-dir", str(tmp_path / "state"), "--memory-budget", str(2 * 128 * 12)) if out_of_core else ()
+    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", crash_at, *storage))
     params, errors = train(node.address, timeout_s=3)
     assert params is None and errors, "the node should have died mid-training"
     assert node.process.wait(10) == EXIT_STATUS
-    resumed = start_node("resumed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--resume"))
+    resumed = start_node("resumed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--resume", *storage))
     assert "resumed from" in resumed.log_text()
     params, errors = train(resumed.address)
     assert not errors, errors

@@ -1,0 +1,62 @@
+"""Out-of-core nodes as a whole: the memory budget measured on a running node, and jobs a node
+cannot hold refused with what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker import NodeError, RemoteAdamW, offload
+from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+
+JOB_OVERHEAD = 40 << 20
+
+
+def rss_bytes(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def test_node_memory_stays_within_its_budget(start_node, tmp_path):
+    """96 MiB of state through a 24 MiB budget; the node's peak RSS above its idle size is measured."""
+    budget = 24 << 20
+    node = start_node(extra_args=("--state-dir", str(tmp_path / "state"), "--memory-budget", str(budget)))
+    idle = rss_bytes(node.process.pid, "VmRSS")
+    config = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=256)
+    with torch.device("meta"):
+        model = GPT(config)
+    window = 4 << 20
+    opt = offload(model, model.blocks, nodes=[node.address], init_fn=gpt_initializer(config), bucket_numel=1 << 18, push_window_bytes=window, timeout_s=60)
+    state_bytes = 12 * sum(p.numel() for p in model.parameters())
+    assert state_bytes > 3 * budget
+    for step in range(2):
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(step))
+        _, loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        loss.backward()
+        opt.step()
+    opt.gather_parameters()
+    peak = rss_bytes(node.process.pid, "VmHWM") - idle
+    print(f"\nstate {state_bytes / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, node peak RSS above idle {peak / 2**20:.1f} MiB")
+    opt.close()
+    # The budget bounds the state. On top: the gradients a worker may have in flight (its push
+    # window) and the fixed cost of serving a job (kernel and thread start-up, I/O threads, message
+    # frames: ~30 MiB measured with all state in memory).
+    assert peak <= 1.1 * budget + window + JOB_OVERHEAD
+
+
+def test_a_budget_below_two_buckets_is_refused_with_what_to_change(start_node, tmp_path):
+    node = start_node(extra_args=("--state-dir", str(tmp_path / "state"), "--memory-budget", "16KiB"))
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(NodeError, match=r"CANNOT_FIT.*memory-budget .* is less than two buckets .*raise it"):
+        RemoteAdamW(model.parameters(), nodes=[node.address], bucket_numel=1024, timeout_s=10)
+
+
+def test_a_job_larger_than_the_nodes_ram_is_refused_before_anything_is_allocated(start_node):
+    node = start_node()
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=40, n_head=32, n_embd=4096))  # 8B parameters
+    with pytest.raises(NodeError, match=r"CANNOT_FIT.*needs about .* GiB of RAM.*--state-dir DIR --memory-budget SIZE"):
+        offload(model, model.blocks, nodes=[node.address], init_fn=gpt_initializer(model.config), timeout_s=10)
+    assert "stopped" not in node.log_text() and node.process.poll() is None
