@@ -12,6 +12,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.optimizer_bench import run
     elif args.bench == "transport":
         from benchmarks.transport_bench import run
+    elif args.bench == "offload":
+        from benchmarks.offload_bench import run
     elif args.bench == "train":
         from benchmarks.train_bench import run
     else:

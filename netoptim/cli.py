@@ -174,7 +174,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=_positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=_positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -205,6 +205,19 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
     train.add_argument("--steps", type=_positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=_non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
+    offload.add_argument("--numel", type=_positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
+    offload.add_argument("--bucket-numel", type=_positive_int, default=1 << 20, help="parameters per bucket (default: %(default)s)")
+    offload.add_argument("--memory-budget", type=_size, default=None, help="state held in memory at most (default: a quarter of the state)")
+    offload.add_argument("--state-dir", default=None, help="where the state files go (default: a temporary directory under the current one)")
+    offload.add_argument(
+        "--io",
+        choices=["sync", "buffered"],
+        default="sync",
+        help="sync: fdatasync each write and drop it from the page cache (disk speed, bounded cache); buffered: leave it to the page cache (default: %(default)s)",
+    )
+    offload.add_argument("--io-threads", type=_positive_int, default=2, help="I/O threads of the store (default: %(default)s)")
+    offload.add_argument("--repeats", type=_positive_int, default=3, help="timed steps and disk probes; medians are reported (default: %(default)s)")
     train.add_argument("--timeout-s", type=_positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
 
 

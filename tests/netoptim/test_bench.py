@@ -34,3 +34,10 @@ def test_train_bench_compares_ddp_full_and_layerwise():
     for mode in ("ddp", "full", "layerwise"):
         assert entry[mode]["tokens_per_s"] > 0 and entry[mode]["peak_rss_mb_per_worker"] > entry[mode]["rss_after_import_mb"] > 0
     assert 0.0 <= entry["layerwise"]["comm_hidden_fraction"] <= 1.0 and entry["layerwise"]["peak_param_mb"] > 0
+
+
+def test_offload_bench_compares_with_the_disk(tmp_path):
+    report = bench("offload", "--numel", str(4 << 20), "--bucket-numel", str(1 << 18), "--repeats", "1", "--state-dir", str(tmp_path))
+    assert report["benchmark"] == "offload" and report["ratio"] > 0
+    assert report["bytes_read_per_step"] == report["bytes_written_per_step"] == report["state_bytes"], "out of core: every byte read and written once"
+    assert report["disk_read_gbs"] > 0 and report["disk_write_gbs"] > 0 and report["in_memory_mparams_per_s"] > 0

@@ -28,7 +28,16 @@ def all_parsers(parser: argparse.ArgumentParser):
 
 def test_help_explains_every_flag():
     parsers = list(all_parsers(build_parser()))
-    assert {p.prog for p in parsers} >= {"netoptim", "netoptim node", "netoptim demo", "netoptim bench optimizer", "netoptim bench transport"}
+    assert {p.prog for p in parsers} >= {
+        "netoptim",
+        "netoptim node",
+        "netoptim demo",
+        "netoptim plan-memory",
+        "netoptim bench optimizer",
+        "netoptim bench transport",
+        "netoptim bench train",
+        "netoptim bench offload",
+    }
     for parser in parsers:
         for action in parser._actions:
             if action.option_strings:
@@ -51,6 +60,10 @@ def test_help_runs_from_the_console():
         (["demo", "--steps", "0"], "must be positive"),
         (["demo", "--workers", "two"], "not an integer"),
         (["bench", "optimizer", "--repeats", "0"], "must be positive"),
+        (["bench", "train", "--sizes", "huge"], "sizes are a comma-separated list"),
+        (["plan-memory", "--params", "lots", "--workers", "2"], "not a parameter count"),
+        (["node", "--memory-budget", "0"], "must be positive"),
+        (["node", "--state-dir", "/tmp/x"], "state_dir and memory_budget go together"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -85,3 +98,14 @@ def test_demo_trains_and_the_loss_falls(mode):
     start, end = map(float, match.groups())
     assert end < start - 0.5
     assert "sample:" in result.stdout
+
+
+def test_plan_memory_prints_what_a_node_needs():
+    result = netoptim("plan-memory", "--params", "3B", "--workers", "2", "--layerwise", "--memory-budget", "6GiB", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)["per_node"]
+    assert plan["params"] == 3_000_000_000
+    assert plan["ram_in_memory"] > 12 * 3e9 and plan["disk_out_of_core"] == 12 * 3_000_000_000
+    assert 6 << 30 < plan["ram_out_of_core"] < (6 << 30) + (3 << 30), "budget + overhead + two push windows"
+    table = netoptim("plan-memory", "--params", "85M", "--workers", "2", "--nodes", "2")
+    assert table.returncode == 0 and "GiB RAM per node" in table.stdout
