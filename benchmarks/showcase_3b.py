@@ -44,22 +44,25 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
-def _worker(node: str, steps: int, threads: int, results: mp.Queue, node_pid: int) -> None:
+def _worker(node: str, steps: int, threads: int, lr: float, results: mp.Queue, node_pid: int) -> None:
     from gpu_worker import offload
     from gpu_worker.models import GPT, gpt_initializer
+    from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 
     torch.set_num_threads(threads)
     with torch.device("meta"):
         model = GPT(CONFIG)
     params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
-    opt = offload(model, model.blocks, nodes=[node], init_fn=gpt_initializer(CONFIG), lr=1e-4, timeout_s=1800, push_window_bytes=1 << 30)
+    opt = offload(model, model.blocks, nodes=[node], init_fn=gpt_initializer(CONFIG), lr=lr, timeout_s=1800, push_window_bytes=1 << 30)
+    text = load_stdlib_bytes()
     report: dict = {"params": params, "register_s": time.perf_counter() - started, "steps": []}
-    for step in range(steps):
+    for _step in range(steps):
         io_before = _proc_io(node_pid)
         started = time.perf_counter()
-        tokens = torch.randint(0, CONFIG.vocab_size, (1, 33), generator=torch.Generator().manual_seed(step))
-        _, loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        # One batch of Python source, the same at every step: the loss must fall as it is learnt.
+        x, y = batch_for_step(text, 0, global_batch=1, block_size=32, rank=0, world_size=1, seed=0)
+        _, loss = model(x, y)
         loss.backward()
         opt.step()
         elapsed = time.perf_counter() - started  # step() returns at once: the update's cost shows in the next forward
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-budget", type=_size, default=6 << 30, help="node state in memory at most (default: 6GiB)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the worker (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     state_dir = Path(args.state_dir)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             assert node.process is not None
             context = mp.get_context("spawn")
             results: mp.Queue = context.Queue()
-            worker = context.Process(target=_worker, args=(node.address, args.steps, args.threads, results, node.process.pid))
+            worker = context.Process(target=_worker, args=(node.address, args.steps, args.threads, args.lr, results, node.process.pid))
             worker.start()
             report = results.get(timeout=7200)
             worker.join()

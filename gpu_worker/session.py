@@ -71,6 +71,7 @@ class OffloadSession:
         self.push_window_bytes: int | None = None
         self._unconsumed: dict[int, int] = {}
         self._norm_partials: dict[int, float] = {}
+        self.latest_step = 0  # the most updates any bucket has had (HELLO): where a layer-wise worker resumes
         self._transport = create_transport(self.nodes[0], curve_client=curve)
         self._curve = curve
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
@@ -124,6 +125,7 @@ class OffloadSession:
             needs_init += reply.header.meta.get("needs_init", [])
             for bucket_id in owned:
                 self.bucket_steps[bucket_id] = int(reply.header.step)
+            self.latest_step = max(self.latest_step, int(reply.header.meta.get("latest_step", reply.header.step)))
         return sorted(needs_init)
 
     def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:

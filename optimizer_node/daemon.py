@@ -148,6 +148,8 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             while not stop.is_set():
                 self.commands.run_pending()
                 self._store.poll()
+                if self._store.last_error is not None:
+                    self.storage_error, self._store.last_error = self._store.last_error, None
                 can_apply = bool(self._ready) and self._pause_reason is None and time.monotonic() >= self._storage_retry_at
                 try:
                     message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
@@ -287,7 +289,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             msg_type=MsgType.HELLO_OK,
             rank=header.rank,
             step=self.step,
-            meta={"node_id": self.node_id, "owned": sorted(job.owned), "needs_init": needs_init},
+            meta={"node_id": self.node_id, "owned": sorted(job.owned), "needs_init": needs_init, "latest_step": max((s.step for s in self._store), default=0)},
         )
         self._send(message.peer, reply)
         if header.rank == 0 and self._deferred_hellos:

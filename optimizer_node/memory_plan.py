@@ -92,7 +92,7 @@ def fit_problem(needs: NodeNeeds, *, state_dir: str | None, memory_budget: int |
     free = free_disk(state_dir)
     live = STATE_BYTES_PER_PARAM * needs.params
     if live > free:
-        return f"the state of this node's share needs {live / gib:.1f} GiB under {state_dir} and {free / gib:.1f} GiB are free: free space or use another --state-dir"
+        return f"the state of this node's share needs {live / 2**20:,.1f} MiB under {state_dir} and {free / 2**20:,.1f} MiB are free: free space or use another --state-dir"
     if needs.ram_out_of_core is not None:
         available = available_memory()
         if available is not None and needs.ram_out_of_core > available:

@@ -49,6 +49,7 @@ class _FileInfo:
     inode: int
     mtime_ns: int
     crc32: int
+    param_crc32: int  # of the parameter third alone: a fetch reads only that
 
 
 @dataclass(eq=False, slots=True)
@@ -65,7 +66,8 @@ class _Slot:
 
 def _write_file(path: Path, flat: torch.Tensor, step: int, sync: bool) -> _FileInfo:
     data = memoryview(flat.numpy()).cast("B")
-    crc = zlib.crc32(data)
+    param_crc = zlib.crc32(data[: len(data) // 3])
+    crc = zlib.crc32(data[len(data) // 3 :], param_crc)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         written = 0
@@ -80,7 +82,7 @@ def _write_file(path: Path, flat: torch.Tensor, step: int, sync: bool) -> _FileI
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
-    return _FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc)
+    return _FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc)
 
 
 def _read_file(path: Path, flat: torch.Tensor, expected: _FileInfo, sync: bool) -> None:
@@ -93,6 +95,18 @@ def _read_file(path: Path, flat: torch.Tensor, expected: _FileInfo, sync: bool) 
         if sync:
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if got != len(data) or zlib.crc32(data) != expected.crc32:
+        raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
+
+
+def _read_params(path: Path, param: torch.Tensor, expected: _FileInfo) -> None:
+    """Only the parameter third of a state file (what a fetch needs), checked like a full read."""
+    data = memoryview(param.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as handle:
+        stat = os.fstat(handle.fileno())
+        if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
+            raise StorageError(f"{path} was changed outside the node (size {stat.st_size}, expected {expected.size})")
+        got = handle.readinto(data)
+    if got != len(data) or zlib.crc32(data) != expected.param_crc32:
         raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
 
 
@@ -184,6 +198,25 @@ class OutOfCoreStore(BucketStore):
             slot.pins -= 1
             raise
 
+    def params_for_send(self, state: BucketState) -> torch.Tensor:
+        """The bucket's parameters: the resident ones, or only the parameter third of its file read
+        into a fresh tensor (a fetch needs a third of the bytes an update does)."""
+        slot = self._slots[state.bucket_id]
+        if slot.reading is not None:
+            self._finish_read(slot)
+        if slot.flat is not None:
+            return state.param
+        assert slot.file is not None
+        param = torch.empty(state.numel, dtype=torch.float32)
+        try:
+            _read_params(self._path(state.bucket_id, slot.file.step), param, slot.file)
+        except (OSError, StorageError) as exc:
+            raise StorageError(
+                f"bucket {state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
+            ) from None
+        self.bytes_read += param.numel() * 4
+        return param
+
     def release(self, state: BucketState, *, dirty: bool) -> None:
         slot = self._slots[state.bucket_id]
         assert slot.pins > 0, "release without acquire"
@@ -194,7 +227,11 @@ class OutOfCoreStore(BucketStore):
     def poll(self) -> None:
         for slot in self._slots.values():
             if slot.writing is not None and slot.writing.done():
-                self._finish_write(slot)
+                try:
+                    self._finish_write(slot)
+                except StorageError as exc:  # the values stay in memory, dirty; the write is tried again when room is needed
+                    log.error("%s", exc)
+                    self.last_error = str(exc)
 
     def close(self) -> None:
         for slot in self._slots.values():
@@ -241,11 +278,16 @@ class OutOfCoreStore(BucketStore):
         except OSError:
             target.write_bytes(path.read_bytes())
         stat = target.stat()
-        crc = 0
+        crc = param_crc = 0
         with open(target, "rb") as handle:
+            param_bytes = 4 * numel
+            while param_bytes > 0 and (block := handle.read(min(8 << 20, param_bytes))):
+                param_crc = zlib.crc32(block, param_crc)
+                param_bytes -= len(block)
+            crc = param_crc
             while block := handle.read(8 << 20):
                 crc = zlib.crc32(block, crc)
-        slot = _Slot(state, file=_FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc))
+        slot = _Slot(state, file=_FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc))
         self._slots[bucket_id] = slot
         self._total += BYTES_PER_PARAM * numel
         return state

@@ -68,17 +68,16 @@ class ParameterReplies:
 
     def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
         job = self._require_job()
-        self._store.acquire(state)
-        try:
-            if job.spec.wire_dtype == "float32":
-                payload = state.param
-            else:
-                if state.wire_copy is None:
-                    state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
-                payload = state.wire_copy
-                payload.copy_(state.param)
-            header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
-            for peer in peers:
-                self._send(peer, header, payload)
-        finally:
-            self._store.release(state, dirty=False)
+        params = self._store.params_for_send(state)  # out of core: only the parameter third is read
+        if job.spec.wire_dtype == "float32":
+            payload = params
+        elif params is state.param:
+            if state.wire_copy is None:
+                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+            payload = state.wire_copy
+            payload.copy_(params)
+        else:
+            payload = params.to(WIRE_DTYPES[job.spec.wire_dtype])
+        header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
+        for peer in peers:
+            self._send(peer, header, payload)

@@ -61,6 +61,8 @@ class BucketState:
 class BucketStore(ABC):
     """The node's state, one :class:`BucketState` per owned bucket."""
 
+    last_error: str | None = None  # the last failure of background work (a write behind), for status
+
     @abstractmethod
     def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
         """Create a bucket from its initial fp32 values (copied); ``ValueError`` if it exists."""
@@ -85,6 +87,10 @@ class BucketStore(ABC):
     def acquire(self, state: BucketState) -> None:
         """Make the bucket's tensors resident and keep them so until :meth:`release` (blocks)."""
         return None
+
+    def params_for_send(self, state: BucketState) -> torch.Tensor:
+        """The bucket's fp32 parameters to send (read-only use); need not be acquired."""
+        return state.param
 
     def release(self, state: BucketState, *, dirty: bool) -> None:
         """Done with the tensors; ``dirty`` if they were changed."""

@@ -3,6 +3,9 @@ cannot hold refused with what to change."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -60,3 +63,59 @@ def test_a_job_larger_than_the_nodes_ram_is_refused_before_anything_is_allocated
     with pytest.raises(NodeError, match=r"CANNOT_FIT.*needs about .* GiB of RAM.*--state-dir DIR --memory-budget SIZE"):
         offload(model, model.blocks, nodes=[node.address], init_fn=gpt_initializer(model.config), timeout_s=10)
     assert "stopped" not in node.log_text() and node.process.poll() is None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB filesystem."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def test_a_full_state_disk_stalls_training_with_a_clear_error_and_loses_nothing(start_node, small_disk):
+    """The disk fills up under a training node: updates stop, workers time out naming the storage
+    error; once the operator frees space the held updates are applied and training ends where a
+    roomy run ends."""
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    budget = 2 * 12 * 4096
+
+    def connect(node, timeout_s: float):
+        torch.manual_seed(0)
+        model = GPT(config)
+        return model, offload(model, model.blocks, nodes=[node.address], bucket_numel=4096, timeout_s=timeout_s, lr=1e-2)
+
+    def train(model, opt, steps: int) -> None:
+        for step in range(opt.remote_step, steps):
+            tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step))
+            model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1].backward()
+            opt.step()
+
+    model, opt = connect(start_node("roomy", extra_args=("--state-dir", str(small_disk.parent / "roomy"), "--memory-budget", str(budget))), 30)
+    train(model, opt, 3)
+    roomy = opt.gather_parameters()
+    opt.close()
+
+    node = start_node("cramped", extra_args=("--state-dir", str(small_disk / "state"), "--memory-budget", str(budget)))
+    model, opt = connect(node, 3)
+    filler = small_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # take every byte left: the next state versions have nowhere to go
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:
+        pass
+    os.close(fd)
+    with pytest.raises(TimeoutError, match=r"its state storage fails: .*No space left on device; free space there"):
+        train(model, opt, 3)
+    opt.close()
+    assert node.process.poll() is None, "the node keeps running"
+    filler.unlink()
+    model, opt = connect(node, 30)
+    train(model, opt, 3)
+    assert all(torch.equal(value, roomy[name]) for name, value in opt.gather_parameters().items())
+    opt.close()
