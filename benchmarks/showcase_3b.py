@@ -44,17 +44,17 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
-def _worker(node: str, steps: int, threads: int, lr: float, results: mp.Queue, node_pid: int) -> None:
+def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, results: mp.Queue, node_pid: int) -> None:
     from gpu_worker import offload
     from gpu_worker.models import GPT, gpt_initializer
     from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 
     torch.set_num_threads(threads)
     with torch.device("meta"):
-        model = GPT(CONFIG)
+        model = GPT(config)
     params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
-    opt = offload(model, model.blocks, nodes=[node], init_fn=gpt_initializer(CONFIG), lr=lr, timeout_s=1800, push_window_bytes=1 << 30)
+    opt = offload(model, model.blocks, nodes=[node], init_fn=gpt_initializer(config), lr=lr, timeout_s=1800, push_window_bytes=1 << 30)
     text = load_stdlib_bytes()
     report: dict = {"params": params, "register_s": time.perf_counter() - started, "steps": []}
     for _step in range(steps):
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="training steps (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the worker (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--n-layer", type=int, default=CONFIG.n_layer, help="blocks (default: %(default)s, 3.06B parameters with the default width)")
+    parser.add_argument("--n-embd", type=int, default=CONFIG.n_embd, help="width (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     state_dir = Path(args.state_dir)
@@ -101,7 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             assert node.process is not None
             context = mp.get_context("spawn")
             results: mp.Queue = context.Queue()
-            worker = context.Process(target=_worker, args=(node.address, args.steps, args.threads, args.lr, results, node.process.pid))
+            worker = context.Process(
+                target=_worker,
+                args=(
+                    node.address,
+                    GPTConfig(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=24, n_embd=args.n_embd),
+                    args.steps,
+                    args.threads,
+                    args.lr,
+                    results,
+                    node.process.pid,
+                ),
+            )
             worker.start()
             report = results.get(timeout=7200)
             worker.join()

@@ -32,7 +32,7 @@ from gpu_worker.device_copy import HostToDevice
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
 from optimizer_node.adamw import AdamWHyper
-from optimizer_node.host_memory import trim_host_heap
+from optimizer_node.host_memory import map_large_allocations, trim_host_heap
 from transport.interface import Message
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class LayerStreamer:
         self._grads = _Grads(self.params)
         self.step = 0
         self._handles: list = []
+        map_large_allocations()  # parameters and frames come and go every step: keep the RSS at the window
 
     # ---------------------------------------------------------------- setup
 

@@ -26,3 +26,20 @@ def trim_host_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
+    """Serve every allocation of ``threshold_bytes`` or more with its own mapping, returned to the OS
+    when freed (glibc only). glibc otherwise raises its threshold up to 32 MiB after large frees and
+    serves later ones from the heap, where a process that streams megabyte tensors through (bucket
+    state, gradient frames, parameters sent) keeps every byte it ever freed. Returns False where
+    this is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1)

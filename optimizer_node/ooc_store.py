@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from optimizer_node.host_memory import trim_host_heap
+from optimizer_node.host_memory import map_large_allocations, trim_host_heap
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ class OutOfCoreStore(BucketStore):
             raise StorageError(f"cannot use {self.state_dir} as the state directory: {exc.strerror or exc}; give --state-dir a writable directory") from None
         for stale in self.state_dir.glob("bucket-*.bin"):  # scratch of an earlier run; checkpoints are elsewhere
             stale.unlink()
+        map_large_allocations()  # so what is freed (frames, parameters sent) leaves the RSS too
         self._slots: dict[int, _Slot] = {}
         # Freed state buffers by size, reused: memory for state is allocated once, up to the budget,
         # instead of being freed to (and fragmenting) the heap at every eviction.
