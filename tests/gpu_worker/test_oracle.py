@@ -88,12 +88,12 @@ def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_pa
     """A budget of two buckets forces every bucket through its state file at every step."""
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[wire]
     nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), "--memory-budget", str(2 * 300 * 12))).address for i in range(2)]
-    config = RunConfig(nodes=nodes, layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype)
+    config = RunConfig(nodes=nodes, layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype, steps=8)
     out_of_core, _ = run_offloaded(config)
     in_memory, _ = run_offloaded(
-        RunConfig(nodes=[start_node("mem0").address, start_node("mem1").address], layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype)
+        RunConfig(nodes=[start_node("mem0").address, start_node("mem1").address], layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype, steps=8)
     )
     assert max_difference(out_of_core, in_memory) == 0.0
     if clip is None and wire == "float32":
-        assert max_difference(out_of_core, reference_averaged(2, fused=True)[0]) == 0.0
+        assert max_difference(out_of_core, reference_averaged(2, fused=True, steps=8)[0]) == 0.0
     assert len(list((tmp_path / "state0").glob("bucket-*.bin"))) > 2, "the state lives in files"
