@@ -234,13 +234,18 @@ class OutOfCoreStore(BucketStore):
                     log.error("%s", exc)
                     self.last_error = str(exc)
 
-    def close(self) -> None:
-        for slot in self._slots.values():
+    def flush(self) -> None:
+        """Wait for the writes in flight; a failed one is logged and left dirty, as in :meth:`poll`."""
+        for slot in list(self._slots.values()):
             if slot.writing is not None:
                 try:
                     self._finish_write(slot)
                 except StorageError as exc:
                     log.error("%s", exc)
+                    self.last_error = str(exc)
+
+    def close(self) -> None:
+        self.flush()
         self._pool.shutdown(wait=True)
 
     def write_checkpoint_file(self, state: BucketState, path: Path) -> dict[str, int | str]:
