@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -88,18 +89,40 @@ class NodeProcess:
         self.stop()
 
 
+def free_port() -> int:
+    """A TCP port the OS had free a moment ago (for a ``torch.distributed`` rendezvous, which needs one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_workers(
-    script_args: Sequence[str], world_size: int, *, module: str = "gpu_worker.recipes.train_gpt", timeout_s: float = 1800.0, threads_per_worker: int = 1
+    script_args: Sequence[str],
+    world_size: int,
+    *,
+    module: str = "gpu_worker.recipes.train_gpt",
+    timeout_s: float = 1800.0,
+    threads_per_worker: int = 1,
+    quiet: bool = False,
 ) -> int:
-    """Run ``world_size`` worker processes like ``torchrun`` does (RANK/WORLD_SIZE in the environment).
+    """Run ``world_size`` worker processes like ``torchrun`` does (RANK, WORLD_SIZE, LOCAL_RANK and a
+    MASTER_ADDR/MASTER_PORT rendezvous for ``torch.distributed`` in the environment).
 
     Rank 0 keeps the terminal; the others log to stderr only on failure. When one fails, the others
     are stopped and its exit status is returned.
     """
     processes: list[subprocess.Popen] = []
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": str(threads_per_worker)}
-        stdout = None if rank == 0 else subprocess.DEVNULL
+        env = {
+            **os.environ,
+            **rendezvous,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": str(threads_per_worker),
+        }
+        stdout = None if rank == 0 and not quiet else subprocess.DEVNULL
         processes.append(subprocess.Popen([sys.executable, "-m", module, *script_args], env=env, stdout=stdout))
     deadline = time.monotonic() + timeout_s
     try:

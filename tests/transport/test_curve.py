@@ -11,8 +11,10 @@ import torch
 from gpu_worker import RemoteAdamW
 
 
-@pytest.fixture
-def keys(tmp_path):
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Key pairs made once for the module (each ``netoptim keygen`` is a process start)."""
+    tmp_path = tmp_path_factory.mktemp("curve")
     for name in ("node", "good", "bad"):
         result = subprocess.run(
             [sys.executable, "-m", "netoptim", "keygen", "--dir", str(tmp_path / "keys"), "--name", name], capture_output=True, text=True, timeout=60

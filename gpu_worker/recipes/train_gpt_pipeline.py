@@ -1,0 +1,144 @@
+"""Pipeline-parallel training of a small GPT (P stages x D replicas) with the optimizer on netoptim nodes.
+
+Launch ``P x D`` ranks with ``torchrun`` (see ``examples/train_gpt_pipeline.py``); rank ``r`` computes
+pipeline position ``r % P`` of replica ``r // P``. Each pipeline position trains as its own netoptim
+job on its own group of optimizer nodes (``--nodes`` is dealt out in ``P`` equal groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from gpu_worker.models import GPT, GPTConfig
+from gpu_worker.pipeline import SCHEDULES, PipelineConfig, PipelineError, PipelineTrainer
+from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
+from gpu_worker.recipes.train_gpt import WIRE_DTYPES, lr_lambda
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank; a multiple of --stages")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline positions P (ranks per replica); the world size must be a multiple")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    parser.add_argument("--stages-per-rank", type=int, default=0, help="interleaved schedule: stages per rank (default 2 there, else 1)")
+    parser.add_argument("--cuts", default="auto", help="first block of every stage but the first, comma-separated; 'auto' balances on a calibration")
+    parser.add_argument("--steps", type=int, default=100, help="training steps")
+    parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all replicas (default: 2 per micro-batch and replica)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks (the model has n_layer + 2 pipeline blocks)")
+    parser.add_argument("--n-embd", type=int, default=128, help="model width")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
+    parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait for a peer rank or a node may take before the rank stops with an error")
+    parser.add_argument("--report", default="", help="directory for a JSON report per rank (losses, step times, bubble)")
+    parser.add_argument("--save-params", default="", help="directory to save each rank's final parameters (rank{r}.pt, by name)")
+    parser.add_argument("--crash-at-step", type=int, default=-1, help="fault injection for tests: --crash-rank exits abruptly (like kill -9) at this step")
+    parser.add_argument("--crash-rank", type=int, default=-1, help="fault injection for tests: the rank that exits at --crash-at-step")
+    return parser
+
+
+def decay_groups(named: list[tuple[str, nn.Parameter]]) -> list[dict]:
+    """Weight decay on matrices only, as the data-parallel recipe."""
+    return [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("NETOPTIM_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, args.threads))
+    stages_per_rank = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
+    cuts = None if args.cuts == "auto" else tuple(int(c) for c in args.cuts.split(",") if c)
+    config = PipelineConfig(args.stages, args.microbatches, args.schedule, stages_per_rank, cuts)
+    config.validate()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replicas = world // args.stages
+    global_batch = args.global_batch or 2 * args.microbatches * replicas
+    if global_batch % (replicas * args.microbatches):
+        raise SystemExit(f"--global-batch {global_batch} must be a multiple of replicas x micro-batches = {replicas * args.microbatches}")
+    torch.manual_seed(args.seed)  # every rank builds the same model; replica 0's values are registered
+    model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head))
+    tokens = load_stdlib_bytes()
+    micro_batches = replicas * args.microbatches  # the calibration runs on one micro-batch
+    sample_x, _ = batch_for_step(tokens, 0, global_batch=global_batch, block_size=args.block_size, rank=0, world_size=micro_batches, seed=args.seed)
+    trainer = PipelineTrainer(
+        model, token_loss, config, nodes=args.nodes.split(","), calibration_input=sample_x, device=device, param_groups=decay_groups,
+        lr=args.lr, betas=(0.9, 0.95), wire_dtype=WIRE_DTYPES[args.wire_dtype], timeout_s=args.timeout,
+    )  # fmt: skip
+    del model  # the blocks of other stages go; this rank keeps its own
+    start_step = trainer.optimizer.remote_step
+    schedule = lr_lambda(args.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: schedule(step + start_step))
+    losses: list[float] = []
+    step_times: list[float] = []
+    progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5)
+    try:
+        for step in progress:
+            if step == args.crash_at_step and rank == args.crash_rank:
+                os._exit(17)
+            x, y = batch_for_step(
+                tokens, step, global_batch=global_batch, block_size=args.block_size, rank=trainer.replica, world_size=replicas, seed=args.seed
+            )
+            started = time.perf_counter()
+            losses.append(trainer.step(x, y))
+            scheduler.step()
+            step_times.append(time.perf_counter() - started)
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", step_s=f"{step_times[-1]:.3f}")
+    except (PipelineError, TimeoutError) as exc:
+        log.error("%s", exc)
+        print(f"rank {rank}: stopping: {exc}", flush=True)
+        return 1
+    finally:
+        progress.close()
+    if args.report:
+        history = trainer.times.history
+        report = {
+            "rank": rank, "position": trainer.position, "replica": trainer.replica, "stage_ranges": [trainer.stage_ranges[i] for i in trainer.stage_indices],
+            "losses": losses, "step_s": step_times, "compute_s": [h[0] for h in history], "pipeline_s": [h[1] for h in history], "optimizer_s": [h[2] for h in history],
+        }  # fmt: skip
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        (Path(args.report) / f"rank{rank}.json").write_text(json.dumps(report))
+    if args.save_params:
+        Path(args.save_params).mkdir(parents=True, exist_ok=True)
+        torch.save({name: p.detach().cpu().clone() for name, p in trainer.named_parameters()}, Path(args.save_params) / f"rank{rank}.pt")
+    if rank == 0 and losses:
+        window = max(1, min(10, len(losses) // 4))
+        print(
+            f"loss: {sum(losses[:window]) / window:.3f} -> {sum(losses[-window:]) / window:.3f}; median step {statistics.median(step_times):.3f} s; "
+            f"bubble on rank 0: {trainer.times.bubble_fraction:.2f}"
+        )
+    trainer.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

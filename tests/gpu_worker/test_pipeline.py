@@ -1,0 +1,119 @@
+"""Pipeline runtime: P x D ranks as real processes (gloo), each pipeline position's parameters on its
+own real optimizer node, against torch's AdamW in one process."""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+
+import pytest
+import torch
+
+from gpu_worker.models import GPT, GPTConfig
+from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
+from gpu_worker.recipes.train_gpt import lr_lambda
+from gpu_worker.recipes.train_gpt_pipeline import decay_groups, token_loss
+from netoptim.launcher import run_workers
+
+STEPS = 4
+MODEL = {"block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 2}
+LR = 1e-2
+
+
+def pipeline_args(nodes: list[str], stages: int, microbatches: int, schedule: str, global_batch: int, out) -> list[str]:
+    return [
+        "--nodes", ",".join(nodes), "--stages", str(stages), "--microbatches", str(microbatches), "--schedule", schedule,
+        "--steps", str(STEPS), "--global-batch", str(global_batch), "--block-size", str(MODEL["block_size"]), "--n-layer", str(MODEL["n_layer"]),
+        "--n-embd", str(MODEL["n_embd"]), "--n-head", str(MODEL["n_head"]), "--lr", str(LR), "--timeout", "30", "--save-params", str(out),
+    ]  # fmt: skip
+
+
+def reference(replicas: int, microbatches: int, global_batch: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(A) torch's fused AdamW fed the gradients the pipeline computes: per replica, micro-batch
+    gradients accumulated and divided by their number (as the schedule does), then replicas summed
+    in order and divided by their number (as the node does); (B) the whole batch in one pass."""
+    tokens = load_stdlib_bytes()
+    results = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: a matrix product may sum in another order with more threads
+    for whole in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**MODEL))
+        named = list(model.named_parameters())
+        opt = torch.optim.AdamW(decay_groups(named), lr=LR, betas=(0.9, 0.95), fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(STEPS))
+        for step in range(STEPS):
+            if whole:
+                x, y = batch_for_step(tokens, step, global_batch=global_batch, block_size=MODEL["block_size"], rank=0, world_size=1, seed=0)
+                token_loss(model(x)[0], y).backward()
+            else:
+                sums: list[torch.Tensor] = []
+                for replica in range(replicas):
+                    copy_ = copy.deepcopy(model)
+                    x, y = batch_for_step(tokens, step, global_batch=global_batch, block_size=MODEL["block_size"], rank=replica, world_size=replicas, seed=0)
+                    for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches), strict=True):
+                        token_loss(copy_(xm)[0], ym).backward()
+                    grads = [p.grad.div_(microbatches) for p in copy_.parameters()]
+                    sums = [g.clone() for g in grads] if not sums else [s + g for s, g in zip(sums, grads, strict=True)]
+                for param, total in zip(model.parameters(), sums, strict=True):
+                    param.grad = total / replicas
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        results.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    torch.set_num_threads(threads)
+    return results[0], results[1]
+
+
+def gathered(out, world_size: int, stages: int) -> dict[str, torch.Tensor]:
+    """Every rank's final parameters, merged by name; replicas of one position must be identical."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(world_size):
+        for name, value in torch.load(out / f"rank{rank}.pt").items():
+            if name in merged:
+                assert torch.equal(merged[name], value), f"replicas disagree on {name}"
+            merged[name] = value
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("stages", "replicas", "microbatches", "schedule"),
+    [(2, 1, 2, "1f1b"), (2, 2, 2, "gpipe"), (2, 1, 2, "interleaved")],
+    ids=["P2-D1-1f1b", "P2-D2-gpipe", "P2-D1-interleaved"],
+)
+def test_pipeline_matches_adamw_fed_the_same_microbatch_gradients(start_node, tmp_path, stages, replicas, microbatches, schedule):
+    nodes = [start_node(f"node{i}").address for i in range(stages)]
+    global_batch = 4 * replicas
+    status = run_workers(pipeline_args(nodes, stages, microbatches, schedule, global_batch, tmp_path / "params"), stages * replicas,
+                         module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=180, quiet=True)  # fmt: skip
+    assert status == 0
+    params = gathered(tmp_path / "params", stages * replicas, stages)
+    same_grads, whole_batch = reference(replicas, microbatches, global_batch)
+    assert params.keys() == same_grads.keys(), "every parameter is trained by exactly one pipeline position"
+    diff = max(float((params[n] - same_grads[n]).abs().max()) for n in params)
+    diff_whole = max(float((params[n] - whole_batch[n]).abs().max()) for n in params)
+    # What DDP over replicas x micro-batches ranks computes (each rank one micro-batch, gradients averaged):
+    # its distance to the whole batch is the bar, since a sum in another order is all that differs.
+    ddp, _ = reference(replicas * microbatches, 1, global_batch)
+    diff_ddp = max(float((ddp[n] - whole_batch[n]).abs().max()) for n in params)
+    print(
+        f"\nP={stages} D={replicas} M={microbatches} {schedule}: vs AdamW on the same micro-batch gradients {diff:.3g}, "
+        f"vs whole batch {diff_whole:.3g} (DDP-equivalent vs whole batch {diff_ddp:.3g})"
+    )
+    assert diff == 0.0, "the same gradients through the same fused AdamW kernel: bitwise equal"
+    assert diff_whole <= max(2 * diff_ddp, 1e-6)
+
+
+def test_a_rank_that_dies_stops_every_other_rank(start_node, tmp_path, capfd):
+    """Rank 1 (position 1 of replica 0) exits abruptly at step 2: its pipeline peer fails on the
+    broken link, the other replica on the all-reduce that checks every rank each step."""
+    nodes = [start_node(f"node{i}").address for i in range(2)]
+    args = [*pipeline_args(nodes, 2, 2, "1f1b", 8, tmp_path / "params"), "--crash-at-step", "2", "--crash-rank", "1"]
+    args[args.index("--steps") + 1] = "50"
+    started = time.monotonic()
+    status = run_workers(args, 4, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=120)
+    elapsed = time.monotonic() - started
+    assert status != 0 and elapsed < 90, "the job must stop, not hang"
+    out = capfd.readouterr().out
+    assert re.search(r"rank 0: stopping: rank 0 \(position 0, replica 0\): a peer rank stopped", out), out[-2000:]
