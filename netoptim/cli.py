@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from netoptim.admin_cli import TOKEN_ENV, add_admin_parser, run_admin
+from netoptim.plan_cli import add_model_flags, add_plan_parser, run_plan
 
 log = logging.getLogger("netoptim")
 
@@ -174,7 +175,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=_positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=_positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -219,6 +220,13 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     offload.add_argument("--io-threads", type=_positive_int, default=2, help="I/O threads of the store (default: %(default)s)")
     offload.add_argument("--repeats", type=_positive_int, default=3, help="timed steps and disk probes; medians are reported (default: %(default)s)")
     train.add_argument("--timeout-s", type=_positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
+    planned = which.add_parser("plan", help="netoptim plan's predicted step time vs the measured one, for a spread of configurations")
+    add_model_flags(planned)
+    planned.add_argument("--configs", type=_positive_int, default=6, help="configurations measured, spread over the ranking (default: %(default)s)")
+    planned.add_argument("--steps", type=_positive_int, default=10, help="timed steps per configuration; the median is reported (default: %(default)s)")
+    planned.add_argument("--warmup", type=_non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
+    planned.add_argument("--calibration", default="", help="JSON calibration file to reuse or write (as netoptim plan --calibration)")
+    planned.add_argument("--timeout-s", type=_positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
 
 
 def _count(text: str) -> int:
@@ -340,11 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,plan-memory,admin,export,keygen}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,plan,plan-memory,admin,export,keygen}")
     _add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_bench_parser(subparsers)
     _add_plan_memory_parser(subparsers)
+    add_plan_parser(subparsers)
     add_admin_parser(subparsers)
     _add_export_parser(subparsers)
     _add_keygen_parser(subparsers)
@@ -469,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_admin(args)
     if args.command == "plan-memory":
         return run_plan_memory(args)
+    if args.command == "plan":
+        return run_plan(args)
     if args.command == "bench":
         from benchmarks import run_benchmark
 

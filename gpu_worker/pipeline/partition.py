@@ -8,6 +8,7 @@ saves for backward (what a stage holds per micro-batch in flight).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -42,19 +43,24 @@ def calibrate(blocks: Sequence[PipelineBlock], sample: torch.Tensor, *, repeats:
     costs = []
     x = sample
     for block in blocks:
+        # Autograd also saves the weights it multiplies by; they are the parameters, not new memory.
+        param_storages = {p.untyped_storage().data_ptr() for p in block.module.parameters()}
         forward_times, backward_times = [], []
         saved = 0
         for attempt in range(repeats + 1):
             inputs = x.detach().requires_grad_(x.is_floating_point())
             saved_now = 0
 
-            def pack(tensor: torch.Tensor) -> torch.Tensor:
+            def pack(tensor: torch.Tensor, param_storages: set[int] = param_storages) -> torch.Tensor:
                 nonlocal saved_now
-                saved_now += tensor.numel() * tensor.element_size()
+                if tensor.untyped_storage().data_ptr() not in param_storages:
+                    saved_now += tensor.numel() * tensor.element_size()
                 return tensor
 
+            # The warm-up run counts the saved bytes; the timed runs go without the hook's overhead.
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if attempt == 0 else contextlib.nullcontext()
             started = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with hooks:
                 out = block.module(inputs)
             forwarded = time.perf_counter()
             torch.autograd.backward(out, torch.ones_like(out))
@@ -62,6 +68,7 @@ def calibrate(blocks: Sequence[PipelineBlock], sample: torch.Tensor, *, repeats:
             if attempt:  # the first run warms up allocators and kernels
                 forward_times.append(forwarded - started)
                 backward_times.append(done - forwarded)
+            else:
                 saved = saved_now
         param_bytes = sum(p.numel() * p.element_size() for p in block.module.parameters())
         costs.append(BlockCost(statistics.median(forward_times), statistics.median(backward_times), out.numel() * out.element_size(), param_bytes, saved))

@@ -62,6 +62,10 @@ class PipelineConfig:
             raise ValueError("the interleaved schedule needs stages_per_rank >= 2, and stages_per_rank >= 2 needs the interleaved schedule")
         if self.stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be >= 1, got {self.stages_per_rank}")
+        if self.schedule == "1f1b" and self.num_microbatches < self.num_stages:
+            raise ValueError(
+                f"the 1f1b schedule needs at least as many micro-batches ({self.num_microbatches}) as stages ({self.num_stages}); use gpipe or more"
+            )
         if self.schedule == "interleaved" and self.num_microbatches % self.num_stages:
             raise ValueError(f"the interleaved schedule needs num_microbatches ({self.num_microbatches}) to be a multiple of num_stages ({self.num_stages})")
 

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait for a peer rank or a node may take before the rank stops with an error")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary (for launchers that collect --report)")
     parser.add_argument("--report", default="", help="directory for a JSON report per rank (losses, step times, bubble)")
     parser.add_argument("--save-params", default="", help="directory to save each rank's final parameters (rank{r}.pt, by name)")
     parser.add_argument("--crash-at-step", type=int, default=-1, help="fault injection for tests: --crash-rank exits abruptly (like kill -9) at this step")
@@ -99,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: schedule(step + start_step))
     losses: list[float] = []
     step_times: list[float] = []
-    progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5)
+    progress = tqdm(
+        range(start_step, args.steps), disable=rank != 0 or args.quiet, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5
+    )
     try:
         for step in progress:
             if step == args.crash_at_step and rank == args.crash_rank:
@@ -129,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.save_params:
         Path(args.save_params).mkdir(parents=True, exist_ok=True)
         torch.save({name: p.detach().cpu().clone() for name, p in trainer.named_parameters()}, Path(args.save_params) / f"rank{rank}.pt")
-    if rank == 0 and losses:
+    if rank == 0 and losses and not args.quiet:
         window = max(1, min(10, len(losses) // 4))
         print(
             f"loss: {sum(losses[:window]) / window:.3f} -> {sum(losses[-window:]) / window:.3f}; median step {statistics.median(step_times):.3f} s; "

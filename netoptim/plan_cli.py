@@ -1,0 +1,168 @@
+"""``netoptim plan``: calibrate on this machine, then rank pipeline / data-parallel configurations."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The GPT whose configurations are planned (the model of ``examples/train_gpt_pipeline.py``)."""
+    parser.add_argument("--n-layer", type=int, default=8, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--n-embd", type=int, default=256, help="model width (default: %(default)s)")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=2, help="worker ranks to plan for, P x D (default: %(default)s)")
+    parser.add_argument("--nodes", type=int, default=2, help="optimizer nodes available; each pipeline position gets nodes // P (default: %(default)s)")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step over all replicas (default: %(default)s)")
+    parser.add_argument("--max-microbatches", type=int, default=8, help="largest number of micro-batches per replica tried (default: %(default)s)")
+    parser.add_argument(
+        "--cores", type=float, default=0, help="cores the ranks and nodes share (default: this machine's; on one GPU per rank give the rank count or more)"
+    )
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser(
+        "plan",
+        help="rank pipeline x data-parallel configurations by simulated step time, from a short calibration",
+        description=(
+            "Measures the model's blocks (forward and backward at each micro-batch size), the loopback link and an optimizer "
+            "node's update on this machine (local nodes are started for it), then simulates the step time of every configuration "
+            "(stages P, replicas D, micro-batches M, schedule, nodes per stage, layer-wise or not) and prints them fastest first "
+            "with the memory each rank needs."
+        ),
+    )
+    add_model_flags(plan)
+    plan.add_argument("--memory-limit", type=int, default=0, help="drop configurations needing more bytes than this on any rank (default: no limit)")
+    plan.add_argument("--calibration", default="", help="JSON file: read the calibration from it if it exists, else measure and write it there")
+    plan.add_argument("--top", type=int, default=10, help="configurations printed (default: %(default)s)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+@contextlib.contextmanager
+def local_node() -> Iterator[tuple[str, int]]:
+    """A fresh ``netoptim node`` on loopback for the calibration (its address and process id); stopped afterwards."""
+    from netoptim.launcher import NodeProcess
+
+    with tempfile.TemporaryDirectory(prefix="netoptim-plan-") as workdir, NodeProcess(workdir, log_level="WARNING") as node:
+        assert node.process is not None
+        yield node.address, node.process.pid
+
+
+def validate_model_flags(args: argparse.Namespace) -> None:
+    for flag in ("n_layer", "n_embd", "n_head", "block_size", "workers", "nodes", "global_batch", "max_microbatches"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.n_embd % args.n_head:
+        raise SystemExit(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+
+
+def calibration_for(args: argparse.Namespace):  # -> PlanCalibration
+    """Measure (or load) what :func:`~gpu_worker.pipeline.planner.plan` needs for every candidate."""
+    from gpu_worker.models import GPTConfig
+    from gpu_worker.pipeline.calibration import calibrate_gpt
+    from gpu_worker.pipeline.planner import PlanCalibration, candidates
+    from gpu_worker.recipes.train_gpt_pipeline import decay_groups
+
+    path = Path(args.calibration) if getattr(args, "calibration", "") else None
+    if path is not None and path.exists():
+        log.info("calibration read from %s", path)
+        return PlanCalibration.from_json(json.loads(path.read_text()))
+    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+    found = candidates(args.workers, args.global_batch, args.n_layer + 2, args.nodes, max_microbatches=args.max_microbatches)
+    if not found:
+        raise SystemExit(f"no configuration of {args.workers} workers and {args.nodes} nodes divides a global batch of {args.global_batch}")
+    micro_sizes = sorted({args.global_batch // (c.replicas * c.microbatches) for c in found})
+    replicas = sorted({c.replicas for c in found})
+    calibration = calibrate_gpt(
+        config, seq_len=args.block_size, micro_sizes=micro_sizes, replicas=replicas, start_node=local_node, param_groups=decay_groups, cores=args.cores or None,
+        progress=lambda what: log.info("calibrating: %s", what),
+    )  # fmt: skip
+    log.info("calibrating: the runtime's own overhead (a short pipeline run)")
+    calibration.action_overhead_s, calibration.optimizer_scale, calibration.step_overhead_s = measure_runtime_overhead(calibration, args)
+    if path is not None:
+        path.write_text(json.dumps(calibration.to_json()))
+    return calibration
+
+
+def measure_runtime_overhead(calibration, args: argparse.Namespace, *, steps: int = 10, warmup: int = 5) -> tuple[float, float, float]:
+    """One short run of the real model through the real runtime (2 stages, 1 replica, 2 micro-batches,
+    GPipe; 1 stage where the batch or model allows no more) fits the simulator's three free
+    parameters: the runtime's cost per action (from the pipeline time), a scale on the calibrated
+    update cost (from the update time) and the per-step rest."""
+    import statistics
+
+    from gpu_worker.pipeline.planner import Candidate, fit_action_overhead, predict
+    from netoptim.launcher import NodeProcess, run_workers
+
+    stages = 2 if args.workers >= 2 and args.n_layer >= 1 and args.global_batch % 2 == 0 else 1
+    candidate = Candidate(stages, 1, 2 if args.global_batch % 2 == 0 else 1, "gpipe", 1)
+    prediction = predict(calibration, candidate, args.global_batch)
+    with tempfile.TemporaryDirectory(prefix="netoptim-plan-") as workdir:
+        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING").start() for i in range(stages)]
+        try:
+            script = [
+                "--nodes", ",".join(n.address for n in nodes), "--stages", str(stages), "--microbatches", str(candidate.microbatches),
+                "--schedule", "gpipe", "--cuts", ",".join(map(str, prediction.cuts)), "--steps", str(warmup + steps),
+                "--global-batch", str(args.global_batch), "--report", str(Path(workdir) / "report"), "--quiet",
+                "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
+            ]  # fmt: skip
+            if run_workers(script, stages, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=600, quiet=True) != 0:
+                raise RuntimeError("the calibration run failed; run the pipeline recipe by hand with NETOPTIM_LOG_LEVEL=INFO to see why")
+            reports = [json.loads(p.read_text()) for p in sorted((Path(workdir) / "report").glob("rank*.json"))]
+        finally:
+            for node in nodes:
+                node.stop()
+    timed = range(warmup, warmup + steps)
+    pipeline_s = statistics.median(max(r["pipeline_s"][i] for r in reports) for i in timed)
+    optimizer_s = statistics.median(max(r["optimizer_s"][i] for r in reports) for i in timed)
+    rest_s = statistics.median(max(r["step_s"][i] for r in reports) - pipeline_s - optimizer_s for i in timed)
+    micro = args.global_batch // candidate.microbatches
+    overhead = fit_action_overhead(calibration, calibration.block_costs[micro], candidate, prediction.cuts, pipeline_s)
+    scale = optimizer_s / prediction.optimizer_s if prediction.optimizer_s > 0 else 1.0
+    log.info(
+        "calibration run %s: %.2f ms per action, update x%.2f of the node calibration, %.1f ms per step besides",
+        candidate.label(),
+        overhead * 1e3,
+        scale,
+        rest_s * 1e3,
+    )
+    calibration.calibration_run = (candidate.stages, candidate.replicas, candidate.microbatches, candidate.schedule)
+    return overhead, scale, max(0.0, rest_s)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from gpu_worker.pipeline.planner import plan
+
+    validate_model_flags(args)
+    calibration = calibration_for(args)
+    predictions = plan(calibration, args.workers, args.global_batch, args.nodes, memory_limit=args.memory_limit or None)
+    if not predictions:
+        raise SystemExit("no configuration fits: raise --memory-limit, or plan with more workers or nodes")
+    shown = predictions[: args.top]
+    if args.json:
+        print(json.dumps([_as_row(p) for p in shown], indent=2))
+        return 0
+    print(f"{'configuration':<58} {'step s':>8} {'samples/s':>10} {'bubble':>7} {'memory/rank':>12}  cuts")
+    for p in shown:
+        print(
+            f"{p.candidate.label():<58} {p.step_s:>8.3f} {p.samples_per_s:>10.1f} {p.bubble_fraction:>7.2f} {p.peak_memory_bytes / 2**20:>9.1f} MiB  {p.cuts}"
+        )
+    return 0
+
+
+def _as_row(prediction) -> dict:
+    c = prediction.candidate
+    return {
+        "stages": c.stages, "replicas": c.replicas, "microbatches": c.microbatches, "schedule": c.schedule,
+        "nodes_per_stage": c.nodes_per_stage, "layerwise": c.layerwise, "predicted_step_s": prediction.step_s,
+        "pipeline_s": prediction.pipeline_s, "optimizer_s": prediction.optimizer_s, "bubble_fraction": prediction.bubble_fraction,
+        "theoretical_bubble": prediction.theoretical_bubble, "peak_memory_bytes": prediction.peak_memory_bytes, "cuts": prediction.cuts,
+    }  # fmt: skip
