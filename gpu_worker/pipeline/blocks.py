@@ -63,7 +63,8 @@ def pipeline_blocks(model: nn.Module) -> list[PipelineBlock]:
     if callable(method):
         blocks = [PipelineBlock(str(prefix), module) for prefix, module in method()]
     elif isinstance(model, nn.Sequential):
-        blocks = [PipelineBlock(f"{name}.", module) for name, module in model.named_children()]
+        # every entry, repeats included (named_children() would skip a module listed twice)
+        blocks = [PipelineBlock(f"{name}.", module) for name, module in model._modules.items() if module is not None]
     else:
         raise TypeError(
             f"cannot split a {type(model).__name__} into pipeline stages: give an nn.Sequential, a GPT, or a module with a "

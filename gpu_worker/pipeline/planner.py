@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from gpu_worker.pipeline.partition import BlockCost, balance
-from gpu_worker.pipeline.simulate import FORWARD, StageCosts, schedule_order, simulate
+from gpu_worker.pipeline.simulate import FORWARD, Simulation, StageCosts, schedule_order, simulate
 
 
 @dataclass(frozen=True)
@@ -185,19 +185,20 @@ def predict(calibration: PlanCalibration, candidate: Candidate, global_batch: in
     return Prediction(c, step_s, sim.pipeline_s, sim.optimizer_s, sim.bubble_fraction, theoretical, cuts, int(peak), global_batch / step_s, notes)
 
 
-def _simulate_layerwise(calibration: PlanCalibration, costs: Sequence[BlockCost], c: Candidate, work: Sequence[tuple[float, float]]):
+def _simulate_layerwise(calibration: PlanCalibration, costs: Sequence[BlockCost], c: Candidate, work: Sequence[tuple[float, float]]) -> Simulation:
     """Layer-wise data parallelism (P = 1): each block's parameters are fetched before its forward and
-    again before its backward, overlapped with the previous block's compute; the update of the last
-    block follows the backward."""
-    from gpu_worker.pipeline.simulate import Simulation
-
-    share = min(1.0, calibration.cores / (c.replicas + 1))  # ranks and the node compete for the cores
+    again before its backward, overlapped with the previous block's compute, and its gradients pushed
+    after. The step is the longer of that critical path and the time the cores need for all the CPU
+    work: the ranks' compute plus the update's, with the transfers of 3 model copies per step instead
+    of full mode's 2 (a fetch more). A model, not validated by ``bench plan`` (which runs pipelines)."""
     fetch = [calibration.link_latency_s + x.param_bytes / calibration.link_bytes_per_s for x in costs]
-    forward = sum(max(x.forward_s / share, f) for x, f in zip(costs, fetch, strict=True))
-    backward = sum(max(x.backward_s / share, 2 * f) for x, f in zip(costs, fetch, strict=True))
-    tail = max(wall for wall, _ in work) / len(costs)
-    busy = tuple(sum(x.compute_s for x in costs) for _ in range(c.replicas))
-    return Simulation(forward + backward + tail, forward + backward, tail, busy)
+    forward = sum(max(x.forward_s, f) for x, f in zip(costs, fetch, strict=True))
+    backward = sum(max(x.backward_s, 2 * f) for x, f in zip(costs, fetch, strict=True))
+    compute = sum(x.compute_s for x in costs)
+    cpu = c.replicas * compute + 1.5 * sum(cpu for _, cpu in work)
+    tail = max(wall for wall, _ in work) / len(costs)  # the last block's update after the backward
+    step = max(forward + backward, cpu / calibration.cores) + tail
+    return Simulation(step, step - tail, tail, tuple(compute for _ in range(c.replicas)))
 
 
 def fit_action_overhead(
