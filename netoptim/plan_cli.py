@@ -139,9 +139,9 @@ def measure_runtime_overhead(calibration, args: argparse.Namespace, *, steps: in
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    validate_model_flags(args)  # before the imports: a bad flag answers at once
     from gpu_worker.pipeline.planner import plan
 
-    validate_model_flags(args)
     calibration = calibration_for(args)
     predictions = plan(calibration, args.workers, args.global_batch, args.nodes, memory_limit=args.memory_limit or None)
     if not predictions:

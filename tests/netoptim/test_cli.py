@@ -109,3 +109,23 @@ def test_plan_memory_prints_what_a_node_needs():
     assert 6 << 30 < plan["ram_out_of_core"] < (6 << 30) + (3 << 30), "budget + overhead + two push windows"
     table = netoptim("plan-memory", "--params", "85M", "--workers", "2", "--nodes", "2")
     assert table.returncode == 0 and "GiB RAM per node" in table.stdout
+
+
+def test_plan_calibrates_here_and_ranks_configurations(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    args = ("plan", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--global-batch", "4", "--max-microbatches", "2")
+    result = netoptim(*args, "--calibration", str(calibration), "--json", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranked = json.loads(result.stdout)
+    assert ranked and [r["predicted_step_s"] for r in ranked] == sorted(r["predicted_step_s"] for r in ranked)
+    assert {(r["stages"], r["replicas"]) for r in ranked} == {(1, 2), (2, 1)}
+    saved = json.loads(calibration.read_text())
+    assert saved["action_overhead_s"] > 0 and saved["optimizer"]["1"]["per_param_s"] > 0 and set(saved["block_costs"]) == {"1", "2", "4"}
+    again = netoptim(*args, "--calibration", str(calibration), "--memory-limit", "1", timeout=60)  # the saved calibration, nothing fits
+    assert again.returncode != 0 and "no configuration fits" in again.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [(("--n-embd", "30", "--n-head", "4"), "multiple of --n-head"), (("--workers", "0"), "--workers must be >= 1")])
+def test_plan_refuses_bad_flags(flags, message):
+    result = netoptim("plan", *flags)
+    assert result.returncode != 0 and message in result.stderr
