@@ -95,10 +95,19 @@ def measure_optimizer(
             numel = sum(p.numel() for group in make_groups() for p in _tensors(group["params"]))
             points.append((numel, *_time_updates(address, pid, replicas, make_groups, steps)))
     (n0, wall0, cpu0), (n1, wall1, cpu1) = points[0], points[-1]
-    if n1 == n0:
-        return OptimizerCost(0.0, wall1 / n1, 0.0, cpu1 / n1)
-    per_param, cpu_per_param = max(0.0, (wall1 - wall0) / (n1 - n0)), max(0.0, (cpu1 - cpu0) / (n1 - n0))
-    return OptimizerCost(max(0.0, wall0 - per_param * n0), per_param, max(0.0, cpu0 - cpu_per_param * n0), cpu_per_param)
+    intercept, per_param = _line(n0, wall0, n1, wall1)
+    cpu_intercept, cpu_per_param = _line(n0, cpu0, n1, cpu1)
+    return OptimizerCost(intercept, per_param, cpu_intercept, cpu_per_param)
+
+
+def _line(n0: int, t0: float, n1: int, t1: float) -> tuple[float, float]:
+    """Intercept and slope through two points; where noise makes the slope meaningless (small
+    models), proportional through the larger point instead."""
+    slope = (t1 - t0) / (n1 - n0) if n1 != n0 else 0.0
+    intercept = t0 - slope * n0
+    if slope <= 0 or intercept < 0:
+        return 0.0, t1 / n1
+    return intercept, slope
 
 
 def _tensors(params: Sequence[Any]) -> list[torch.Tensor]:

@@ -37,12 +37,22 @@ def test_help_explains_every_flag():
         "netoptim bench transport",
         "netoptim bench train",
         "netoptim bench offload",
+        "netoptim bench plan",
+        "netoptim plan",
     }
     for parser in parsers:
         for action in parser._actions:
             if action.option_strings:
                 assert action.help, f"{parser.prog} {action.option_strings[0]} has no help text"
         parser.format_help()  # every %(default)s expands
+
+
+def test_pipeline_recipe_explains_every_flag():
+    from gpu_worker.recipes.train_gpt_pipeline import build_parser as pipeline_parser
+
+    parser = pipeline_parser()
+    assert all(action.help for action in parser._actions if action.option_strings)
+    assert "--stages" in parser.format_help()
 
 
 def test_help_runs_from_the_console():
@@ -120,7 +130,7 @@ def test_plan_calibrates_here_and_ranks_configurations(tmp_path):
     assert ranked and [r["predicted_step_s"] for r in ranked] == sorted(r["predicted_step_s"] for r in ranked)
     assert {(r["stages"], r["replicas"]) for r in ranked} == {(1, 2), (2, 1)}
     saved = json.loads(calibration.read_text())
-    assert saved["action_overhead_s"] > 0 and saved["optimizer"]["1"]["per_param_s"] > 0 and set(saved["block_costs"]) == {"1", "2", "4"}
+    assert saved["action_overhead_s"] >= 0 and saved["optimizer"]["1"]["per_param_s"] > 0 and set(saved["block_costs"]) == {"1", "2", "4"}
     again = netoptim(*args, "--calibration", str(calibration), "--memory-limit", "1", timeout=60)  # the saved calibration, nothing fits
     assert again.returncode != 0 and "no configuration fits" in again.stderr
 
