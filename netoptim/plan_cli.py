@@ -120,10 +120,13 @@ def measure_runtime_overhead(calibration, args: argparse.Namespace, *, steps: in
         finally:
             for node in nodes:
                 node.stop()
+    # Per step, the slowest rank's figures (the step ends when it does), then medians over the steps.
     timed = range(warmup, warmup + steps)
     pipeline_s = statistics.median(max(r["pipeline_s"][i] for r in reports) for i in timed)
     optimizer_s = statistics.median(max(r["optimizer_s"][i] for r in reports) for i in timed)
-    rest_s = statistics.median(max(r["step_s"][i] for r in reports) - pipeline_s - optimizer_s for i in timed)
+    rest_s = statistics.median(
+        max(r["step_s"][i] for r in reports) - max(r["pipeline_s"][i] for r in reports) - max(r["optimizer_s"][i] for r in reports) for i in timed
+    )
     micro = args.global_batch // candidate.microbatches
     overhead = fit_action_overhead(calibration, calibration.block_costs[micro], candidate, prediction.cuts, pipeline_s)
     scale = optimizer_s / prediction.optimizer_s if prediction.optimizer_s > 0 else 1.0

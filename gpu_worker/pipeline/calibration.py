@@ -84,7 +84,7 @@ def measure_optimizer(
     replicas: int,
     layouts: Sequence[Callable[[], list[dict[str, Any]]]],
     *,
-    steps: int = 5,
+    steps: int = 9,
 ) -> OptimizerCost:
     """Time ``steps`` updates through a fresh node (``start_node`` yields its address and process id)
     for each layout (a factory of param groups), ``replicas`` workers (threads) pushing; fit
@@ -198,4 +198,5 @@ def calibrate_gpt(
         for count in sorted(set(replicas)):
             progress(f"optimizer, {count} replica(s)")
             optimizer[count] = measure_optimizer(start_node, count, layouts)
+            progress(f"optimizer, {count} replica(s): {optimizer[count]}")
     return PlanCalibration(block_costs, latency, bandwidth, optimizer, float(cores or os.cpu_count() or 1), latency, seq_len)
