@@ -68,11 +68,11 @@ class Simulation:
     step_s: float
     pipeline_s: float
     optimizer_s: float
-    busy_s: tuple[float, ...]  # per rank, compute time inside the pipeline (at full speed)
+    busy_s: tuple[float, ...]  # per rank, time inside its actions (slowed down where cores are shared)
 
     @property
     def bubble_fraction(self) -> float:
-        """Mean share of the pipeline time a rank is not computing (at its calibrated speed)."""
+        """Mean share of the pipeline time a rank is not inside an action (what the runtime measures)."""
         return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.pipeline_s) if self.pipeline_s > 0 else 0.0
 
 
@@ -136,7 +136,6 @@ def simulate(
                 cost = stages[action.stage]
                 work = (cost.forward_s if action.kind == FORWARD else cost.backward_s) + action_overhead_s
                 running[rank], running_action[rank] = [work], action
-                busy[rank] += work
                 next_index[rank] += 1
         pending = [
             at
@@ -153,6 +152,8 @@ def simulate(
         future = [at - now for at in pending if at > now]
         step = min([finish_in, *future])
         now += step
+        for rank in running:
+            busy[rank] += step
         for rank in list(running):
             running[rank][0] -= step * rate
             if running[rank][0] <= 1e-12:
