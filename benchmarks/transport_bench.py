@@ -9,7 +9,9 @@ pushed back to back while the answers stream back, as a worker's step does:
   a preallocated buffer and writes it back with ``sendall``; the client sends from one thread and
   receives into a preallocated buffer in another.
 
-The figure is (bytes pushed + bytes pulled) / time, over loopback.
+The figure is (bytes pushed + bytes pulled) / time, over loopback; ``ratio`` is netoptim over TCP
+against the plain socket, ``same_host_ratio`` netoptim over the node's same-host ipc:// socket
+(what a worker on the node's host uses) against the same plain TCP socket.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def raw_socket_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
         server.join(10)
 
 
-def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, curve: bool = False) -> float:
+def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, curve: bool = False, same_host: bool = False) -> float:
+    """Push+pull through a node over its tcp:// address, or its same-host ipc:// socket."""
     buckets = [torch.ones(bucket_bytes // 4) for _ in range(nbytes // bucket_bytes)]
     with tempfile.TemporaryDirectory() as workdir:
         node_args: tuple[str, ...] = ()
@@ -88,7 +91,10 @@ def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, curve: boo
             node_args = ("--curve-secret-key", str(keys / "node.key_secret"), "--curve-allow", str(allowed))
             client_curve = CurveClientConfig(str(allowed / "worker.key_secret"), str(keys / "node.key"))
         with NodeProcess(workdir, log_level="WARNING", extra_args=node_args) as node:
-            return _measure_node(node.address, buckets, repeats, client_curve, "netoptim push+pull" + (" (CURVE)" if curve else ""))
+            address = node.same_host_address if same_host else node.address
+            return _measure_node(
+                address, buckets, repeats, client_curve, "netoptim push+pull" + (" (CURVE)" if curve else "") + (" (same host)" if same_host else "")
+            )
 
 
 def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str) -> float:
@@ -115,7 +121,9 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--bytes must be a multiple of --bucket-bytes, which must be a multiple of 4")
     netoptim_s = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats)
     socket_s = raw_socket_seconds(args.bytes, args.bucket_bytes, args.repeats)
+    same_host_s = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, same_host=True)
     netoptim_gbs, socket_gbs = 2 * args.bytes / netoptim_s / 1e9, 2 * args.bytes / socket_s / 1e9
+    same_host_gbs = 2 * args.bytes / same_host_s / 1e9
     curve_fields = {}
     if args.curve:
         curve_gbs = 2 * args.bytes / netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, curve=True) / 1e9
@@ -133,6 +141,8 @@ def run(args: argparse.Namespace) -> dict:
         "backend": "zmq tcp loopback",
         "netoptim_push_pull_gbs": round(netoptim_gbs, 2),
         "plain_socket_gbs": round(socket_gbs, 2),
+        "netoptim_same_host_push_pull_gbs": round(same_host_gbs, 2),
+        "same_host_ratio": round(same_host_gbs / socket_gbs, 3),
         "netoptim_ms": round(netoptim_s * 1e3, 2),
         "plain_socket_ms": round(socket_s * 1e3, 2),
         **curve_fields,

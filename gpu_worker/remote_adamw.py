@@ -81,6 +81,9 @@ class RemoteAdamW(torch.optim.Optimizer):
         push_window_bytes: layer-wise mode: gradient bytes this worker may have pushed that the
             nodes have not used up yet; backward waits beyond it, so a slow node (out of core) is
             never flooded. Each node holds at most this much per worker of unconsumed gradients.
+        same_host_ipc: when a node runs on this host, move to the ipc:// socket it advertises at
+            HELLO (a Unix socket: no TCP stack, no loopback retransmissions); ``False`` stays on
+            the address given.
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -110,6 +113,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         units: UnitPlan | None = None,
         push_window_bytes: int = 1 << 30,
+        same_host_ipc: bool = True,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
@@ -140,7 +144,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         if bool(curve_secret_key) != bool(curve_server_key):
             raise ValueError("curve_secret_key and curve_server_key go together")
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
-        self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve)
+        self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve, same_host=same_host_ipc)
         self._owner_thread = threading.get_ident()
         self._sync_enabled = True
         self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push

@@ -10,6 +10,8 @@ handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,7 +46,15 @@ class OffloadSession:
     """One worker rank's view of the job's optimizer nodes."""
 
     def __init__(
-        self, nodes: Sequence[str], job: JobSpec, rank: int, params: Sequence[torch.Tensor], *, timeout_s: float, curve: CurveClientConfig | None = None
+        self,
+        nodes: Sequence[str],
+        job: JobSpec,
+        rank: int,
+        params: Sequence[torch.Tensor],
+        *,
+        timeout_s: float,
+        curve: CurveClientConfig | None = None,
+        same_host: bool = True,
     ) -> None:
         job.validate()
         if len(nodes) != job.num_nodes:
@@ -75,6 +85,7 @@ class OffloadSession:
         self._transport = create_transport(self.nodes[0], curve_client=curve)
         self._curve = curve
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
+        self._same_host = same_host
         self._pushed: set[int] = set()
         self._closed = False
 
@@ -119,6 +130,9 @@ class OffloadSession:
                 else "; if the node uses CURVE, give this worker its keys"
             )
             reply = self._expect(index, MsgType.HELLO_OK, f"registration (rank 0 registers the job; {hint}?)")
+            same_host = reply.header.meta.get("same_host")
+            if self._same_host and isinstance(same_host, str) and _reachable_here(same_host):
+                reply = self._switch_to_same_host(index, same_host, hello, hint)
             owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
             if reply.header.meta.get("owned") != owned:
                 raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
@@ -127,6 +141,22 @@ class OffloadSession:
                 self.bucket_steps[bucket_id] = int(reply.header.step)
             self.latest_step = max(self.latest_step, int(reply.header.meta.get("latest_step", reply.header.step)))
         return sorted(needs_init)
+
+    def _switch_to_same_host(self, index: int, address: str, hello: dict, hint: str) -> Message:
+        """The node is on this host: say HELLO again over its ipc:// socket and use that connection
+        (the node then answers this rank there); the TCP one is closed."""
+        previous = self._clients[index]
+        self._clients[index] = self._transport.connect(address)
+        previous.close()
+        self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
+        reply = self._expect(index, MsgType.HELLO_OK, f"registration over the same-host socket {address} ({hint}?)")
+        log.info("rank %d talks to node %s over %s (same host)", self.rank, self.nodes[index], address)
+        return reply
+
+    @property
+    def connection_addresses(self) -> list[str]:
+        """Where each node connection goes: the address given, or the node's same-host socket."""
+        return [client.address for client in self._clients]
 
     def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:
         """Rank 0: give a bucket its initial fp32 values (flat, ``numel`` of the bucket); waits for the ACK."""
@@ -332,3 +362,13 @@ class OffloadSession:
         for client in self._clients:
             client.close()
         self._transport.close()
+
+
+def _reachable_here(address: str) -> bool:
+    """An ipc:// address whose socket file exists on this host (a node elsewhere has its own)."""
+    if not address.startswith("ipc://"):
+        return False
+    try:
+        return stat.S_ISSOCK(os.stat(address[len("ipc://") :]).st_mode)
+    except OSError:
+        return False

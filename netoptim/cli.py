@@ -84,6 +84,12 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         default="tcp://127.0.0.1:0",
         help="data-plane address to bind, tcp://HOST:PORT or ipc://PATH; port 0 lets the OS choose (default: %(default)s)",
     )
+    node.add_argument(
+        "--no-same-host-ipc",
+        dest="same_host_ipc",
+        action="store_false",
+        help="do not also listen on an ipc:// socket in the temporary directory (by default workers on this host switch to it after their HELLO: no TCP stack)",
+    )
     node.add_argument("--ready-file", help='write {"data": ADDRESS, "pid": PID} here as JSON once the node accepts work')
     node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
     node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
@@ -366,6 +372,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
 
     config = NodeConfig(
         listen=args.listen,
+        same_host_ipc=args.same_host_ipc,
         ready_file=args.ready_file,
         node_id=args.node_id,
         checkpoint_dir=args.checkpoint_dir,

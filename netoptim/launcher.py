@@ -59,6 +59,7 @@ class NodeProcess:
         self.address = ""
         self.admin_address = ""
         self.metrics_url = ""
+        self.same_host_address = ""
 
     def start(self, timeout_s: float = 60.0) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
@@ -76,6 +77,7 @@ class NodeProcess:
         self.address = ready["data"]
         self.admin_address = ready.get("admin", "")
         self.metrics_url = ready.get("metrics", "")
+        self.same_host_address = ready.get("same_host", "")
         return self
 
     def log_text(self) -> str:

@@ -88,6 +88,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         self._transport = create_transport(config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes, curve_server=curve)
         self._endpoint = self._transport.bind(config.listen)
         self.address = self._endpoint.address
+        self.same_host_address = self._endpoint.bind_same_host() if config.same_host_ipc else None
         self.node_id = config.node_id or self.address
         if store is None and config.state_dir:
             assert config.memory_budget is not None
@@ -132,6 +133,8 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         tmp = f"{self.config.ready_file}.tmp"
         with open(tmp, "w") as handle:
             ready = {"data": self.address, "pid": os.getpid(), "node_id": self.node_id}
+            if self.same_host_address:
+                ready["same_host"] = self.same_host_address
             if self.admin_address:
                 ready["admin"] = self.admin_address
             if self.metrics_address:
@@ -141,7 +144,9 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
 
     def serve(self, stop: threading.Event) -> None:
         """Handle messages until ``stop`` is set, then release the endpoint."""
-        log.info("node %s serving on %s", self.node_id, self.address)
+        log.info(
+            "node %s serving on %s%s", self.node_id, self.address, f" (and {self.same_host_address} for workers on this host)" if self.same_host_address else ""
+        )
         self._stop = stop
         self.write_ready_file()
         try:
@@ -289,7 +294,13 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             msg_type=MsgType.HELLO_OK,
             rank=header.rank,
             step=self.step,
-            meta={"node_id": self.node_id, "owned": sorted(job.owned), "needs_init": needs_init, "latest_step": max((s.step for s in self._store), default=0)},
+            meta={
+                "node_id": self.node_id,
+                "owned": sorted(job.owned),
+                "needs_init": needs_init,
+                "latest_step": max((s.step for s in self._store), default=0),
+                **({"same_host": self.same_host_address} if self.same_host_address else {}),
+            },
         )
         self._send(message.peer, reply)
         if header.rank == 0 and self._deferred_hellos:

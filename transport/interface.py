@@ -58,6 +58,11 @@ class ServerEndpoint(ABC):
     def close(self) -> None:
         """Release the endpoint; idempotent."""
 
+    def bind_same_host(self) -> str | None:
+        """Also listen on a same-host fast path (for workers on this host) and return its address,
+        served exactly like the main one; ``None`` where the backend has none or already is one."""
+        return None
+
 
 class ClientEndpoint(ABC):
     """The worker side of one connection to one node."""

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -111,6 +114,7 @@ class ZmqServer(ServerEndpoint):
         self._chunk_bytes = chunk_bytes
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+        self._same_host_path: Path | None = None
 
     def recv(self, timeout_s: float) -> Message | None:
         if not self._poller.poll(int(timeout_s * 1000)):
@@ -127,8 +131,21 @@ class ZmqServer(ServerEndpoint):
                 raise ConnectionError(f"peer {peer.hex()} is gone") from exc
             raise
 
+    def bind_same_host(self) -> str | None:
+        """An ipc:// endpoint (a Unix socket) beside a tcp:// one, under the temporary directory with a
+        random name: only a process on this host can reach it, and no two nodes share one."""
+        if not self.address.startswith("tcp://"):
+            return None
+        path = Path(tempfile.gettempdir()) / f"netoptim-{secrets.token_hex(8)}.sock"
+        self._socket.bind(f"ipc://{path}")
+        self._same_host_path = path
+        return f"ipc://{path}"
+
     def close(self) -> None:
         self._socket.close(linger=0)
+        if self._same_host_path is not None:
+            self._same_host_path.unlink(missing_ok=True)
+            self._same_host_path = None
 
 
 class ZmqClient(ClientEndpoint):

@@ -24,7 +24,7 @@ def test_transport_bench_reports_a_ratio():
     report = bench("transport", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1", "--curve")
     assert report["benchmark"] == "transport" and report["bytes"] == 8 << 20
     assert report["ratio"] > 0 and report["netoptim_push_pull_gbs"] > 0 and report["plain_socket_gbs"] > 0
-    assert report["netoptim_curve_push_pull_gbs"] > 0 and report["curve_ratio"] > 0
+    assert report["netoptim_curve_push_pull_gbs"] > 0 and report["curve_ratio"] > 0 and report["same_host_ratio"] > 0
 
 
 def test_train_bench_compares_ddp_full_and_layerwise():
