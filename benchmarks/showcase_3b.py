@@ -82,7 +82,7 @@ def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, r
 
 
 def main(argv: list[str] | None = None) -> int:
-    from netoptim.cli import _size
+    from netoptim.arg_types import size as _size
     from netoptim.launcher import NodeProcess
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -10,66 +10,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from netoptim.admin_cli import TOKEN_ENV, add_admin_parser, run_admin
-from netoptim.plan_cli import add_model_flags, add_plan_parser, run_plan
+from netoptim.arg_types import address, non_negative_int, positive_int, size
+from netoptim.bench_cli import add_bench_parser
+from netoptim.plan_cli import add_plan_parser, run_plan
 
 log = logging.getLogger("netoptim")
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be positive" if minimum == 1 else f"{value} must be >= {minimum}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-def _size(text: str) -> int:
-    """Bytes from ``1048576``, ``4MiB``, ``64MB``, ``2GiB``."""
-    units = {"": 1, "b": 1, "kb": 10**3, "kib": 1 << 10, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}
-    stripped = text.strip().lower()
-    number = stripped.rstrip("abgikm")
-    unit = stripped[len(number) :]
-    try:
-        value = int(float(number) * units[unit])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 1048576") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
-
-
-def _size_list(text: str) -> list[str]:
-    """Model sizes of ``netoptim bench train``, comma-separated."""
-    known = ("small", "base", "1b")
-    sizes = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [size for size in sizes if size not in known]
-    if not sizes or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes are a comma-separated list of {', '.join(known)}")
-    return sizes
-
-
-def _address(text: str) -> str:
-    from transport import backend_for
-
-    try:
-        backend_for(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +28,7 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     node.add_argument(
         "--listen",
-        type=_address,
+        type=address,
         default="tcp://127.0.0.1:0",
         help="data-plane address to bind, tcp://HOST:PORT or ipc://PATH; port 0 lets the OS choose (default: %(default)s)",
     )
@@ -92,19 +40,19 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     node.add_argument("--ready-file", help='write {"data": ADDRESS, "pid": PID} here as JSON once the node accepts work')
     node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
-    node.add_argument("--max-message-bytes", type=_size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
-    node.add_argument("--chunk-bytes", type=_size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
-    node.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
+    node.add_argument("--max-message-bytes", type=size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
+    node.add_argument("--chunk-bytes", type=size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
+    node.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
     node.add_argument(
         "--checkpoint-dir", default=None, help="directory for crash-safe checkpoints (one subdirectory per checkpoint); without it none are taken"
     )
     node.add_argument(
         "--checkpoint-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         help="checkpoint every N steps; 0: only on request, on drain and on SIGTERM (default: %(default)s)",
     )
-    node.add_argument("--keep", type=_positive_int, default=3, help="complete checkpoints to keep; older ones are removed (default: %(default)s)")
+    node.add_argument("--keep", type=positive_int, default=3, help="complete checkpoints to keep; older ones are removed (default: %(default)s)")
     node.add_argument(
         "--resume",
         action="store_true",
@@ -126,7 +74,7 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="out-of-core mode: keep parameters and AdamW state in files here (scratch space, cleared at start; put it on a fast local disk, on the checkpoint directory's filesystem so checkpoints are hard links)",
     )
     node.add_argument(
-        "--memory-budget", type=_size, default=None, metavar="SIZE", help="out-of-core mode: at most this much state in memory, e.g. 4GiB (with --state-dir)"
+        "--memory-budget", type=size, default=None, metavar="SIZE", help="out-of-core mode: at most this much state in memory, e.g. 4GiB (with --state-dir)"
     )
     node.add_argument(
         "--sync-state-writes",
@@ -138,7 +86,7 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     node.add_argument(
         "--metrics-port",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=None,
         help='serve Prometheus metrics at http://HOST:PORT/metrics (0: the OS picks; the URL goes into the ready file as "metrics")',
     )
@@ -162,9 +110,9 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         help="train a small GPT on this machine: nodes and workers all local",
         description="Start optimizer node(s) and worker processes on this machine and train a small GPT-style byte-level language model on the Python standard library's own source files. No GPU needed.",
     )
-    demo.add_argument("--steps", type=_positive_int, default=600, help="training steps (default: %(default)s)")
-    demo.add_argument("--workers", type=_positive_int, default=2, help="data-parallel worker processes (default: %(default)s)")
-    demo.add_argument("--nodes", type=_positive_int, default=1, help="optimizer-node processes (default: %(default)s)")
+    demo.add_argument("--steps", type=positive_int, default=600, help="training steps (default: %(default)s)")
+    demo.add_argument("--workers", type=positive_int, default=2, help="data-parallel worker processes (default: %(default)s)")
+    demo.add_argument("--nodes", type=positive_int, default=1, help="optimizer-node processes (default: %(default)s)")
     demo.add_argument(
         "--wire-dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -173,66 +121,6 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed of the model and the data order (default: %(default)s)")
     demo.add_argument("--layerwise", action="store_true", help="layer-wise mode: workers stream the blocks from the nodes instead of holding the model")
-
-
-def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser(
-        "bench",
-        help="measure netoptim against a baseline in the same run; prints JSON",
-        description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
-    )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan}")
-    optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
-    optimizer.add_argument("--numel", type=_positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
-    optimizer.add_argument("--workers", type=_positive_int, default=2, help="gradients summed per update (default: %(default)s)")
-    optimizer.add_argument(
-        "--wire-dtype",
-        choices=["float32", "bfloat16"],
-        default="float32",
-        help="dtype the gradients arrive in and the parameters leave in (default: %(default)s)",
-    )
-    optimizer.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
-    transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
-    transport.add_argument("--bytes", type=_size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
-    transport.add_argument("--bucket-bytes", type=_size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")
-    transport.add_argument("--curve", action="store_true", help="also measure with CURVE encryption on (keys made for the run) and report its cost")
-    transport.add_argument("--repeats", type=_positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
-    train = which.add_parser("train", help="GPT training tokens/s and worker peak RSS: torch DDP vs netoptim full-model vs layer-wise mode")
-    train.add_argument(
-        "--sizes",
-        type=_size_list,
-        default=["small", "base"],
-        help="comma-separated model sizes from small (3M), base (85M), 1b (1.0B; DDP and full mode are skipped where they cannot fit) (default: small,base)",
-    )
-    train.add_argument("--workers", type=_positive_int, default=2, help="worker processes in every mode (default: %(default)s)")
-    train.add_argument("--nodes", type=_positive_int, default=1, help="optimizer nodes for the netoptim modes (default: %(default)s)")
-    train.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker (default: %(default)s)")
-    train.add_argument("--batch", type=_positive_int, default=4, help="sequences per worker per step (default: %(default)s)")
-    train.add_argument("--seq", type=_positive_int, default=64, help="tokens per sequence (at most the model's block size) (default: %(default)s)")
-    train.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
-    train.add_argument("--steps", type=_positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
-    train.add_argument("--prefetch", type=_non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
-    offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
-    offload.add_argument("--numel", type=_positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
-    offload.add_argument("--bucket-numel", type=_positive_int, default=1 << 20, help="parameters per bucket (default: %(default)s)")
-    offload.add_argument("--memory-budget", type=_size, default=None, help="state held in memory at most (default: a quarter of the state)")
-    offload.add_argument("--state-dir", default=None, help="where the state files go (default: a temporary directory under the current one)")
-    offload.add_argument(
-        "--io",
-        choices=["sync", "buffered"],
-        default="sync",
-        help="sync: fdatasync each write and drop it from the page cache (disk speed, bounded cache); buffered: leave it to the page cache (default: %(default)s)",
-    )
-    offload.add_argument("--io-threads", type=_positive_int, default=2, help="I/O threads of the store (default: %(default)s)")
-    offload.add_argument("--repeats", type=_positive_int, default=3, help="timed steps and disk probes; medians are reported (default: %(default)s)")
-    train.add_argument("--timeout-s", type=_positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
-    planned = which.add_parser("plan", help="netoptim plan's predicted step time vs the measured one, for a spread of configurations")
-    add_model_flags(planned)
-    planned.add_argument("--configs", type=_positive_int, default=6, help="configurations measured, spread over the ranking (default: %(default)s)")
-    planned.add_argument("--steps", type=_positive_int, default=10, help="timed steps per configuration; the median is reported (default: %(default)s)")
-    planned.add_argument("--warmup", type=_non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
-    planned.add_argument("--calibration", default="", help="JSON calibration file to reuse or write (as netoptim plan --calibration)")
-    planned.add_argument("--timeout-s", type=_positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
 
 
 def _count(text: str) -> int:
@@ -256,15 +144,15 @@ def _add_plan_memory_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Print what each node needs for its share of a job: RAM in memory, RAM and disk out of core (--state-dir/--memory-budget), so you know before you start. Nodes check the same figures when a job registers and refuse one they cannot hold.",
     )
     plan.add_argument("--params", type=_count, required=True, help="trainable parameters of the model, like 3B, 85M or 125000000")
-    plan.add_argument("--workers", type=_positive_int, required=True, help="data-parallel workers")
-    plan.add_argument("--nodes", type=_positive_int, default=1, help="optimizer nodes sharing the state (default: %(default)s)")
+    plan.add_argument("--workers", type=positive_int, required=True, help="data-parallel workers")
+    plan.add_argument("--nodes", type=positive_int, default=1, help="optimizer nodes sharing the state (default: %(default)s)")
     plan.add_argument(
         "--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="gradient/parameter dtype on the wire (default: %(default)s)"
     )
     plan.add_argument("--layerwise", action="store_true", help="workers run layer-wise mode (their push window bounds the gradients a node holds)")
-    plan.add_argument("--push-window", type=_size, default=1 << 30, help="layer-wise: unconsumed gradient bytes per worker (default: 1GiB)")
-    plan.add_argument("--memory-budget", type=_size, default=None, help="out of core: the node's --memory-budget, e.g. 4GiB")
-    plan.add_argument("--keep", type=_non_negative_int, default=0, help="checkpoints kept on the same disk as the state (default: %(default)s)")
+    plan.add_argument("--push-window", type=size, default=1 << 30, help="layer-wise: unconsumed gradient bytes per worker (default: 1GiB)")
+    plan.add_argument("--memory-budget", type=size, default=None, help="out of core: the node's --memory-budget, e.g. 4GiB")
+    plan.add_argument("--keep", type=non_negative_int, default=0, help="checkpoints kept on the same disk as the state (default: %(default)s)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -357,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,plan,plan-memory,admin,export,keygen}")
     _add_node_parser(subparsers)
     _add_demo_parser(subparsers)
-    _add_bench_parser(subparsers)
+    add_bench_parser(subparsers)
     _add_plan_memory_parser(subparsers)
     add_plan_parser(subparsers)
     add_admin_parser(subparsers)

@@ -1,0 +1,60 @@
+"""argparse types shared by the ``netoptim`` subcommands: each turns bad input into a clear message."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be positive" if minimum == 1 else f"{value} must be >= {minimum}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def size(text: str) -> int:
+    """Bytes from ``1048576``, ``4MiB``, ``64MB``, ``2GiB``."""
+    units = {"": 1, "b": 1, "kb": 10**3, "kib": 1 << 10, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}
+    stripped = text.strip().lower()
+    number = stripped.rstrip("abgikm")
+    unit = stripped[len(number) :]
+    try:
+        value = int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4MiB or 1048576") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def size_list(text: str) -> list[str]:
+    """Model sizes of ``netoptim bench train``, comma-separated."""
+    known = ("small", "base", "1b")
+    sizes = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [size for size in sizes if size not in known]
+    if not sizes or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes are a comma-separated list of {', '.join(known)}")
+    return sizes
+
+
+def address(text: str) -> str:
+    from transport import backend_for
+
+    try:
+        backend_for(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -1,0 +1,68 @@
+"""``netoptim bench``: its subcommands and their flags (the benchmarks themselves live in ``benchmarks/``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from netoptim.arg_types import non_negative_int, positive_int, size, size_list
+from netoptim.plan_cli import add_model_flags
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="measure netoptim against a baseline in the same run; prints JSON",
+        description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
+    )
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan}")
+    optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
+    optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
+    optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
+    optimizer.add_argument(
+        "--wire-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype the gradients arrive in and the parameters leave in (default: %(default)s)",
+    )
+    optimizer.add_argument("--repeats", type=positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
+    transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
+    transport.add_argument("--bytes", type=size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
+    transport.add_argument("--bucket-bytes", type=size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")
+    transport.add_argument("--curve", action="store_true", help="also measure with CURVE encryption on (keys made for the run) and report its cost")
+    transport.add_argument("--repeats", type=positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
+    train = which.add_parser("train", help="GPT training tokens/s and worker peak RSS: torch DDP vs netoptim full-model vs layer-wise mode")
+    train.add_argument(
+        "--sizes",
+        type=size_list,
+        default=["small", "base"],
+        help="comma-separated model sizes from small (3M), base (85M), 1b (1.0B; DDP and full mode are skipped where they cannot fit) (default: small,base)",
+    )
+    train.add_argument("--workers", type=positive_int, default=2, help="worker processes in every mode (default: %(default)s)")
+    train.add_argument("--nodes", type=positive_int, default=1, help="optimizer nodes for the netoptim modes (default: %(default)s)")
+    train.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: %(default)s)")
+    train.add_argument("--batch", type=positive_int, default=4, help="sequences per worker per step (default: %(default)s)")
+    train.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence (at most the model's block size) (default: %(default)s)")
+    train.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
+    train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
+    train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
+    offload.add_argument("--numel", type=positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
+    offload.add_argument("--bucket-numel", type=positive_int, default=1 << 20, help="parameters per bucket (default: %(default)s)")
+    offload.add_argument("--memory-budget", type=size, default=None, help="state held in memory at most (default: a quarter of the state)")
+    offload.add_argument("--state-dir", default=None, help="where the state files go (default: a temporary directory under the current one)")
+    offload.add_argument(
+        "--io",
+        choices=["sync", "buffered"],
+        default="sync",
+        help="sync: fdatasync each write and drop it from the page cache (disk speed, bounded cache); buffered: leave it to the page cache (default: %(default)s)",
+    )
+    offload.add_argument("--io-threads", type=positive_int, default=2, help="I/O threads of the store (default: %(default)s)")
+    offload.add_argument("--repeats", type=positive_int, default=3, help="timed steps and disk probes; medians are reported (default: %(default)s)")
+    train.add_argument("--timeout-s", type=positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
+    planned = which.add_parser("plan", help="netoptim plan's predicted step time vs the measured one, for a spread of configurations")
+    add_model_flags(planned)
+    planned.add_argument("--configs", type=positive_int, default=6, help="configurations measured, spread over the ranking (default: %(default)s)")
+    planned.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration; the median is reported (default: %(default)s)")
+    planned.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
+    planned.add_argument("--calibration", default="", help="JSON calibration file to reuse or write (as netoptim plan --calibration)")
+    planned.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
