@@ -188,7 +188,10 @@ class PipelineTrainer:
     def _time_compute(self, stage: PipelineStage) -> None:
         """Accumulate the time this stage spends computing (forward and backward of one chunk)."""
         for name in ("forward_one_chunk", "backward_one_chunk"):
-            original = getattr(stage, name)
+            original = getattr(stage, name, None)
+            if original is None:  # another torch release: train on, without the compute/bubble figures
+                log.warning("torch's PipelineStage has no %s: compute time and bubble are not measured", name)
+                continue
 
             def timed(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
                 started = time.perf_counter()
