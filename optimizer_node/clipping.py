@@ -15,7 +15,7 @@ from transport.wire import ErrorCode, Header, MsgType, WireError
 if TYPE_CHECKING:
     import torch
 
-    from optimizer_node.daemon import _BucketStep, _Job
+    from optimizer_node.job_state import ActiveJob, BucketStep
     from transport.interface import Message
 
 
@@ -23,7 +23,7 @@ class GlobalNormClipping:
     """NORM_PARTIAL out, CLIP in."""
 
     # State owned by NodeDaemon, used here.
-    _in_flight: dict[int, _BucketStep]
+    _in_flight: dict[int, BucketStep]
     _ready: list[int]
     _awaiting_clip: int | None
     _pause_reason: str | None
@@ -33,10 +33,10 @@ class GlobalNormClipping:
 
         @property
         def max_grad_norm(self) -> float | None: ...
-        def _require_rank(self, message: Message) -> _Job: ...
+        def _require_rank(self, message: Message) -> ActiveJob: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
 
-    def _maybe_request_norm(self, job: _Job) -> None:
+    def _maybe_request_norm(self, job: ActiveJob) -> None:
         """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
         if self._pause_reason is not None or self._awaiting_clip is not None:
             return  # resume() asks again

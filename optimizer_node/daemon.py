@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +29,7 @@ from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job import JobSpec
+from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from optimizer_node.metrics import NodeMetrics
 from optimizer_node.ooc_store import OutOfCoreStore
@@ -50,34 +50,6 @@ STORAGE_RETRY_S = 1.0
 """After the store failed (disk full, a damaged state file), updates are retried this often."""
 
 
-@dataclass(slots=True)
-class _BucketStep:
-    """A bucket's step in flight: gradients arriving, not yet applied."""
-
-    step: int
-    hyper: AdamWHyper
-    reduction: OrderedReduction
-    first_arrival: float
-    clip: torch.Tensor | None = None  # the clip coefficient, once the global norm is known
-    grad_norm: float | None = None
-
-
-@dataclass(slots=True)
-class _Job:
-    spec: JobSpec
-    node_index: int
-    owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
-    segments: dict[int, list[tuple[int, int]]]  # bucket_id -> (offset, numel) per parameter piece, for the update
-    divisor: torch.Tensor  # () fp32 world size: the averaging divisor, made once
-
-    @classmethod
-    def create(cls, spec: JobSpec, node_index: int, plan: list[BucketSpec] | None = None) -> _Job:
-        """This node's share of a job; the per-bucket update arguments are derived once here, not per step."""
-        owned = {b.bucket_id: b for b in (plan if plan is not None else spec.plan()) if b.node == node_index}
-        segments = {b.bucket_id: [(seg.bucket_offset, seg.numel) for seg in b.segments] for b in owned.values()}
-        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.world_size), dtype=torch.float32))
-
-
 class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalNormClipping):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
@@ -94,12 +66,12 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             assert config.memory_budget is not None
             store = OutOfCoreStore(config.state_dir, config.memory_budget, sync=config.sync_state_writes)
         self._store = store if store is not None else InMemoryStore()
-        self._job: _Job | None = None
+        self._job: ActiveJob | None = None
         self._peers: dict[int, bytes] = {}  # rank -> transport identity
         self._last_seen: dict[int, float] = {}
         self._deferred_hellos: list[Message] = []
         self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
-        self._in_flight: dict[int, _BucketStep] = {}
+        self._in_flight: dict[int, BucketStep] = {}
         self._awaiting_clip: int | None = None  # step whose norm partial went out
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         self._overrides = HyperOverrides()
@@ -230,12 +202,12 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
 
     # ---------------------------------------------------------------- registration
 
-    def _require_job(self) -> _Job:
+    def _require_job(self) -> ActiveJob:
         if self._job is None:
             raise WireError(ErrorCode.NOT_REGISTERED, "no job is registered yet: rank 0 must say HELLO first")
         return self._job
 
-    def _require_rank(self, message: Message) -> _Job:
+    def _require_rank(self, message: Message) -> ActiveJob:
         job = self._require_job()
         rank = message.header.rank
         if self._peers.get(rank) != message.peer:
@@ -264,7 +236,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             if problem is not None:
                 log.error("cannot take the job: %s", problem)
                 raise WireError(ErrorCode.CANNOT_FIT, f"node {self.node_id}: {problem}")
-            self._job = _Job.create(spec, node_index, plan)
+            self._job = ActiveJob.create(spec, node_index, plan)
             owned = self._job.owned
             total = sum(b.numel for b in owned.values())
             log.info(
@@ -319,7 +291,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             num_nodes=spec.num_nodes,
         )
 
-    def _owned_bucket(self, job: _Job, header: Header) -> BucketSpec:
+    def _owned_bucket(self, job: ActiveJob, header: Header) -> BucketSpec:
         spec = job.owned.get(header.bucket_id)
         if spec is None:
             raise WireError(ErrorCode.UNKNOWN_BUCKET, f"bucket {header.bucket_id} is not owned by node {job.node_index} ({self.node_id})")
@@ -369,7 +341,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
-            in_flight = _BucketStep(header.step, hyper, OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer), time.perf_counter())
+            in_flight = BucketStep(header.step, hyper, OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer), time.perf_counter())
             self._store.prefetch(bucket.bucket_id)  # out of core: read the state while the other ranks' gradients arrive
         elif header.rank in in_flight.reduction.received:
             raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
@@ -396,7 +368,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         else:
             heapq.heappush(self._ready, bucket.bucket_id)
 
-    def _tell_consumed(self, job: _Job, bucket_id: int, step: int) -> None:
+    def _tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
         if job.spec.mode == "layerwise":
             for rank in range(job.spec.world_size):
@@ -430,7 +402,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             applied += 1
         return applied
 
-    def _apply(self, job: _Job, state: BucketState, in_flight: _BucketStep) -> None:
+    def _apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
@@ -440,7 +412,7 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         finally:
             self._store.release(state, dirty=True)
 
-    def _update_and_send(self, job: _Job, state: BucketState, in_flight: _BucketStep) -> None:
+    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
         started = time.perf_counter()
         grad = in_flight.reduction.result
         assert grad is not None, "a complete reduction has a result"

@@ -19,7 +19,7 @@ from transport.wire import Header, MsgType
 if TYPE_CHECKING:
     import torch
 
-    from optimizer_node.daemon import _BucketStep, _Job
+    from optimizer_node.job_state import ActiveJob, BucketStep
     from optimizer_node.storage import BucketStore
 
 log = logging.getLogger(__name__)
@@ -33,11 +33,11 @@ class OperatorControls:
     address: str
     started_at: float
     clock: StepClock
-    _job: _Job | None
+    _job: ActiveJob | None
     _store: BucketStore
     _peers: dict[int, bytes]
     _last_seen: dict[int, float]
-    _in_flight: dict[int, _BucketStep]
+    _in_flight: dict[int, BucketStep]
     _overrides: HyperOverrides
     _last_applied: dict[int, AdamWHyper]
     _pause_reason: str | None
@@ -50,7 +50,7 @@ class OperatorControls:
 
         @property
         def step(self) -> int: ...
-        def _maybe_request_norm(self, job: _Job) -> None: ...
+        def _maybe_request_norm(self, job: ActiveJob) -> None: ...
         def apply_all_ready(self) -> int: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
         def _between_steps(self) -> bool: ...

@@ -18,9 +18,10 @@ from optimizer_node.checkpoint import CheckpointError, read_latest, step_directo
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job import JobSpec
+from optimizer_node.job_state import ActiveJob
 
 if TYPE_CHECKING:
-    from optimizer_node.daemon import _BucketStep, _Job
+    from optimizer_node.job_state import BucketStep
     from optimizer_node.storage import BucketStore
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,9 @@ class CheckpointControls:
 
     config: NodeConfig
     node_id: str
-    _job: _Job | None
+    _job: ActiveJob | None
     _store: BucketStore
-    _in_flight: dict[int, _BucketStep]
+    _in_flight: dict[int, BucketStep]
     _overrides: HyperOverrides
     _crash_points: CrashPoints
     _checkpoint_waiters: list[Future]
@@ -153,9 +154,7 @@ class CheckpointControls:
         manifest = checkpoint.manifest
         spec = JobSpec.from_wire(manifest["job"])
         node_index = int(manifest["node_index"])
-        from optimizer_node.daemon import _Job  # the daemon module imports this one
-
-        job = _Job.create(spec, node_index)
+        job = ActiveJob.create(spec, node_index)
         owned = job.owned
         if set(owned) != set(checkpoint.buckets):
             raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")

@@ -1,0 +1,43 @@
+"""A node's state for the job it serves and for each bucket's step in flight (shared by the
+daemon and its mixins, so none of them imports the daemon)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from optimizer_node.adamw import AdamWHyper
+from optimizer_node.job import JobSpec
+from optimizer_node.placement import BucketSpec
+from optimizer_node.reduce import OrderedReduction
+
+
+@dataclass(slots=True)
+class BucketStep:
+    """A bucket's step in flight: gradients arriving, not yet applied."""
+
+    step: int
+    hyper: AdamWHyper
+    reduction: OrderedReduction
+    first_arrival: float
+    clip: torch.Tensor | None = None  # the clip coefficient, once the global norm is known
+    grad_norm: float | None = None
+
+
+@dataclass(slots=True)
+class ActiveJob:
+    """The job a node serves, as this node sees it: the contract and this node's share of it."""
+
+    spec: JobSpec
+    node_index: int
+    owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
+    segments: dict[int, list[tuple[int, int]]]  # bucket_id -> (offset, numel) per parameter piece, for the update
+    divisor: torch.Tensor  # () fp32 world size: the averaging divisor, made once
+
+    @classmethod
+    def create(cls, spec: JobSpec, node_index: int, plan: list[BucketSpec] | None = None) -> ActiveJob:
+        """This node's share of a job; the per-bucket update arguments are derived once here, not per step."""
+        owned = {b.bucket_id: b for b in (plan if plan is not None else spec.plan()) if b.node == node_index}
+        segments = {b.bucket_id: [(seg.bucket_offset, seg.numel) for seg in b.segments] for b in owned.values()}
+        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.world_size), dtype=torch.float32))
