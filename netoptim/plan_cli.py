@@ -85,60 +85,77 @@ def calibration_for(args: argparse.Namespace):  # -> PlanCalibration
         config, seq_len=args.block_size, micro_sizes=micro_sizes, replicas=replicas, start_node=local_node, param_groups=decay_groups, cores=args.cores or None,
         progress=lambda what: log.info("calibrating: %s", what),
     )  # fmt: skip
-    log.info("calibrating: the runtime's own overhead (a short pipeline run)")
-    calibration.action_overhead_s, calibration.optimizer_scale, calibration.step_overhead_s = measure_runtime_overhead(calibration, args)
+    log.info("calibrating: the runtime's own overhead (two short pipeline runs)")
+    measure_runtime_overhead(calibration, args)
     if path is not None:
         path.write_text(json.dumps(calibration.to_json()))
     return calibration
 
 
-def measure_runtime_overhead(calibration, args: argparse.Namespace, *, steps: int = 10, warmup: int = 5) -> tuple[float, float, float]:
-    """One short run of the real model through the real runtime (2 stages, 1 replica, 2 micro-batches,
-    GPipe; 1 stage where the batch or model allows no more) fits the simulator's three free
-    parameters: the runtime's cost per action (from the pipeline time), a scale on the calibrated
-    update cost (from the update time) and the per-step rest."""
-    import statistics
+def measure_runtime_overhead(calibration, args: argparse.Namespace) -> None:
+    """Two short runs through the real runtime fit the simulator's free parameters, in place:
 
-    from gpu_worker.pipeline.planner import Candidate, fit_action_overhead, predict
-    from netoptim.launcher import NodeProcess, run_workers
+    - a tiny GPT (almost no compute) on 2 stages with 4 micro-batches: the runtime's fixed cost per
+      forward or backward action (p2p messages, Python);
+    - the real model on 2 stages (1 where the batch or model allows no more), 2 micro-batches, GPipe:
+      how much slower the calibrated compute runs inside a job, a scale on the calibrated update
+      cost, and the rest of a step."""
+    import torch
 
-    stages = 2 if args.workers >= 2 and args.n_layer >= 1 and args.global_batch % 2 == 0 else 1
+    from gpu_worker.models import GPT, GPTConfig
+    from gpu_worker.pipeline import calibrate, pipeline_blocks
+    from gpu_worker.pipeline.planner import Candidate, fit_action_overhead, fit_compute_scale, predict
+
+    tiny = {"n_layer": 2, "n_embd": 16, "n_head": 2, "block_size": 16}
+    torch.manual_seed(0)
+    tiny_costs = calibrate(pipeline_blocks(GPT(GPTConfig(**tiny))), torch.randint(0, 256, (1, tiny["block_size"])))
+    tiny_candidate = Candidate(2, 1, 4, "gpipe", 1)
+    tiny_pipeline_s, _, _ = _calibration_run(tiny_candidate, [2], global_batch=4, model=tiny)
+    calibration.compute_scale = 1.0
+    calibration.action_overhead_s = fit_action_overhead(calibration, tiny_costs, tiny_candidate, [2], tiny_pipeline_s)
+
+    stages = 2 if args.workers >= 2 and args.global_batch % 2 == 0 else 1
     candidate = Candidate(stages, 1, 2 if args.global_batch % 2 == 0 else 1, "gpipe", 1)
     prediction = predict(calibration, candidate, args.global_batch)
+    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size}
+    pipeline_s, optimizer_s, rest_s = _calibration_run(candidate, prediction.cuts, global_batch=args.global_batch, model=model)
+    micro = args.global_batch // candidate.microbatches
+    calibration.compute_scale = fit_compute_scale(calibration, calibration.block_costs[micro], candidate, prediction.cuts, pipeline_s)
+    calibration.optimizer_scale = optimizer_s / prediction.optimizer_s if prediction.optimizer_s > 0 else 1.0
+    calibration.step_overhead_s = max(0.0, rest_s)
+    calibration.calibration_run = (candidate.stages, candidate.replicas, candidate.microbatches, candidate.schedule)
+    log.info(
+        "runtime: %.2f ms per action; in %s compute x%.2f of the blocks alone, update x%.2f of the node calibration, %.1f ms per step besides",
+        calibration.action_overhead_s * 1e3, candidate.label(), calibration.compute_scale, calibration.optimizer_scale, rest_s * 1e3,
+    )  # fmt: skip
+
+
+def _calibration_run(candidate, cuts: list[int], *, global_batch: int, model: dict[str, int], steps: int = 10, warmup: int = 5) -> tuple[float, float, float]:
+    """Run ``candidate`` of the pipeline recipe on fresh local nodes; per step the slowest rank's
+    pipeline, update and other time, medians over the timed steps."""
+    import statistics
+
+    from netoptim.launcher import NodeProcess, run_workers
+
     with tempfile.TemporaryDirectory(prefix="netoptim-plan-") as workdir:
-        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING").start() for i in range(stages)]
+        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING").start() for i in range(candidate.stages)]
         try:
             script = [
-                "--nodes", ",".join(n.address for n in nodes), "--stages", str(stages), "--microbatches", str(candidate.microbatches),
-                "--schedule", "gpipe", "--cuts", ",".join(map(str, prediction.cuts)), "--steps", str(warmup + steps),
-                "--global-batch", str(args.global_batch), "--report", str(Path(workdir) / "report"), "--quiet",
-                "--block-size", str(args.block_size), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
+                "--nodes", ",".join(n.address for n in nodes), "--stages", str(candidate.stages), "--microbatches", str(candidate.microbatches),
+                "--schedule", candidate.schedule, "--cuts", ",".join(map(str, cuts)), "--steps", str(warmup + steps),
+                "--global-batch", str(global_batch), "--report", str(Path(workdir) / "report"), "--quiet",
+                *[f"--{key.replace('_', '-')}={value}" for key, value in model.items()],
             ]  # fmt: skip
-            if run_workers(script, stages, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=600, quiet=True) != 0:
-                raise RuntimeError("the calibration run failed; run the pipeline recipe by hand with NETOPTIM_LOG_LEVEL=INFO to see why")
+            if run_workers(script, candidate.stages * candidate.replicas, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=600, quiet=True) != 0:
+                raise RuntimeError("a calibration run failed; run the pipeline recipe by hand with NETOPTIM_LOG_LEVEL=INFO to see why")
             reports = [json.loads(p.read_text()) for p in sorted((Path(workdir) / "report").glob("rank*.json"))]
         finally:
             for node in nodes:
                 node.stop()
-    # Per step, the slowest rank's figures (the step ends when it does), then medians over the steps.
     timed = range(warmup, warmup + steps)
-    pipeline_s = statistics.median(max(r["pipeline_s"][i] for r in reports) for i in timed)
-    optimizer_s = statistics.median(max(r["optimizer_s"][i] for r in reports) for i in timed)
-    rest_s = statistics.median(
-        max(r["step_s"][i] for r in reports) - max(r["pipeline_s"][i] for r in reports) - max(r["optimizer_s"][i] for r in reports) for i in timed
-    )
-    micro = args.global_batch // candidate.microbatches
-    overhead = fit_action_overhead(calibration, calibration.block_costs[micro], candidate, prediction.cuts, pipeline_s)
-    scale = optimizer_s / prediction.optimizer_s if prediction.optimizer_s > 0 else 1.0
-    log.info(
-        "calibration run %s: %.2f ms per action, update x%.2f of the node calibration, %.1f ms per step besides",
-        candidate.label(),
-        overhead * 1e3,
-        scale,
-        rest_s * 1e3,
-    )
-    calibration.calibration_run = (candidate.stages, candidate.replicas, candidate.microbatches, candidate.schedule)
-    return overhead, scale, max(0.0, rest_s)
+    slowest = {key: [max(r[key][i] for r in reports) for i in timed] for key in ("step_s", "pipeline_s", "optimizer_s")}
+    rest = [step - pipe - opt for step, pipe, opt in zip(slowest["step_s"], slowest["pipeline_s"], slowest["optimizer_s"], strict=True)]
+    return statistics.median(slowest["pipeline_s"]), statistics.median(slowest["optimizer_s"]), statistics.median(rest)
 
 
 def run_plan(args: argparse.Namespace) -> int:

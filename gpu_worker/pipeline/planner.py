@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from gpu_worker.pipeline.partition import BlockCost, balance
@@ -46,6 +46,7 @@ class PlanCalibration:
     optimizer: dict[int, OptimizerCost]  # replicas -> cost of one node group's update
     cores: float
     action_overhead_s: float = 0.0  # the runtime's own cost per forward or backward action (p2p, Python)
+    compute_scale: float = 1.0  # compute inside a real pipeline over the same blocks measured alone
     step_overhead_s: float = 0.0  # per step, outside the pipeline and the update
     optimizer_scale: float = 1.0  # measured update time in a real run over the node calibration's
     calibration_run: tuple[int, int, int, str] = (0, 0, 0, "")  # (P, D, M, schedule) of that run
@@ -63,6 +64,7 @@ class PlanCalibration:
             optimizer={int(k): OptimizerCost(**v) for k, v in raw["optimizer"].items()},
             cores=raw["cores"],
             action_overhead_s=raw.get("action_overhead_s", 0.0),
+            compute_scale=raw.get("compute_scale", 1.0),
             step_overhead_s=raw.get("step_overhead_s", 0.0),
             optimizer_scale=raw.get("optimizer_scale", 1.0),
             calibration_run=tuple(raw.get("calibration_run", (0, 0, 0, ""))),
@@ -173,6 +175,7 @@ def predict(calibration: PlanCalibration, candidate: Candidate, global_batch: in
             schedule=c.schedule, stages=stage_costs(costs, cuts), num_positions=c.stages, num_replicas=c.replicas, num_microbatches=c.microbatches,
             stages_per_rank=c.stages_per_rank, cores=calibration.cores, link_latency_s=calibration.link_latency_s,
             link_bytes_per_s=calibration.link_bytes_per_s, action_overhead_s=calibration.action_overhead_s, optimizer_work_s=work,
+            compute_scale=calibration.compute_scale,
         )  # fmt: skip
         peak = 0
         for position in range(c.stages):
@@ -204,23 +207,40 @@ def _simulate_layerwise(calibration: PlanCalibration, costs: Sequence[BlockCost]
 def fit_action_overhead(
     calibration: PlanCalibration, costs: Sequence[BlockCost], candidate: Candidate, cuts: Sequence[int], measured_pipeline_s: float
 ) -> float:
-    """The per-action overhead with which the simulated pipeline of ``candidate`` (blocks ``costs``)
-    takes ``measured_pipeline_s``: the runtime's one free parameter, fitted on a calibration run."""
-    stages = stage_costs(costs, cuts)
+    """The per-action overhead with which the simulated pipeline of ``candidate`` (blocks ``costs``,
+    at the calibration's compute scale) takes ``measured_pipeline_s``."""
+    return _bisect(
+        lambda overhead: _pipeline_s(calibration, costs, candidate, cuts, overhead, calibration.compute_scale),
+        measured_pipeline_s,
+        0.0,
+        max(measured_pipeline_s, 1e-6),
+    )
 
-    def pipeline(overhead: float) -> float:
-        return simulate(
-            schedule=candidate.schedule, stages=stages, num_positions=candidate.stages, num_replicas=candidate.replicas,
-            num_microbatches=candidate.microbatches, stages_per_rank=candidate.stages_per_rank, cores=calibration.cores,
-            link_latency_s=calibration.link_latency_s, link_bytes_per_s=calibration.link_bytes_per_s, action_overhead_s=overhead, optimizer_work_s=[],
-        ).pipeline_s  # fmt: skip
 
-    low, high = 0.0, max(measured_pipeline_s, 1e-6)
-    if pipeline(low) >= measured_pipeline_s:
-        return 0.0
+def fit_compute_scale(calibration: PlanCalibration, costs: Sequence[BlockCost], candidate: Candidate, cuts: Sequence[int], measured_pipeline_s: float) -> float:
+    """The scale on calibrated compute with which the simulated pipeline (at the calibration's
+    per-action overhead) takes ``measured_pipeline_s``; within [0.25, 4]."""
+    return _bisect(lambda scale: _pipeline_s(calibration, costs, candidate, cuts, calibration.action_overhead_s, scale), measured_pipeline_s, 0.25, 4.0)
+
+
+def _pipeline_s(calibration: PlanCalibration, costs: Sequence[BlockCost], candidate: Candidate, cuts: Sequence[int], overhead: float, scale: float) -> float:
+    return simulate(
+        schedule=candidate.schedule, stages=stage_costs(costs, cuts), num_positions=candidate.stages, num_replicas=candidate.replicas,
+        num_microbatches=candidate.microbatches, stages_per_rank=candidate.stages_per_rank, cores=calibration.cores,
+        link_latency_s=calibration.link_latency_s, link_bytes_per_s=calibration.link_bytes_per_s, action_overhead_s=overhead,
+        optimizer_work_s=[], compute_scale=scale,
+    ).pipeline_s  # fmt: skip
+
+
+def _bisect(function: Callable[[float], float], target: float, low: float, high: float) -> float:
+    """The ``x`` in [low, high] where the increasing ``function`` reaches ``target`` (clamped)."""
+    if function(low) >= target:
+        return low
+    if function(high) <= target:
+        return high
     for _ in range(50):
         middle = (low + high) / 2
-        low, high = (middle, high) if pipeline(middle) < measured_pipeline_s else (low, middle)
+        low, high = (middle, high) if function(middle) < target else (low, middle)
     return (low + high) / 2
 
 

@@ -89,9 +89,12 @@ def simulate(
     link_bytes_per_s: float,
     action_overhead_s: float,
     optimizer_work_s: Sequence[tuple[float, float]],
+    compute_scale: float = 1.0,
 ) -> Simulation:
-    """Simulate one step. ``optimizer_work_s`` holds one ``(wall_s, cpu_s)`` per node group update
-    (wall time alone on the machine, CPU seconds it spends); they run at once after the pipeline."""
+    """Simulate one step. An action costs its calibrated compute times ``compute_scale`` (the same
+    kernels run slower inside a job than alone) plus ``action_overhead_s`` (the runtime's own work).
+    ``optimizer_work_s`` holds one ``(wall_s, cpu_s)`` per node group update (wall time alone on the
+    machine, CPU seconds it spends); they run at once after the pipeline."""
     P, D, M = num_positions, num_replicas, num_microbatches
     if len(stages) != P * stages_per_rank:
         raise ValueError(f"{len(stages)} stage costs for {P} positions x {stages_per_rank} stages per rank")
@@ -134,7 +137,7 @@ def simulate(
             at = ready_at(rank, action)
             if at is not None and at <= now + 1e-12:
                 cost = stages[action.stage]
-                work = (cost.forward_s if action.kind == FORWARD else cost.backward_s) + action_overhead_s
+                work = (cost.forward_s if action.kind == FORWARD else cost.backward_s) * compute_scale + action_overhead_s
                 running[rank], running_action[rank] = [work], action
                 next_index[rank] += 1
         pending = [

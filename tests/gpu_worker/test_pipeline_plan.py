@@ -188,3 +188,17 @@ def test_the_runtime_refuses_what_cannot_run_and_trains_one_stage_like_adamw(one
         opt.zero_grad()
     assert all(torch.equal(a, b) for (_, a), b in zip(trainer.named_parameters(), local.parameters(), strict=True))
     trainer.close()
+
+
+def test_the_runtime_parameters_are_recovered_from_a_measured_pipeline_time():
+    from gpu_worker.pipeline.planner import _pipeline_s, fit_action_overhead, fit_compute_scale
+
+    calibration = synthetic_calibration()
+    costs = calibration.block_costs[2]
+    candidate = Candidate(2, 1, 4, "gpipe")
+    measured = _pipeline_s(calibration, costs, candidate, [3], 0.002, 1.0)
+    assert fit_action_overhead(calibration, costs, candidate, [3], measured) == pytest.approx(0.002, rel=1e-6)
+    calibration.action_overhead_s = 0.002
+    slower = _pipeline_s(calibration, costs, candidate, [3], 0.002, 1.3)
+    assert fit_compute_scale(calibration, costs, candidate, [3], slower) == pytest.approx(1.3, rel=1e-6)
+    assert fit_compute_scale(calibration, costs, candidate, [3], 100.0) == 4.0, "clamped, not extrapolated without bound"
