@@ -10,45 +10,28 @@ prediction, and the measured bubble with the simulated and the schedule's theore
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
-from pathlib import Path
 
 from tqdm import tqdm
 
 from gpu_worker.pipeline.planner import Prediction, plan
-from netoptim.launcher import NodeProcess, run_workers
+from netoptim.launcher import run_pipeline_job
 from netoptim.plan_cli import calibration_for, validate_model_flags
 
 
 def measure(args: argparse.Namespace, prediction: Prediction) -> dict:
-    """Run the configuration for ``args.steps`` steps; the median step time after ``args.warmup``."""
+    """Run the configuration for ``args.steps`` steps after ``args.warmup``: the median step time (of
+    the slowest rank each step) and the median bubble over ranks and steps."""
     c = prediction.candidate
-    with tempfile.TemporaryDirectory(prefix="netoptim-plan-bench-") as workdir:
-        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING") for i in range(c.stages * c.nodes_per_stage)]
-        try:
-            for node in nodes:
-                node.start()
-            script = [
-                "--nodes", ",".join(n.address for n in nodes), "--stages", str(c.stages), "--microbatches", str(c.microbatches),
-                "--schedule", c.schedule, "--cuts", ",".join(map(str, prediction.cuts)), "--steps", str(args.warmup + args.steps),
-                "--global-batch", str(args.global_batch), "--block-size", str(args.block_size), "--n-layer", str(args.n_layer),
-                "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--report", str(Path(workdir) / "report"), "--quiet",
-            ]  # fmt: skip
-            status = run_workers(script, c.stages * c.replicas, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=args.timeout_s, quiet=True)
-            if status != 0:
-                raise RuntimeError(f"{c.label()}: the ranks failed with status {status}")
-            reports = [json.loads(p.read_text()) for p in sorted((Path(workdir) / "report").glob("rank*.json"))]
-        finally:
-            for node in nodes:
-                node.stop()
-    steps = [max(r["step_s"][i] for r in reports) for i in range(args.warmup, args.warmup + args.steps)]
-    bubbles = [1 - r["compute_s"][i] / r["pipeline_s"][i] for r in reports for i in range(args.warmup, args.warmup + args.steps)]
+    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size}
+    reports = run_pipeline_job(
+        c.stages, c.replicas, c.microbatches, c.schedule, prediction.cuts, global_batch=args.global_batch, model=model,
+        steps=args.warmup + args.steps, nodes_per_stage=c.nodes_per_stage, timeout_s=args.timeout_s,
+    )  # fmt: skip
+    timed = range(args.warmup, args.warmup + args.steps)
     return {
-        "step_s": statistics.median(steps),
-        "bubble_fraction": statistics.median(bubbles),
-        "optimizer_s": statistics.median(r["optimizer_s"][-1] for r in reports),
+        "step_s": statistics.median(max(r["step_s"][i] for r in reports) for i in timed),
+        "bubble_fraction": statistics.median(1 - r["compute_s"][i] / r["pipeline_s"][i] for r in reports for i in timed),
     }
 
 

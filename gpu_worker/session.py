@@ -144,12 +144,20 @@ class OffloadSession:
 
     def _switch_to_same_host(self, index: int, address: str, hello: dict, hint: str) -> Message:
         """The node is on this host: say HELLO again over its ipc:// socket and use that connection
-        (the node then answers this rank there); the TCP one is closed."""
-        previous = self._clients[index]
+        (the node then answers this rank there), closing the TCP one. If the socket does not answer
+        within 10 s, stay on TCP: say HELLO there again, so the node answers this rank there."""
+        tcp = self._clients[index]
         self._clients[index] = self._transport.connect(address)
-        previous.close()
-        self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
-        reply = self._expect(index, MsgType.HELLO_OK, f"registration over the same-host socket {address} ({hint}?)")
+        try:
+            self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
+            reply = self._expect(index, MsgType.HELLO_OK, f"registration over the same-host socket {address}", timeout_s=min(10.0, self.timeout_s))
+        except TimeoutError as exc:
+            self._clients[index].close()
+            self._clients[index] = tcp
+            log.warning("rank %d stays on %s: %s", self.rank, self.nodes[index], exc)
+            tcp.send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
+            return self._expect(index, MsgType.HELLO_OK, f"registration (rank 0 registers the job; {hint}?)")
+        tcp.close()
         log.info("rank %d talks to node %s over %s (same host)", self.rank, self.nodes[index], address)
         return reply
 
@@ -310,13 +318,14 @@ class OffloadSession:
         else:
             log.warning("node %s resumed updates", self.nodes[node_index])
 
-    def _expect(self, node_index: int, msg_type: MsgType, what: str) -> Message:
-        message = self._clients[node_index].recv(self.timeout_s)
+    def _expect(self, node_index: int, msg_type: MsgType, what: str, *, timeout_s: float | None = None) -> Message:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        message = self._clients[node_index].recv(timeout_s)
         while message is not None and message.header.msg_type == MsgType.NOTICE:
             self._log_notice(node_index, message.header)
-            message = self._clients[node_index].recv(self.timeout_s)
+            message = self._clients[node_index].recv(timeout_s)
         if message is None:
-            raise TimeoutError(f"node {self.nodes[node_index]} did not answer within {self.timeout_s:.0f} s while waiting for {what}")
+            raise TimeoutError(f"node {self.nodes[node_index]} did not answer within {timeout_s:.0f} s while waiting for {what}")
         header = message.header
         if header.msg_type == MsgType.ERROR:
             raise NodeError(self.nodes[node_index], header.meta.get("code", 0), header.meta.get("message", ""))

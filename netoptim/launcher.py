@@ -163,6 +163,32 @@ def run_workers(
                 process.kill()
 
 
+def run_pipeline_job(
+    stages: int, replicas: int, microbatches: int, schedule: str, cuts: Sequence[int], *,
+    global_batch: int, model: dict[str, int], steps: int, nodes_per_stage: int = 1, timeout_s: float = 600.0,
+) -> list[dict]:  # fmt: skip
+    """Train ``examples/train_gpt_pipeline.py``'s GPT (``model``: its shape flags) for ``steps`` steps
+    on ``stages x replicas`` local ranks and fresh local nodes; returns every rank's ``--report``."""
+    with tempfile.TemporaryDirectory(prefix="netoptim-pipeline-") as workdir:
+        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING") for i in range(stages * nodes_per_stage)]
+        try:
+            for node in nodes:
+                node.start()
+            script = [
+                "--nodes", ",".join(n.address for n in nodes), "--stages", str(stages), "--microbatches", str(microbatches),
+                "--schedule", schedule, "--cuts", ",".join(map(str, cuts)), "--steps", str(steps), "--global-batch", str(global_batch),
+                "--report", str(Path(workdir) / "report"), "--quiet", *[f"--{key.replace('_', '-')}={value}" for key, value in model.items()],
+            ]  # fmt: skip
+            status = run_workers(script, stages * replicas, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=timeout_s, quiet=True)
+            if status != 0:
+                raise RuntimeError(f"the pipeline ranks (P={stages}, D={replicas}, M={microbatches}, {schedule}) failed with status {status}; "
+                                   "run the recipe by hand with NETOPTIM_LOG_LEVEL=INFO to see why")  # fmt: skip
+            return [json.loads(p.read_text()) for p in sorted((Path(workdir) / "report").glob("rank*.json"))]
+        finally:
+            for node in nodes:
+                node.stop()
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """``netoptim demo``: local node(s) and worker processes training a small GPT."""
     with tempfile.TemporaryDirectory(prefix="netoptim-demo-") as workdir:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import tempfile
@@ -62,6 +63,10 @@ def validate_model_flags(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.n_embd % args.n_head:
         raise SystemExit(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    if args.cores < 0:
+        raise SystemExit(f"--cores must be >= 0 (0: this machine's), got {args.cores}")
+    if getattr(args, "memory_limit", 0) < 0:
+        raise SystemExit(f"--memory-limit must be >= 0 bytes (0: no limit), got {args.memory_limit}")
 
 
 def calibration_for(args: argparse.Namespace):  # -> PlanCalibration
@@ -71,11 +76,19 @@ def calibration_for(args: argparse.Namespace):  # -> PlanCalibration
     from gpu_worker.pipeline.planner import PlanCalibration, candidates
     from gpu_worker.recipes.train_gpt_pipeline import decay_groups
 
+    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
     path = Path(args.calibration) if getattr(args, "calibration", "") else None
     if path is not None and path.exists():
+        try:
+            calibration = PlanCalibration.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path} is not a calibration netoptim plan wrote ({exc}); delete it to measure again") from None
+        if calibration.model != dataclasses.asdict(config):
+            raise SystemExit(
+                f"{path} was measured for the model {calibration.model}, not {dataclasses.asdict(config)}: give its flags, or another file to measure anew"
+            )
         log.info("calibration read from %s", path)
-        return PlanCalibration.from_json(json.loads(path.read_text()))
-    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+        return calibration
     found = candidates(args.workers, args.global_batch, args.n_layer + 2, args.nodes, max_microbatches=args.max_microbatches)
     if not found:
         raise SystemExit(f"no configuration of {args.workers} workers and {args.nodes} nodes divides a global batch of {args.global_batch}")
@@ -131,27 +144,14 @@ def measure_runtime_overhead(calibration, args: argparse.Namespace) -> None:
 
 
 def _calibration_run(candidate, cuts: list[int], *, global_batch: int, model: dict[str, int], steps: int = 10, warmup: int = 5) -> tuple[float, float, float]:
-    """Run ``candidate`` of the pipeline recipe on fresh local nodes; per step the slowest rank's
-    pipeline, update and other time, medians over the timed steps."""
+    """Run ``candidate`` for real; per step the slowest rank's pipeline, update and other time,
+    medians over the timed steps."""
     import statistics
 
-    from netoptim.launcher import NodeProcess, run_workers
+    from netoptim.launcher import run_pipeline_job
 
-    with tempfile.TemporaryDirectory(prefix="netoptim-plan-") as workdir:
-        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING").start() for i in range(candidate.stages)]
-        try:
-            script = [
-                "--nodes", ",".join(n.address for n in nodes), "--stages", str(candidate.stages), "--microbatches", str(candidate.microbatches),
-                "--schedule", candidate.schedule, "--cuts", ",".join(map(str, cuts)), "--steps", str(warmup + steps),
-                "--global-batch", str(global_batch), "--report", str(Path(workdir) / "report"), "--quiet",
-                *[f"--{key.replace('_', '-')}={value}" for key, value in model.items()],
-            ]  # fmt: skip
-            if run_workers(script, candidate.stages * candidate.replicas, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=600, quiet=True) != 0:
-                raise RuntimeError("a calibration run failed; run the pipeline recipe by hand with NETOPTIM_LOG_LEVEL=INFO to see why")
-            reports = [json.loads(p.read_text()) for p in sorted((Path(workdir) / "report").glob("rank*.json"))]
-        finally:
-            for node in nodes:
-                node.stop()
+    c = candidate
+    reports = run_pipeline_job(c.stages, c.replicas, c.microbatches, c.schedule, cuts, global_batch=global_batch, model=model, steps=warmup + steps)
     timed = range(warmup, warmup + steps)
     slowest = {key: [max(r[key][i] for r in reports) for i in timed] for key in ("step_s", "pipeline_s", "optimizer_s")}
     rest = [step - pipe - opt for step, pipe, opt in zip(slowest["step_s"], slowest["pipeline_s"], slowest["optimizer_s"], strict=True)]

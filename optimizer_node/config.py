@@ -12,9 +12,10 @@ class NodeConfig:
     """Settings of one ``netoptim node`` daemon, filled from CLI flags in one place."""
 
     listen: str = "tcp://127.0.0.1:0"
+    """Data-plane address; port 0 lets the OS choose, the bound address is logged and written to ready_file."""
+
     same_host_ipc: bool = True
     """Also listen on an ipc:// socket that workers on this host switch to after their HELLO."""
-    """Data-plane address; port 0 lets the OS choose, the bound address is logged and written to ready_file."""
 
     ready_file: str | None = None
     """Where to write ``{"data": ADDRESS, "pid": PID}`` as JSON once the node accepts work."""

@@ -85,8 +85,10 @@ def _write_file(path: Path, flat: torch.Tensor, step: int, sync: bool) -> _FileI
     return _FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc)
 
 
-def _read_file(path: Path, flat: torch.Tensor, expected: _FileInfo, sync: bool) -> None:
-    data = memoryview(flat.numpy()).cast("B")
+def _read_checked(path: Path, into: torch.Tensor, expected: _FileInfo, *, crc32: int, sync: bool) -> None:
+    """Read the start of a state file into ``into`` (the whole file, or only its parameter third for
+    a fetch) and check that the file is the one the node wrote and the bytes match ``crc32``."""
+    data = memoryview(into.numpy()).cast("B")
     with open(path, "rb", buffering=0) as handle:
         stat = os.fstat(handle.fileno())
         if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
@@ -94,19 +96,7 @@ def _read_file(path: Path, flat: torch.Tensor, expected: _FileInfo, sync: bool) 
         got = handle.readinto(data)
         if sync:
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if got != len(data) or zlib.crc32(data) != expected.crc32:
-        raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
-
-
-def _read_params(path: Path, param: torch.Tensor, expected: _FileInfo) -> None:
-    """Only the parameter third of a state file (what a fetch needs), checked like a full read."""
-    data = memoryview(param.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as handle:
-        stat = os.fstat(handle.fileno())
-        if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
-            raise StorageError(f"{path} was changed outside the node (size {stat.st_size}, expected {expected.size})")
-        got = handle.readinto(data)
-    if got != len(data) or zlib.crc32(data) != expected.param_crc32:
+    if got != len(data) or zlib.crc32(data) != crc32:
         raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
 
 
@@ -210,7 +200,7 @@ class OutOfCoreStore(BucketStore):
         assert slot.file is not None
         param = torch.empty(state.numel, dtype=torch.float32)
         try:
-            _read_params(self._path(state.bucket_id, slot.file.step), param, slot.file)
+            _read_checked(self._path(state.bucket_id, slot.file.step), param, slot.file, crc32=slot.file.param_crc32, sync=self.sync)
         except (OSError, StorageError) as exc:
             raise StorageError(
                 f"bucket {state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
@@ -381,7 +371,9 @@ class OutOfCoreStore(BucketStore):
         numel = slot.state.numel
         slot.flat = self._buffer(numel)
         self._resident += BYTES_PER_PARAM * numel
-        slot.reading = self._pool.submit(_read_file, self._path(slot.state.bucket_id, slot.file.step), slot.flat, slot.file, self.sync)
+        slot.reading = self._pool.submit(
+            _read_checked, self._path(slot.state.bucket_id, slot.file.step), slot.flat, slot.file, crc32=slot.file.crc32, sync=self.sync
+        )
 
     def _finish_read(self, slot: _Slot) -> None:
         assert slot.reading is not None

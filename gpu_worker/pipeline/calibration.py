@@ -199,4 +199,11 @@ def calibrate_gpt(
             progress(f"optimizer, {count} replica(s)")
             optimizer[count] = measure_optimizer(start_node, count, layouts)
             progress(f"optimizer, {count} replica(s): {optimizer[count]}")
-    return PlanCalibration(block_costs, latency, bandwidth, optimizer, float(cores or os.cpu_count() or 1), latency, seq_len)
+    return PlanCalibration(
+        block_costs=block_costs,
+        link_latency_s=latency,
+        link_bytes_per_s=bandwidth,
+        optimizer=optimizer,
+        cores=float(cores or os.cpu_count() or 1),
+        model=asdict(config),
+    )  # the runtime's parameters come from real runs (netoptim plan's measure_runtime_overhead)

@@ -10,12 +10,15 @@ for ``D`` replicas. :func:`predict` turns a :class:`Candidate` into a step time 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from gpu_worker.pipeline.partition import BlockCost, balance
 from gpu_worker.pipeline.simulate import FORWARD, Simulation, StageCosts, schedule_order, simulate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class PlanCalibration:
     step_overhead_s: float = 0.0  # per step, outside the pipeline and the update
     optimizer_scale: float = 1.0  # measured update time in a real run over the node calibration's
     calibration_run: tuple[int, int, int, str] = (0, 0, 0, "")  # (P, D, M, schedule) of that run
-    tokens_per_sample: int = 1
+    model: dict[str, int] = field(default_factory=dict)  # the shape of the model measured (GPTConfig fields)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,7 +71,7 @@ class PlanCalibration:
             step_overhead_s=raw.get("step_overhead_s", 0.0),
             optimizer_scale=raw.get("optimizer_scale", 1.0),
             calibration_run=tuple(raw.get("calibration_run", (0, 0, 0, ""))),
-            tokens_per_sample=raw.get("tokens_per_sample", 1),
+            model=dict(raw.get("model", {})),
         )
 
 
@@ -147,6 +150,8 @@ def stage_costs(costs: Sequence[BlockCost], cuts: Sequence[int]) -> list[StageCo
 def predict(calibration: PlanCalibration, candidate: Candidate, global_batch: int, cuts: Sequence[int] | None = None) -> Prediction:
     """Simulated step time and memory of ``candidate`` (cut points balanced on the calibration unless given)."""
     c = candidate
+    if global_batch % (c.replicas * c.microbatches):
+        raise ValueError(f"a global batch of {global_batch} does not split into {c.replicas} replicas x {c.microbatches} micro-batches")
     micro = global_batch // (c.replicas * c.microbatches)
     if micro not in calibration.block_costs:
         raise ValueError(f"no calibration at micro-batch size {micro}; calibrate with it (have {sorted(calibration.block_costs)})")
@@ -160,9 +165,9 @@ def predict(calibration: PlanCalibration, candidate: Candidate, global_batch: in
     if optimizer is None:
         raise ValueError(f"no optimizer calibration for {c.replicas} replicas (have {sorted(calibration.optimizer)})")
     work = []
+    scale = calibration.optimizer_scale
     for position in range(c.stages):
         numel = math.ceil(sum(param_bytes[s] for s in range(position, total_stages, c.stages)) // 4 / c.nodes_per_stage)
-        scale = calibration.optimizer_scale
         work += [(scale * optimizer.seconds(numel), scale * optimizer.cpu_seconds(numel))] * c.nodes_per_stage
     notes = []
     if c.layerwise:
@@ -249,11 +254,19 @@ def plan(calibration: PlanCalibration, num_workers: int, global_batch: int, num_
     ``memory_limit`` per rank are dropped."""
     num_blocks = len(next(iter(calibration.block_costs.values())))
     predictions = []
+    uncalibrated = []
     for candidate in candidates(num_workers, global_batch, num_blocks, num_nodes):
         micro = global_batch // (candidate.replicas * candidate.microbatches)
         if micro not in calibration.block_costs or candidate.replicas not in calibration.optimizer:
+            uncalibrated.append(candidate.label())
             continue
         prediction = predict(calibration, candidate, global_batch)
         if memory_limit is None or prediction.peak_memory_bytes <= memory_limit:
             predictions.append(prediction)
+    if uncalibrated:
+        log.warning(
+            "%d configuration(s) left out, the calibration has no measurement for them (calibrate again for this batch and worker count): %s",
+            len(uncalibrated),
+            "; ".join(uncalibrated),
+        )
     return sorted(predictions, key=lambda p: p.step_s)

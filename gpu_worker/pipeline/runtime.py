@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +33,14 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 class PipelineError(RuntimeError):
     """A peer rank stopped or a link broke: this rank stops too, and says which one it is."""
+
+
+_LINK_FAILURES = ("gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe", "timed out", "Timed out")
+"""What torch.distributed's backends put in the (plain RuntimeError) message of a failed collective or p2p."""
+
+
+def _is_link_failure(exc: RuntimeError) -> bool:
+    return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in _LINK_FAILURES)
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,6 @@ class StepTimes:
     compute_s: float = 0.0
     pipeline_s: float = 0.0
     optimizer_s: float = 0.0
-    history: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def bubble_fraction(self) -> float:
@@ -219,9 +226,11 @@ class PipelineTrainer:
             self._schedule.step(*args, target=target, losses=losses)
             # One small all-reduce over every rank: the loss for everyone, and a check that no rank
             # stopped before anyone waits on the nodes for a replica that will never push.
-            total = torch.tensor([float(sum(loss.item() for loss in losses)), float(len(losses))])
+            total = torch.tensor([float(sum(loss.item() for loss in losses)), float(len(losses))], device=self.device)  # NCCL: on the GPU
             dist.all_reduce(total)
-        except (RuntimeError, dist.DistBackendError) as exc:
+        except RuntimeError as exc:
+            if not _is_link_failure(exc):
+                raise  # an error of the model or the loss on this rank: as it is
             raise PipelineError(
                 f"rank {dist.get_rank()} (position {self.position}, replica {self.replica}): a peer rank stopped or its link broke: {exc}".strip()
             ) from exc
@@ -230,7 +239,6 @@ class PipelineTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         done = time.perf_counter()
         self.times.pipeline_s, self.times.optimizer_s = pipelined - started, done - pipelined
-        self.times.history.append((self.times.compute_s, self.times.pipeline_s, self.times.optimizer_s))
         return float(total[0] / total[1])
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -96,15 +96,16 @@ def simulate(
     ``optimizer_work_s`` holds one ``(wall_s, cpu_s)`` per node group update (wall time alone on the
     machine, CPU seconds it spends); they run at once after the pipeline."""
     P, D, M = num_positions, num_replicas, num_microbatches
+    if cores <= 0 or link_bytes_per_s <= 0 or num_microbatches < 1:
+        raise ValueError(f"cores ({cores}), link bandwidth ({link_bytes_per_s}) and micro-batches ({num_microbatches}) must be positive")
     if len(stages) != P * stages_per_rank:
         raise ValueError(f"{len(stages)} stage costs for {P} positions x {stages_per_rank} stages per rank")
     orders = [schedule_order(schedule, p, P, M, stages_per_rank) for _ in range(D) for p in range(P)]
-    position_of = [r % P for r in range(P * D)]
     replica_of = [r // P for r in range(P * D)]
     last_stage = len(stages) - 1
     done: dict[tuple[int, Action], float] = {}  # (replica, action) -> finish time
     next_index = [0] * len(orders)
-    running: dict[int, list[float]] = {}  # rank -> [remaining work]
+    remaining: dict[int, float] = {}  # rank -> work left of the action it runs
     running_action: dict[int, Action] = {}
     busy = [0.0] * len(orders)
     now = 0.0
@@ -129,42 +130,40 @@ def simulate(
             latest = max(latest, finished + delay)
         return latest
 
-    while any(i < len(o) for i, o in zip(next_index, orders, strict=True)) or running:
+    while any(i < len(o) for i, o in zip(next_index, orders, strict=True)) or remaining:
         for rank, order in enumerate(orders):  # start what can start now
-            if rank in running or next_index[rank] >= len(order):
+            if rank in remaining or next_index[rank] >= len(order):
                 continue
             action = order[next_index[rank]]
             at = ready_at(rank, action)
             if at is not None and at <= now + 1e-12:
                 cost = stages[action.stage]
                 work = (cost.forward_s if action.kind == FORWARD else cost.backward_s) * compute_scale + action_overhead_s
-                running[rank], running_action[rank] = [work], action
+                remaining[rank], running_action[rank] = work, action
                 next_index[rank] += 1
         pending = [
             at
             for rank, order in enumerate(orders)
-            if rank not in running and next_index[rank] < len(order) and (at := ready_at(rank, order[next_index[rank]])) is not None
+            if rank not in remaining and next_index[rank] < len(order) and (at := ready_at(rank, order[next_index[rank]])) is not None
         ]
-        if not running:
+        if not remaining:
             if not pending:
                 raise RuntimeError(f"the {schedule} schedule deadlocks in simulation (P={P}, M={M}, V={stages_per_rank})")
             now = max(now, min(pending))
             continue
-        rate = min(1.0, cores / len(running))
-        finish_in = min(left[0] for left in running.values()) / rate
+        rate = min(1.0, cores / len(remaining))
+        finish_in = min(remaining.values()) / rate
         future = [at - now for at in pending if at > now]
         step = min([finish_in, *future])
         now += step
-        for rank in running:
+        for rank in list(remaining):
             busy[rank] += step
-        for rank in list(running):
-            running[rank][0] -= step * rate
-            if running[rank][0] <= 1e-12:
+            remaining[rank] -= step * rate
+            if remaining[rank] <= 1e-12:
                 done[(replica_of[rank], running_action.pop(rank))] = now
-                del running[rank]
+                del remaining[rank]
     pipeline_s = now
     # The updates of all node groups at once: as long as the slowest alone, or as long as the
     # cores take to supply the CPU time of all of them, whichever is longer.
     elapsed = max([0.0] + [wall for wall, _ in optimizer_work_s] + [sum(cpu for _, cpu in optimizer_work_s) / cores])
-    del position_of
     return Simulation(pipeline_s + elapsed, pipeline_s, elapsed, tuple(busy))

@@ -33,13 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank")
     parser.add_argument("--steps", type=int, default=300, help="total training steps (a resumed run continues to this step)")
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all workers (default: 8 per worker)")
-    parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--n-embd", type=int, default=128, help="model width")
-    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
-    parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
-    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+    add_model_flags(parser, block_size=128)
     parser.add_argument("--sample-tokens", type=int, default=160, help="bytes to generate at the end (rank 0)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--layerwise", action="store_true", help="stream the blocks from the nodes (layer-wise mode): the model is never whole on a worker")
@@ -47,11 +41,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def param_groups(model: nn.Module) -> list[dict]:
+def add_model_flags(parser: argparse.ArgumentParser, *, block_size: int) -> None:
+    """The GPT's shape, learning rate, wire dtype and seed: the flags every GPT recipe takes."""
+    parser.add_argument("--block-size", type=int, default=block_size, help="tokens per sequence")
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--n-embd", type=int, default=128, help="model width")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
+    parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+
+
+def decay_groups(named: list[tuple[str, nn.Parameter]]) -> list[dict]:
     """Weight decay on matrices only; named, so checkpoints export with the model's own names."""
-    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    return decay_groups(list(model.named_parameters()))
 
 
 def lr_lambda(steps: int) -> Callable[[int], float]:
@@ -76,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if global_batch % world_size:
         raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
-    config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+    config = model_config(args)
     options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=args.nodes.split(","), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
     if args.layerwise:
         with torch.device("meta"):  # rank 0 initializes one block at a time, straight to the nodes

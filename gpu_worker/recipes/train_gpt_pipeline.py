@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from tqdm import tqdm
 
-from gpu_worker.models import GPT, GPTConfig
+from gpu_worker.models import GPT
 from gpu_worker.pipeline import SCHEDULES, PipelineConfig, PipelineError, PipelineTrainer
 from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
-from gpu_worker.recipes.train_gpt import WIRE_DTYPES, lr_lambda
+from gpu_worker.recipes.train_gpt import WIRE_DTYPES, add_model_flags, decay_groups, lr_lambda, model_config
+
+__all__ = ["decay_groups", "main", "token_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuts", default="auto", help="first block of every stage but the first, comma-separated; 'auto' balances on a calibration")
     parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all replicas (default: 2 per micro-batch and replica)")
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks (the model has n_layer + 2 pipeline blocks)")
-    parser.add_argument("--n-embd", type=int, default=128, help="model width")
-    parser.add_argument("--n-head", type=int, default=4, help="attention heads")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
-    parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
-    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+    add_model_flags(parser, block_size=64)  # the model has n_layer + 2 pipeline blocks
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait for a peer rank or a node may take before the rank stops with an error")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary (for launchers that collect --report)")
@@ -56,14 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--crash-at-step", type=int, default=-1, help="fault injection for tests: --crash-rank exits abruptly (like kill -9) at this step")
     parser.add_argument("--crash-rank", type=int, default=-1, help="fault injection for tests: the rank that exits at --crash-at-step")
     return parser
-
-
-def decay_groups(named: list[tuple[str, nn.Parameter]]) -> list[dict]:
-    """Weight decay on matrices only, as the data-parallel recipe."""
-    return [
-        {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
-    ]
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -86,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if global_batch % (replicas * args.microbatches):
         raise SystemExit(f"--global-batch {global_batch} must be a multiple of replicas x micro-batches = {replicas * args.microbatches}")
     torch.manual_seed(args.seed)  # every rank builds the same model; replica 0's values are registered
-    model = GPT(GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head))
+    model = GPT(model_config(args))
     tokens = load_stdlib_bytes()
     micro_batches = replicas * args.microbatches  # the calibration runs on one micro-batch
     sample_x, _ = batch_for_step(tokens, 0, global_batch=global_batch, block_size=args.block_size, rank=0, world_size=micro_batches, seed=args.seed)
@@ -100,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: schedule(step + start_step))
     losses: list[float] = []
     step_times: list[float] = []
+    phases: list[tuple[float, float, float]] = []  # per step: compute, pipeline, optimizer seconds
     progress = tqdm(
         range(start_step, args.steps), disable=rank != 0 or args.quiet, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5
     )
@@ -114,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             losses.append(trainer.step(x, y))
             scheduler.step()
             step_times.append(time.perf_counter() - started)
+            phases.append((trainer.times.compute_s, trainer.times.pipeline_s, trainer.times.optimizer_s))
             progress.set_postfix(loss=f"{losses[-1]:.3f}", step_s=f"{step_times[-1]:.3f}")
     except (PipelineError, TimeoutError) as exc:
         log.error("%s", exc)
@@ -122,10 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         progress.close()
     if args.report:
-        history = trainer.times.history
         report = {
             "rank": rank, "position": trainer.position, "replica": trainer.replica, "stage_ranges": [trainer.stage_ranges[i] for i in trainer.stage_indices],
-            "losses": losses, "step_s": step_times, "compute_s": [h[0] for h in history], "pipeline_s": [h[1] for h in history], "optimizer_s": [h[2] for h in history],
+            "losses": losses, "step_s": step_times, "compute_s": [p[0] for p in phases], "pipeline_s": [p[1] for p in phases], "optimizer_s": [p[2] for p in phases],
         }  # fmt: skip
         Path(args.report).mkdir(parents=True, exist_ok=True)
         (Path(args.report) / f"rank{rank}.json").write_text(json.dumps(report))

@@ -135,6 +135,8 @@ def test_plan_ranks_by_predicted_time_and_drops_what_does_not_fit():
     assert more.bubble_fraction < fewer.bubble_fraction and more.theoretical_bubble == pytest.approx(1 / 5)
     with pytest.raises(ValueError, match="no calibration at micro-batch size 8"):
         predict(calibration, Candidate(1, 1, 1, "gpipe"), 8)
+    with pytest.raises(ValueError, match="does not split into 2 replicas x 2 micro-batches"):
+        predict(calibration, Candidate(1, 2, 2, "gpipe"), 6)
 
 
 @pytest.mark.parametrize(

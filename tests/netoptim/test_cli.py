@@ -133,9 +133,18 @@ def test_plan_calibrates_here_and_ranks_configurations(tmp_path):
     assert saved["action_overhead_s"] >= 0 and saved["optimizer"]["1"]["per_param_s"] > 0 and set(saved["block_costs"]) == {"1", "2", "4"}
     again = netoptim(*args, "--calibration", str(calibration), "--memory-limit", "1", timeout=60)  # the saved calibration, nothing fits
     assert again.returncode != 0 and "no configuration fits" in again.stderr
+    other = netoptim(*args[:2], "3", *args[3:], "--calibration", str(calibration), timeout=60)  # another model, the same file
+    assert other.returncode != 0 and "was measured for the model" in other.stderr
 
 
-@pytest.mark.parametrize(("flags", "message"), [(("--n-embd", "30", "--n-head", "4"), "multiple of --n-head"), (("--workers", "0"), "--workers must be >= 1")])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--n-embd", "30", "--n-head", "4"), "multiple of --n-head"),
+        (("--workers", "0"), "--workers must be >= 1"),
+        (("--cores", "-1"), "--cores must be >= 0"),
+    ],
+)
 def test_plan_refuses_bad_flags(flags, message):
     result = netoptim("plan", *flags)
     assert result.returncode != 0 and message in result.stderr

@@ -60,3 +60,19 @@ def test_training_is_bitwise_the_same_over_either_path(start_node):
         results.append(params)
     reference, _ = reference_averaged(2, fused=True, steps=6)
     assert max_difference(results[0], reference) == 0.0 and max_difference(results[1], reference) == 0.0
+
+
+def test_a_same_host_socket_that_does_not_answer_leaves_the_worker_on_tcp(start_node, tmp_path):
+    node = start_node(extra_args=("--no-same-host-ipc",))
+    model = torch.nn.Linear(4, 2)
+    opt = RemoteAdamW(model.parameters(), lr=0.1, nodes=[node.address], rank=0, world_size=1, timeout_s=2)
+    session = opt._session
+    with socket.socket(socket.AF_UNIX) as silent:  # accepts connections into its backlog, never speaks
+        silent.bind(str(tmp_path / "silent.sock"))
+        silent.listen()
+        reply = session._switch_to_same_host(0, f"ipc://{tmp_path / 'silent.sock'}", {"job": session.job.to_wire()}, "test")
+    assert reply.header.meta["owned"] == [0] and session.connection_addresses == [node.address]
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # the node answers this rank over TCP again
+    assert opt.remote_step == 1
+    opt.close()
