@@ -50,10 +50,16 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + rank)
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
-    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    return data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
+
+
+def _worker_device(kind: str, rank: int) -> torch.device:
+    if kind == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 def _worker(mode: str, rank: int, world_size: int, config_fields: dict, settings: dict, nodes: list[str], dist_url: str, results: mp.Queue) -> None:
@@ -72,33 +78,43 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     from gpu_worker.models import GPT, gpt_initializer
 
     torch.set_num_threads(settings["threads"])
+    device = _worker_device(settings["device"], rank)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
     start_rss = _rss_mb()
     options = dict(nodes=nodes, rank=rank, world_size=world_size, lr=1e-4, timeout_s=600)
     if mode == "ddp":
-        dist.init_process_group("gloo", init_method=dist_url, rank=rank, world_size=world_size)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=dist_url, rank=rank, world_size=world_size)
         torch.manual_seed(0)
-        model = GPT(config)
+        model = GPT(config).to(device)
         forward = DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     elif mode == "full":
         torch.manual_seed(0)
-        model = forward = GPT(config)
+        model = forward = GPT(config).to(device)
         opt = RemoteAdamW(model.named_parameters(), **options)
     else:
         with torch.device("meta"):
             model = forward = GPT(config)
-        opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings["prefetch"], **options)
+        opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings["prefetch"], device=device, **options)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     step_times, step_call_times, loss = [], [], float("nan")
     waited = transferred = 0.0
     for step in range(settings["warmup"] + settings["steps"]):
         if step == settings["warmup"] and opt_stats(opt) is not None:
             waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
         started = time.perf_counter()
-        _logits, loss_tensor = forward(*_batch(config, step, rank, settings["batch"], settings["seq"]))
+        _logits, loss_tensor = forward(*_batch(config, step, rank, settings["batch"], settings["seq"], device))
         loss_tensor.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
         stepping = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's work is done, not only queued
         finished = time.perf_counter()
         loss = loss_tensor.item()
         if step >= settings["warmup"]:
@@ -119,6 +135,8 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         "optimizer_step_s": statistics.median(step_call_times),
         "loss": loss,
     }
+    if cuda:
+        report["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if stats is not None:
         blocked, transfer = stats.fetch_wait_s - waited, stats.fetch_transfer_s - transferred
         report |= {
@@ -150,11 +168,12 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "warmup": args.warmup,
         "steps": args.steps,
         "prefetch": args.prefetch,
+        "device": args.device,
     }
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="netoptim-bench-") as workdir:
-        node_processes = [] if mode == "ddp" else [NodeProcess(workdir, name=f"node{i}").start() for i in range(args.nodes)]
+        node_processes = [] if mode == "ddp" else [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)]
         try:
             nodes = [n.address for n in node_processes]
             dist_url = f"tcp://127.0.0.1:{_free_port()}"
@@ -182,6 +201,8 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "optimizer_step_s": max(r["optimizer_step_s"] for r in reports),
         "loss": reports[0]["loss"],
     }
+    if "peak_gpu_mb" in reports[0]:
+        summary["peak_gpu_mb_per_worker"] = max(r["peak_gpu_mb"] for r in reports)
     if "comm_hidden_fraction" in reports[0]:
         summary |= {
             key: statistics.median(r[key] for r in reports)
@@ -210,7 +231,16 @@ def run(args: argparse.Namespace) -> dict:
         "threads_per_worker": args.threads,
         "batch": args.batch,
         "seq": args.seq,
+        "device": args.device,
     }
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU); use --device cpu")
+        report["gpu"] = torch.cuda.get_device_name(0)
+        if args.workers > torch.cuda.device_count():
+            raise ValueError(
+                f"--device cuda: {args.workers} workers but {torch.cuda.device_count()} GPU(s); NCCL runs one rank per GPU: pass --workers {torch.cuda.device_count()}"
+            )
     report["sizes"] = {}
     ratio = None
     jobs = [(size, mode) for size in args.sizes for mode in MODES]
@@ -226,6 +256,8 @@ def run(args: argparse.Namespace) -> dict:
             entry["layerwise_over_ddp_peak_rss"] = entry["layerwise"]["peak_rss_mb_per_worker"] / entry["ddp"]["peak_rss_mb_per_worker"]
             above = {mode: entry[mode]["peak_rss_mb_per_worker"] - entry[mode]["rss_after_import_mb"] for mode in ("ddp", "layerwise")}
             entry["layerwise_over_ddp_peak_rss_above_import"] = above["layerwise"] / above["ddp"]  # what the model and training add
+            if "peak_gpu_mb_per_worker" in entry["ddp"]:
+                entry["layerwise_over_ddp_peak_gpu"] = entry["layerwise"]["peak_gpu_mb_per_worker"] / entry["ddp"]["peak_gpu_mb_per_worker"]
             if "tokens_per_s" in entry["full"]:
                 entry["full_over_ddp_tokens"] = entry["full"]["tokens_per_s"] / entry["ddp"]["tokens_per_s"]
             ratio = entry["layerwise_over_ddp_tokens"]  # the largest size both ran

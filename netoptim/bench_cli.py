@@ -45,6 +45,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
     train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    train.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where workers compute; with cuda, worker k uses GPU k %% the GPU count, DDP runs over NCCL (one worker per GPU) and peak GPU memory is reported (default: %(default)s)",
+    )
+    train.add_argument(
+        "--node-threads", type=positive_int, default=1, help="update threads per local node (more only where cores are free for them) (default: %(default)s)"
+    )
     offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
     offload.add_argument("--numel", type=positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
     offload.add_argument("--bucket-numel", type=positive_int, default=1 << 20, help="parameters per bucket (default: %(default)s)")
