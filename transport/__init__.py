@@ -9,14 +9,14 @@ from __future__ import annotations
 from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
 from transport.wire import ErrorCode, Header, MsgType, WireError
 
-_SCHEMES = {"tcp": "zmq", "ipc": "zmq"}
+_SCHEMES = {"tcp": "zmq", "ipc": "zmq", "mooncake": "mooncake", "mooncake+rdma": "mooncake"}
 
 
 def backend_for(url: str) -> str:
     """The backend name that serves ``url``; ``ValueError`` for an unsupported scheme."""
     scheme, sep, rest = url.partition("://")
     if not sep or not rest:
-        raise ValueError(f"address {url!r} needs a scheme, like tcp://127.0.0.1:5555 or ipc:///tmp/node.sock")
+        raise ValueError(f"address {url!r} needs a scheme, like tcp://127.0.0.1:5555, ipc:///tmp/node.sock or mooncake://10.0.0.11:5555")
     if scheme not in _SCHEMES:
         raise ValueError(f"address {url!r}: unsupported scheme {scheme!r}; supported: {sorted(_SCHEMES)}")
     return _SCHEMES[scheme]
@@ -29,6 +29,10 @@ def create_transport(url: str, **options: object) -> Transport:
         from transport.zmq_backend import ZmqTransport
 
         return ZmqTransport(**options)  # type: ignore[arg-type]
+    if backend == "mooncake":
+        from transport.mooncake_backend import MooncakeTransport
+
+        return MooncakeTransport(**options)  # type: ignore[arg-type]
     raise AssertionError(f"no backend module for {backend}")
 
 

@@ -41,7 +41,7 @@ SOCKET_BUFFER_BYTES = 8 << 20
 over the OS default (netoptim bench transport)."""
 
 
-def _tune(socket: zmq.Socket) -> None:
+def tune_socket(socket: zmq.Socket) -> None:
     socket.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a queue limit; memory is bounded by the protocol
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
@@ -91,7 +91,7 @@ def _decode(frames: list[zmq.Frame], peer: bytes, max_message_bytes: int) -> Mes
     return Message(peer=peer, header=header, tensors=tensors)
 
 
-def _prepare_bind_url(url: str) -> str:
+def prepare_bind_url(url: str) -> str:
     # ZeroMQ spells "let the OS choose" as "*"; accept the conventional port 0 too.
     return re.sub(r"^(tcp://.+):0$", r"\1:*", url)
 
@@ -104,11 +104,11 @@ class ZmqServer(ServerEndpoint):
         if curve is not None:
             secure_server_socket(self._socket, curve)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
-        _tune(self._socket)
+        tune_socket(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         # Hard cap per frame as a guard against memory exhaustion; the header check gives the clear error.
         self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_message_bytes, chunk_bytes) + (1 << 20))
-        self._socket.bind(_prepare_bind_url(url))
+        self._socket.bind(prepare_bind_url(url))
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
@@ -155,7 +155,7 @@ class ZmqClient(ClientEndpoint):
         self._socket = context.socket(zmq.DEALER)
         if curve is not None:
             secure_client_socket(self._socket, curve)
-        _tune(self._socket)
+        tune_socket(self._socket)
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.connect(url)
         self.address = url

@@ -1,29 +1,35 @@
-"""A misbehaving peer for the conformance suite: starts sending a 512 MiB message and is killed
-(by the test) while the bytes are in transit."""
+"""A peer for the conformance suite that the test kills while its bytes are in transit: it sends
+``MESSAGES`` messages of ``MESSAGE_NUMEL`` ones, through the project's own transport for the
+address's backend, and says "sending" once the first is on its way."""
 
 from __future__ import annotations
 
 import sys
 
 import torch
-import zmq
 
-from transport.security import CurveClientConfig, secure_client_socket
-from transport.wire import MsgType, encode_message, tensor_header
+from transport import create_transport
+from transport.security import CurveClientConfig
+from transport.wire import MsgType, tensor_header
+
+MESSAGE_NUMEL = 2 << 20  # 8 MiB
+MESSAGES = 64  # 512 MiB in all: a good fraction of a second on loopback, so the kill lands mid-stream
 
 
 def main() -> None:
-    address, secret, server_key = sys.argv[1], sys.argv[2], sys.argv[3]
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.SNDHWM, 0)
+    address, secret, server_key, chunk_bytes, window_bytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    options: dict = {"chunk_bytes": chunk_bytes}
     if secret != "-":
-        secure_client_socket(socket, CurveClientConfig(secret, server_key))
-    socket.connect(address)
-    payload = torch.ones(128 << 20)  # 512 MiB: seconds on loopback, so the kill lands mid-message
-    frames = encode_message(tensor_header(MsgType.ECHO, payload), payload)
-    socket.send_multipart(frames, copy=False)
-    print("sending", flush=True)
+        options["curve_client"] = CurveClientConfig(secret, server_key)
+    if address.startswith("mooncake"):
+        options["window_bytes"] = window_bytes
+    transport = create_transport(address, **options)
+    client = transport.connect(address)
+    payload = torch.ones(MESSAGE_NUMEL)
+    for index in range(MESSAGES):
+        client.send(tensor_header(MsgType.ECHO, payload, chunk_bytes=chunk_bytes, step=index), payload)
+        if index == 0:
+            print("sending", flush=True)
     sys.stdin.readline()  # the test kills this process before it would return
 
 
