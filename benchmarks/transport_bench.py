@@ -9,9 +9,11 @@ pushed back to back while the answers stream back, as a worker's step does:
   a preallocated buffer and writes it back with ``sendall``; the client sends from one thread and
   receives into a preallocated buffer in another.
 
-The figure is (bytes pushed + bytes pulled) / time, over loopback; ``ratio`` is netoptim over TCP
-against the plain socket, ``same_host_ratio`` netoptim over the node's same-host ipc:// socket
-(what a worker on the node's host uses) against the same plain TCP socket.
+The figure is (bytes pushed + bytes pulled) / time, over loopback; ``ratio`` is netoptim over the
+chosen backend against the plain socket. ``--backend zmq`` (ZeroMQ over tcp://) also measures the
+node's same-host ipc:// socket (``same_host_ratio``, what a worker on the node's host uses) and, with
+``--curve``, the cost of encryption; ``--backend mooncake`` measures the Mooncake Transfer Engine
+over its tcp protocol (one-sided writes into the peer's registered window, headers over ZeroMQ).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import torch
 
 from benchmarks.common import median_seconds
 from netoptim.launcher import NodeProcess
+from transport import create_transport
 from transport.security import CurveClientConfig, generate_keypair
 from transport.wire import MsgType, tensor_header
-from transport.zmq_backend import ZmqTransport
 
 
 def _echo_server(listener: socket.socket, bucket_bytes: int, messages: int) -> None:
@@ -78,8 +80,9 @@ def raw_socket_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
         server.join(10)
 
 
-def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, curve: bool = False, same_host: bool = False) -> float:
-    """Push+pull through a node over its tcp:// address, or its same-host ipc:// socket."""
+def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, backend: str = "zmq", curve: bool = False, same_host: bool = False) -> tuple[float, dict]:
+    """Push+pull through a node over its tcp:// (or mooncake://) address, or its same-host ipc://
+    socket; returns the median seconds and what the client endpoint counted (mooncake)."""
     buckets = [torch.ones(bucket_bytes // 4) for _ in range(nbytes // bucket_bytes)]
     with tempfile.TemporaryDirectory() as workdir:
         node_args: tuple[str, ...] = ()
@@ -90,15 +93,15 @@ def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, curve: boo
             generate_keypair(str(allowed), "worker")
             node_args = ("--curve-secret-key", str(keys / "node.key_secret"), "--curve-allow", str(allowed))
             client_curve = CurveClientConfig(str(allowed / "worker.key_secret"), str(keys / "node.key"))
-        with NodeProcess(workdir, log_level="WARNING", extra_args=node_args) as node:
+        listen = "mooncake://127.0.0.1:0" if backend == "mooncake" else "tcp://127.0.0.1:0"
+        with NodeProcess(workdir, log_level="WARNING", listen=listen, extra_args=node_args) as node:
             address = node.same_host_address if same_host else node.address
-            return _measure_node(
-                address, buckets, repeats, client_curve, "netoptim push+pull" + (" (CURVE)" if curve else "") + (" (same host)" if same_host else "")
-            )
+            label = f"netoptim push+pull ({backend}" + (", CURVE" if curve else "") + (", same host" if same_host else "") + ")"
+            return _measure_node(address, buckets, repeats, client_curve, label)
 
 
-def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str) -> float:
-    transport = ZmqTransport(curve_client=curve)
+def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str) -> tuple[float, dict]:
+    transport = create_transport(address, curve_client=curve) if curve else create_transport(address)
     client = transport.connect(address)
     headers = [tensor_header(MsgType.ECHO, bucket, step=index) for index, bucket in enumerate(buckets)]
 
@@ -110,7 +113,9 @@ def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve
             assert message is not None and message.header.numel == buckets[0].numel(), "the node did not echo"
 
     try:
-        return median_seconds(round_trip, repeats, label=label)
+        seconds = median_seconds(round_trip, repeats, label=label)
+        counters = {name: getattr(client, name) for name in ("written_bytes", "staged_bytes", "inline_bytes") if hasattr(client, name)}
+        return seconds, counters
     finally:
         client.close()
         transport.close()
@@ -119,31 +124,35 @@ def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve
 def run(args: argparse.Namespace) -> dict:
     if args.bucket_bytes % 4 or args.bytes % args.bucket_bytes:
         raise SystemExit("--bytes must be a multiple of --bucket-bytes, which must be a multiple of 4")
-    netoptim_s = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats)
+    if args.curve and args.backend != "zmq":
+        raise SystemExit("--curve applies to --backend zmq only (the mooncake backend does not encrypt)")
+    netoptim_s, counters = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, backend=args.backend)
     socket_s = raw_socket_seconds(args.bytes, args.bucket_bytes, args.repeats)
-    same_host_s = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, same_host=True)
     netoptim_gbs, socket_gbs = 2 * args.bytes / netoptim_s / 1e9, 2 * args.bytes / socket_s / 1e9
-    same_host_gbs = 2 * args.bytes / same_host_s / 1e9
-    curve_fields = {}
+    report = {
+        "benchmark": "transport",
+        "ratio": round(netoptim_gbs / socket_gbs, 3),
+        "backend": args.backend,
+        "bytes": args.bytes,
+        "bucket_bytes": args.bucket_bytes,
+        "repeats": args.repeats,
+        "netoptim_push_pull_gbs": round(netoptim_gbs, 2),
+        "plain_socket_gbs": round(socket_gbs, 2),
+        "netoptim_ms": round(netoptim_s * 1e3, 2),
+        "plain_socket_ms": round(socket_s * 1e3, 2),
+    }
+    if counters:
+        report["client_bytes"] = counters  # mooncake: written one-sided / of those staged / sent inline
+    if args.backend == "zmq":
+        same_host_s, _ = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, same_host=True)
+        same_host_gbs = 2 * args.bytes / same_host_s / 1e9
+        report |= {"netoptim_same_host_push_pull_gbs": round(same_host_gbs, 2), "same_host_ratio": round(same_host_gbs / socket_gbs, 3)}
     if args.curve:
-        curve_gbs = 2 * args.bytes / netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, curve=True) / 1e9
-        curve_fields = {
+        curve_s, _ = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, curve=True)
+        curve_gbs = 2 * args.bytes / curve_s / 1e9
+        report |= {
             "netoptim_curve_push_pull_gbs": round(curve_gbs, 2),
             "curve_ratio": round(curve_gbs / socket_gbs, 3),
             "curve_cost": round(1 - curve_gbs / netoptim_gbs, 3),
         }
-    return {
-        "benchmark": "transport",
-        "ratio": round(netoptim_gbs / socket_gbs, 3),
-        "bytes": args.bytes,
-        "bucket_bytes": args.bucket_bytes,
-        "repeats": args.repeats,
-        "backend": "zmq tcp loopback",
-        "netoptim_push_pull_gbs": round(netoptim_gbs, 2),
-        "plain_socket_gbs": round(socket_gbs, 2),
-        "netoptim_same_host_push_pull_gbs": round(same_host_gbs, 2),
-        "same_host_ratio": round(same_host_gbs / socket_gbs, 3),
-        "netoptim_ms": round(netoptim_s * 1e3, 2),
-        "plain_socket_ms": round(socket_s * 1e3, 2),
-        **curve_fields,
-    }
+    return report

@@ -28,7 +28,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
     transport.add_argument("--bytes", type=size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
     transport.add_argument("--bucket-bytes", type=size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")
-    transport.add_argument("--curve", action="store_true", help="also measure with CURVE encryption on (keys made for the run) and report its cost")
+    transport.add_argument(
+        "--backend",
+        choices=["zmq", "mooncake"],
+        default="zmq",
+        help="zmq: ZeroMQ over tcp:// (and the same-host ipc:// socket); mooncake: the Mooncake Transfer Engine over its tcp protocol (needs netoptim[rdma]) (default: %(default)s)",
+    )
+    transport.add_argument("--curve", action="store_true", help="zmq: also measure with CURVE encryption on (keys made for the run) and report its cost")
     transport.add_argument("--repeats", type=positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
     train = which.add_parser("train", help="GPT training tokens/s and worker peak RSS: torch DDP vs netoptim full-model vs layer-wise mode")
     train.add_argument(

@@ -36,7 +36,9 @@ class SendHandle(ABC):
 
     @abstractmethod
     def wait(self, timeout_s: float) -> None:
-        """Block until done; ``TimeoutError`` after ``timeout_s``."""
+        """Block until done; ``TimeoutError`` after ``timeout_s``. A backend may complete sends only
+        on calls into the endpoint (the mooncake one does); a sender that stops calling its endpoint
+        waits on its last send's handle so the message is on its way."""
 
 
 class ServerEndpoint(ABC):

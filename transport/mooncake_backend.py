@@ -1,15 +1,20 @@
 """Mooncake Transfer Engine backend: tensor bytes by one-sided writes, headers over ZeroMQ.
 
 Every connection has, on each side, a *receive window*: one buffer registered with the engine when
-the connection opens and reused for its whole life, cut into slots of ``chunk_bytes``. The two sides
-exchange their engine's address and their window's base address in a handshake (``H``) on the
-ZeroMQ control channel. To send a message, the sender takes free slots of the peer's window, writes
-the payload's chunks into them with one batched one-sided write (from the payload itself when it
-lies in registered memory, else staged through a registered buffer), and only then sends the header
-and the slot list (``M``) on the control channel. Before the handshake completes, a payload goes
-inline on the control channel (``I``), so a first message never waits for the peer to answer. The receiver hands out views of its window (no
-copy) and gives each slot back (``C``, a credit) once the last view of it is gone. A sender that
-dies mid-write never sends the header, so nothing half-written is ever delivered.
+the connection opens and reused for its whole life, cut into slots of ``chunk_bytes``
+(:mod:`transport.mooncake_link`). The two sides exchange their engine's address and their window's
+base address in a handshake (``H``) on the ZeroMQ control channel. To send a message, the sender
+takes free slots of the peer's window and starts one batched, asynchronous one-sided write of the
+payload's chunks into them; once the engine reports the write complete, it sends the header and the
+slot list (``M``) on the control channel, in the order the messages were sent. The receiver hands
+out views of its window (no copy) and gives each slot back (``C``, a credit) once the last view of it
+is gone. A sender that dies mid-write never sends the header, so nothing half-written is delivered.
+Before the handshake completes, a payload goes inline on the control channel (``I``), so a first
+message never waits for the peer to answer.
+
+Completed writes, credits and queued headers are processed on every call into an endpoint (send,
+recv, polling, a send handle's ``done``/``wait``): a receiver must keep calling its endpoint, as a
+node's loop and a waiting worker do.
 
 The engine's ``tcp`` protocol runs on any host (and in CI); ``rdma`` is the same code on RDMA NICs:
 ``mooncake://HOST:PORT`` and ``mooncake+rdma://HOST:PORT`` (the control channel listens on PORT).
@@ -18,13 +23,11 @@ The engine's ``tcp`` protocol runs on any host (and in CI); ``rdma`` is the same
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
-import os
 import socket as pysocket
 import time
-import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -32,6 +35,7 @@ import torch
 import zmq
 
 from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
+from transport.mooncake_link import CREDIT_TIMEOUT_S, DEFAULT_WINDOW_BYTES, Link, local_ip_towards, split_address, start_engine
 from transport.wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -48,140 +52,42 @@ from transport.zmq_backend import prepare_bind_url, tune_socket
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WINDOW_BYTES = 64 << 20
-"""Receive window per connection and direction; one message's payload must fit in it."""
-
-CREDIT_TIMEOUT_S = 60.0
-INSTALL_HINT = (
-    "the mooncake transport needs the Mooncake Transfer Engine: `pip install 'netoptim[rdma]'` "
-    "(mooncake-transfer-engine-non-cuda) and the system libraries libibverbs1 librdmacm1 libnuma1 "
-    "(Debian/Ubuntu: `apt-get install libibverbs1 librdmacm1 libnuma1`), needed even for its tcp protocol"
-)
 _HANDSHAKE, _MESSAGE, _INLINE, _CREDIT = b"H", b"M", b"I", b"C"
-_PROTOCOLS = {"mooncake": "tcp", "mooncake+rdma": "rdma"}
+_BUSY_POLL_MS = 1
+"""Poll slice while writes are in flight or views are out: their completions and credits need a call."""
 
 
-class TransportUnavailable(RuntimeError):
-    """The backend's library is not installed here; the message says what to install."""
+class _WriteHandle(SendHandle):
+    """Done once the write has completed and the header is sent (the payload may then be reused)."""
 
-
-def _start_engine(host: str, protocol: str):  # -> mooncake.engine.TransferEngine
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the engine logs every connection at INFO otherwise
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:  # the package, or a system library it links (libibverbs.so.1, ...)
-        raise TransportUnavailable(f"{INSTALL_HINT} ({exc})") from None
-    engine = TransferEngine()
-    status = engine.initialize(f"{host}:0", "P2PHANDSHAKE", protocol, "")
-    if status != 0:
-        hint = "; is there an RDMA NIC and its driver? (mooncake:// uses TCP)" if protocol == "rdma" else ""
-        raise ConnectionError(f"the Mooncake transfer engine did not start on {host} with protocol {protocol!r} (status {status}){hint}")
-    return engine
-
-
-def _split(url: str) -> tuple[str, str, str]:
-    """``(protocol, host, port)`` of a ``mooncake://`` or ``mooncake+rdma://`` address."""
-    scheme, _, rest = url.partition("://")
-    host, sep, port = rest.rpartition(":")
-    if scheme not in _PROTOCOLS or not sep or not host or not port:
-        raise ValueError(f"address {url!r}: expected mooncake://HOST:PORT or mooncake+rdma://HOST:PORT")
-    return _PROTOCOLS[scheme], host, port
-
-
-def _local_ip_towards(host: str) -> str:
-    """The address of this host's interface that routes to ``host`` (no packet is sent)."""
-    with pysocket.socket(pysocket.AF_INET, pysocket.SOCK_DGRAM) as probe:
-        probe.connect((pysocket.gethostbyname(host), 9))
-        return probe.getsockname()[0]
-
-
-class _Done(SendHandle):
-    """Writes complete before ``send`` returns: the payload may be reused at once."""
+    def __init__(self, side: _Side) -> None:
+        self._side = side
+        self.finished = False
 
     def done(self) -> bool:
-        return True
+        if not self.finished:
+            self._side.progress()
+        return self.finished
 
     def wait(self, timeout_s: float) -> None:
-        return None
+        deadline = time.monotonic() + timeout_s
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"a one-sided write did not complete within {timeout_s:.1f} s")
+            time.sleep(0.0002)
 
 
-class _Link:
-    """One connection: our receive window (the peer writes into it), the peer's window (we write into
-    it), a staging buffer for payloads outside registered memory, and the credits in both directions."""
+@dataclass(slots=True)
+class _Outgoing:
+    """A message whose header goes out once its write (if any) is complete, in send order."""
 
-    def __init__(self, engine, window_bytes: int, slot_bytes: int) -> None:
-        self.engine = engine
-        self.slot_bytes = slot_bytes
-        self.window = torch.empty(window_bytes, dtype=torch.uint8)
-        if engine.register_memory(self.window.data_ptr(), window_bytes) != 0:
-            raise ConnectionError("the Mooncake engine could not register a receive window")
-        self.staging: torch.Tensor | None = None  # registered on the first staged send
-        self.remote_engine = ""
-        self.remote_base = 0
-        self.remote_free: collections.deque[int] = collections.deque()
-        self.returned: collections.deque[int] = collections.deque()  # our slots released, credit not sent yet
-        self.outstanding = 0  # our slots handed out in messages and not returned
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.remote_engine)
-
-    @property
-    def slots(self) -> int:
-        return self.window.numel() // self.slot_bytes
-
-    def describe(self, engine_address: str) -> bytes:
-        return msgpack.packb({"engine": engine_address, "base": self.window.data_ptr(), "slots": self.slots, "slot_bytes": self.slot_bytes})
-
-    def accept(self, raw: bytes, peer: bytes = b"") -> None:
-        try:
-            info = msgpack.unpackb(raw)
-            engine, base, slots, slot_bytes = info["engine"], int(info["base"]), int(info["slots"]), int(info["slot_bytes"])
-        except Exception:
-            raise WireError(ErrorCode.MALFORMED, "the mooncake handshake is not a window description", peer=peer) from None
-        if slot_bytes != self.slot_bytes:
-            raise WireError(
-                ErrorCode.BAD_PAYLOAD,
-                f"the peer cuts payloads in {slot_bytes}-byte chunks, this side in {self.slot_bytes}: give both the same chunk size",
-                peer=peer,
-            )
-        self.remote_engine, self.remote_base = str(engine), base
-        self.remote_free = collections.deque(range(slots))
-
-    def staging_slot(self, slot: int) -> torch.Tensor:
-        if self.staging is None:
-            self.staging = torch.empty(self.window.numel(), dtype=torch.uint8)
-            if self.engine.register_memory(self.staging.data_ptr(), self.staging.numel()) != 0:
-                raise ConnectionError("the Mooncake engine could not register a staging buffer")
-        return self.staging[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
-
-    def view(self, slot: int, size: int, *, copy: bool) -> memoryview:
-        """The first ``size`` bytes of our slot ``slot``: a view that gives the slot back when the last
-        reference to it goes, or (``copy``) a copy, and the slot is given back at once."""
-        address = self.window.data_ptr() + slot * self.slot_bytes
-        self.outstanding += 1
-        if copy:
-            data = memoryview(bytearray(ctypes.string_at(address, size)))
-            self.release(slot)
-            return data
-        region = (ctypes.c_char * size).from_address(address)
-        weakref.finalize(region, self.release, slot)  # runs in whichever thread drops the last view
-        return memoryview(region)
-
-    def release(self, slot: int) -> None:
-        self.returned.append(slot)  # deque.append is atomic: safe from a finalizer in another thread
-        self.outstanding -= 1
-
-    def take_credits(self) -> list[int]:
-        credits = []
-        while self.returned:
-            credits.append(self.returned.popleft())
-        return credits
-
-    def close(self) -> None:
-        for buffer in (self.window, self.staging):
-            if buffer is not None:
-                self.engine.unregister_memory(buffer.data_ptr())
+    peer: bytes
+    frames: list[bytes]
+    handle: _WriteHandle
+    batch_ids: list[int] | None = None  # one per chunk: the engine reports a batch's first task only
+    link: Link | None = None
+    slots: tuple[int, ...] = ()
+    keep: object = None  # the payload's chunks: the engine reads them until the write completes
 
 
 def _address_in(chunk: memoryview, regions: Sequence[tuple[int, int]]) -> int | None:
@@ -196,15 +102,19 @@ def _address_in(chunk: memoryview, regions: Sequence[tuple[int, int]]) -> int | 
 class _Side:
     """What both ends of a connection do: write payloads, read messages, hand back credits."""
 
-    def __init__(self, sock: zmq.Socket, engine, engine_address: str, *, chunk_bytes: int, window_bytes: int, max_message_bytes: int) -> None:
+    def __init__(self, sock: zmq.Socket, engine, engine_address: str, protocol: str, *, chunk_bytes: int, window_bytes: int, max_message_bytes: int) -> None:
         self.socket = sock
         self.engine = engine
         self.engine_address = engine_address
+        # Over TCP the engine reads the source with an ordinary send(), so any memory will do; an RDMA
+        # NIC reads only registered memory, so payloads outside it are staged in a registered buffer.
+        self.direct_sources = protocol == "tcp"
         self.chunk_bytes = chunk_bytes
         self.window_bytes = max(window_bytes - window_bytes % chunk_bytes, chunk_bytes)
         self.max_message_bytes = min(max_message_bytes, self.window_bytes)
         self.stash: collections.deque[Message] = collections.deque()
-        self.links: dict[bytes, _Link] = {}
+        self.links: dict[bytes, Link] = {}
+        self.outgoing: collections.deque[_Outgoing] = collections.deque()
         self.written_bytes = 0  # payload bytes sent by one-sided writes
         self.staged_bytes = 0  # of those, bytes copied into a staging buffer first
         self.inline_bytes = 0  # payload bytes sent on the control channel (before the handshake)
@@ -212,10 +122,36 @@ class _Side:
     def _send_control(self, peer: bytes, frames: list[bytes]) -> None:
         raise NotImplementedError
 
-    def new_link(self) -> _Link:
-        return _Link(self.engine, self.window_bytes, self.chunk_bytes)
+    def on_handshake(self, peer: bytes, raw: bytes) -> None:
+        raise NotImplementedError
 
-    def flush_credits(self) -> None:
+    def new_link(self) -> Link:
+        return Link(self.engine, self.window_bytes, self.chunk_bytes)
+
+    # ------------------------------------------------------------ progress
+
+    def progress(self) -> None:
+        """Send the headers of completed writes (in order) and the credits of released slots."""
+        while self.outgoing:
+            item = self.outgoing[0]
+            if item.batch_ids:
+                status = self.engine.transfer_check_status(item.batch_ids[-1])
+                while status == 1 and len(item.batch_ids) > 1:
+                    item.batch_ids.pop()
+                    status = self.engine.transfer_check_status(item.batch_ids[-1])
+                if status == 0:
+                    break  # in flight; later messages wait behind it
+                if status != 1:
+                    self.outgoing.popleft()
+                    item.handle.finished = True
+                    log.error("a one-sided write to peer %s failed (status %d); the message is dropped", item.peer.hex() or "node", status)
+                    continue
+            self.outgoing.popleft()
+            item.handle.finished = True
+            try:
+                self._send_control(item.peer, item.frames)
+            except ConnectionError as exc:
+                log.warning("%s; its message is dropped", exc)
         for peer, link in list(self.links.items()):
             credits = link.take_credits()
             if credits:
@@ -224,15 +160,35 @@ class _Side:
                 except ConnectionError:
                     self.links.pop(peer, None)  # the peer is gone; its window goes with it
 
-    def holding(self) -> bool:
-        """True while views of our windows are out: their credits go out on a later call."""
-        return any(link.outstanding or link.returned for link in self.links.values())
+    def busy(self) -> bool:
+        """True while writes are in flight or views of our windows are out: both need later calls."""
+        return bool(self.outgoing) or any(link.outstanding for link in self.links.values())
 
-    def write(self, link: _Link, payload: Payload | None, pump: Callable[[float], bool], peer_name: str) -> list[int]:
-        """Write ``payload`` into free slots of the peer's window; returns the slots used."""
-        chunks = payload_chunks(payload, self.chunk_bytes)
-        if not chunks:
-            return []
+    def poll_ms(self, timeout_s: float) -> int:
+        wait_ms = max(int(timeout_s * 1000), 0)
+        return min(wait_ms, _BUSY_POLL_MS) if self.busy() else wait_ms
+
+    # ------------------------------------------------------------ sending
+
+    def enqueue(self, peer: bytes, link: Link | None, header: Header, payload: Payload | None, pump: Callable[[float], bool], peer_name: str) -> SendHandle:
+        """Start the write of ``payload`` into the peer's window and queue the header behind it."""
+        handle = _WriteHandle(self)
+        chunks = payload_chunks(payload, self.chunk_bytes) if header.num_chunks else []
+        if chunks and (link is None or not link.ready):  # no window to write into yet: inline (copied)
+            frames = [bytes(chunk) for chunk in chunks]
+            self.inline_bytes += sum(len(frame) for frame in frames)
+            self.outgoing.append(_Outgoing(peer, [_INLINE, encode_header(header), *frames], handle))
+        elif chunks:
+            assert link is not None
+            batch_ids, slots = self._write(link, chunks, pump, peer_name)
+            frames = [_MESSAGE, encode_header(header), msgpack.packb(slots)]
+            self.outgoing.append(_Outgoing(peer, frames, handle, batch_ids, link, tuple(slots), chunks))
+        else:
+            self.outgoing.append(_Outgoing(peer, [_MESSAGE, encode_header(header), msgpack.packb([])], handle))
+        self.progress()
+        return handle
+
+    def _write(self, link: Link, chunks: list[memoryview], pump: Callable[[float], bool], peer_name: str) -> tuple[list[int], list[int]]:
         total = sum(len(chunk) for chunk in chunks)
         if len(chunks) > link.slots or total > self.max_message_bytes:
             raise ValueError(f"a payload of {total} bytes is larger than the {self.window_bytes}-byte receive window: raise window_bytes on both sides")
@@ -241,11 +197,11 @@ class _Side:
             if not pump(max(deadline - time.monotonic(), 0.0)) and time.monotonic() >= deadline:
                 raise TimeoutError(f"{peer_name} gave no window slots back for {CREDIT_TIMEOUT_S:.0f} s: is it still reading?")
         slots = [link.remote_free.popleft() for _ in chunks]
-        registered = [(link.window.data_ptr(), link.window.numel())] + [(other.window.data_ptr(), other.window.numel()) for other in self.links.values()]
+        registered = [(other.window.data_ptr(), other.window.numel()) for other in self.links.values()]
         sources, targets, lengths = [], [], []
         for slot, chunk in zip(slots, chunks, strict=True):
-            source = _address_in(chunk, registered)
-            if source is None:  # stage it: the engine writes from registered memory only
+            source = np.frombuffer(chunk, dtype=np.uint8).ctypes.data if self.direct_sources else _address_in(chunk, registered)
+            if source is None:  # stage it: the NIC reads registered memory only
                 staged = link.staging_slot(slot)[: len(chunk)]
                 staged.copy_(torch.frombuffer(chunk, dtype=torch.uint8))
                 source = staged.data_ptr()
@@ -253,14 +209,16 @@ class _Side:
             sources.append(source)
             targets.append(link.remote_base + slot * self.chunk_bytes)
             lengths.append(len(chunk))
-        status = self.engine.batch_transfer_sync_write(link.remote_engine, sources, targets, lengths)
-        if status != 0:
-            link.remote_free.extend(slots)
-            raise ConnectionError(f"the one-sided write to {peer_name} failed (status {status}): is the peer still running?")
+        batch_ids = [self.engine.batch_transfer_async_write(link.remote_engine, [a], [b], [n]) for a, b, n in zip(sources, targets, lengths, strict=True)]
+        if min(batch_ids) < 0:
+            # Slots a started write may still land in are not given back: the peer never reads them.
+            raise ConnectionError(f"the one-sided write to {peer_name} could not start (status {min(batch_ids)}): is the peer still running?")
         self.written_bytes += total
-        return slots
+        return batch_ids, slots
 
-    def read(self, link: _Link | None, frames: list[bytes], peer: bytes, *, copy: bool) -> Message:
+    # ------------------------------------------------------------ receiving
+
+    def read(self, link: Link | None, frames: list[bytes], peer: bytes, *, copy: bool) -> Message:
         """The message whose header and slot list are ``frames``; its payload is in our window."""
         if len(frames) != 2:
             raise WireError(ErrorCode.MALFORMED, f"a mooncake message has a header and a slot list, not {len(frames)} frames", peer=peer)
@@ -280,7 +238,8 @@ class _Side:
             if header.payload_bytes > self.max_message_bytes:
                 raise WireError(ErrorCode.TOO_LARGE, f"payload of {header.payload_bytes} bytes is over the limit of {self.max_message_bytes}", peer=peer)
         except WireError:
-            if link is not None:  # the slots are ours again: nothing will read them
+            if link is not None:  # the peer wrote them for this message: nothing will read them now
+                link.outstanding += len(slots)
                 link.returned.extend(slots)
             raise
         chunks, remaining = [], header.payload_bytes
@@ -302,20 +261,18 @@ class _Side:
             return Message(peer=peer, header=header, tensors=views)
         if kind == _CREDIT and len(rest) == 1 and link is not None:
             try:
-                credits = msgpack.unpackb(rest[0])
+                credits = [int(slot) for slot in msgpack.unpackb(rest[0])]
             except Exception:
-                raise WireError(ErrorCode.MALFORMED, "a credit frame that is not msgpack", peer=peer) from None
-            link.remote_free.extend(int(slot) for slot in credits)
+                raise WireError(ErrorCode.MALFORMED, "a credit frame that is not a list of slots", peer=peer) from None
+            link.remote_free.extend(credits)
             return None
         if kind == _HANDSHAKE and len(rest) == 1:
             self.on_handshake(peer, rest[0])
             return None
         raise WireError(ErrorCode.MALFORMED, f"not a mooncake transport frame (kind {kind[:8]!r}, {len(frames)} frames)", peer=peer or None)
 
-    def on_handshake(self, peer: bytes, raw: bytes) -> None:
-        raise NotImplementedError
-
     def close_links(self) -> None:
+        self.outgoing.clear()
         for link in self.links.values():
             link.close()
         self.links.clear()
@@ -325,13 +282,13 @@ class MooncakeServer(_Side, ServerEndpoint):
     """The node side: a ROUTER control socket and one link per worker connection."""
 
     def __init__(self, context: zmq.Context, url: str, engine, engine_address: str, **sizes: int) -> None:
-        _protocol, host, port = _split(url)
+        protocol, host, port = split_address(url)
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
         tune_socket(sock)
         sock.bind(prepare_bind_url(f"tcp://{host}:{port}"))
-        super().__init__(sock, engine, engine_address, **sizes)
+        super().__init__(sock, engine, engine_address, protocol, **sizes)
         scheme = url.partition("://")[0]
         self.address = f"{scheme}://" + sock.getsockopt_string(zmq.LAST_ENDPOINT).split("://", 1)[1]
 
@@ -344,25 +301,26 @@ class MooncakeServer(_Side, ServerEndpoint):
             raise
 
     def on_handshake(self, peer: bytes, raw: bytes) -> None:
-        old = self.links.pop(peer, None)
-        if old is not None:
-            old.close()
         link = self.new_link()
         try:
             link.accept(raw, peer)
         except WireError:
             link.close()
             raise
+        old = self.links.pop(peer, None)
+        if old is not None:
+            old.close()
         self.links[peer] = link
         self._send_control(peer, [_HANDSHAKE, link.describe(self.engine_address)])
 
-    def _pump(self, timeout_s: float, *, copy: bool) -> Message | bool | None:
-        self.flush_credits()
-        wait_ms = int(timeout_s * 1000)
-        if not self.socket.poll(min(wait_ms, 20) if self.holding() else wait_ms):
+    def _pump(self, timeout_s: float, *, copy: bool) -> Message | bool:
+        """Handle one incoming frame set: the message, True (not a message), False (nothing came)."""
+        self.progress()
+        if not self.socket.poll(self.poll_ms(timeout_s)):
             return False
         frames = self.socket.recv_multipart()
-        return self.handle(frames[0], frames[1:], copy=copy)
+        message = self.handle(frames[0], frames[1:], copy=copy)
+        return message if message is not None else True
 
     def recv(self, timeout_s: float) -> Message | None:
         if self.stash:
@@ -377,24 +335,20 @@ class MooncakeServer(_Side, ServerEndpoint):
 
     def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
         link = self.links.get(peer)
-        slots: list[int] = []
-        if payload is not None and header.num_chunks:
-            if link is None or not link.ready:
-                raise ConnectionError(f"peer {peer.hex()} has no mooncake connection (no handshake, or it is gone)")
+        if link is None or not link.ready:
+            raise ConnectionError(f"peer {peer.hex()} is gone or never connected (no mooncake handshake from it)")
 
-            def pump(timeout_s: float) -> bool:
-                try:  # whatever arrives meanwhile is kept, copied out so its slots return at once
-                    got = self._pump(timeout_s, copy=True)
-                except WireError as exc:
-                    log.warning("while waiting for window slots: %s", exc)
-                    return True
-                if isinstance(got, Message):
-                    self.stash.append(got)
-                return got is not False
+        def pump(timeout_s: float) -> bool:
+            try:  # whatever arrives meanwhile is kept, copied out so its slots return at once
+                got = self._pump(timeout_s, copy=True)
+            except WireError as exc:
+                log.warning("while waiting for window slots: %s", exc)
+                return True
+            if isinstance(got, Message):
+                self.stash.append(got)
+            return got is not False
 
-            slots = self.write(link, payload, pump, f"peer {peer.hex()}")
-        self._send_control(peer, [_MESSAGE, encode_header(header), msgpack.packb(slots)])
-        return _Done()
+        return self.enqueue(peer, link, header, payload, pump, f"peer {peer.hex()}")
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -405,12 +359,12 @@ class MooncakeClient(_Side, ClientEndpoint):
     """The worker side of one connection: a DEALER control socket and one link."""
 
     def __init__(self, context: zmq.Context, url: str, engine, engine_address: str, **sizes: int) -> None:
-        _protocol, host, port = _split(url)
+        protocol, host, port = split_address(url)
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         tune_socket(sock)
         sock.connect(f"tcp://{host}:{port}")
-        super().__init__(sock, engine, engine_address, **sizes)
+        super().__init__(sock, engine, engine_address, protocol, **sizes)
         self.address = url
         self.links[b""] = self._link = self.new_link()
         self._send_control(b"", [_HANDSHAKE, self._link.describe(engine_address)])
@@ -423,9 +377,8 @@ class MooncakeClient(_Side, ClientEndpoint):
 
     def pump(self, timeout_s: float, *, copy: bool = False) -> bool:
         """Handle one incoming frame set (a message goes to the stash); False after ``timeout_s``."""
-        self.flush_credits()
-        wait_ms = int(timeout_s * 1000)
-        if not self.socket.poll(min(wait_ms, 20) if self.holding() else wait_ms):
+        self.progress()
+        if not self.socket.poll(self.poll_ms(timeout_s)):
             return False
         message = self.handle(b"", self.socket.recv_multipart(), copy=copy)
         if message is not None:
@@ -433,17 +386,7 @@ class MooncakeClient(_Side, ClientEndpoint):
         return True
 
     def send(self, header: Header, payload: Payload | None = None) -> SendHandle:
-        slots: list[int] = []
-        self.flush_credits()
-        if payload is not None and header.num_chunks:
-            if not self._link.ready:  # no window to write into yet: the bytes go inline (copied)
-                chunks = [bytes(chunk) for chunk in payload_chunks(payload, self.chunk_bytes)]
-                self._send_control(b"", [_INLINE, encode_header(header), *chunks])
-                self.inline_bytes += sum(len(chunk) for chunk in chunks)
-                return _Done()
-            slots = self.write(self._link, payload, lambda timeout_s: self.pump(timeout_s, copy=True), self.address)
-        self._send_control(b"", [_MESSAGE, encode_header(header), msgpack.packb(slots)])
-        return _Done()
+        return self.enqueue(b"", self._link, header, payload, lambda timeout_s: self.pump(timeout_s, copy=True), self.address)
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary control frames; only for tests of how a node treats bad input."""
@@ -457,6 +400,10 @@ class MooncakeClient(_Side, ClientEndpoint):
         return self.stash.popleft()
 
     def close(self) -> None:
+        deadline = time.monotonic() + 5
+        while self.outgoing and time.monotonic() < deadline:  # let queued messages go, as a ZeroMQ linger would
+            self.progress()
+            time.sleep(0.0005)
         self.socket.close()
         self.stash.clear()
         self.close_links()
@@ -485,36 +432,37 @@ class MooncakeTransport(Transport):
 
     def _ensure_engine(self, host: str, protocol: str) -> None:
         if self._engine is None:
-            self._engine = _start_engine(host, protocol)
+            self._engine = start_engine(host, protocol)
             self._engine_address = f"{host}:{self._engine.get_rpc_port()}"
 
     def bind(self, url: str) -> MooncakeServer:
-        protocol, host, _port = _split(url)
+        protocol, host, _port = split_address(url)
         self._ensure_engine(pysocket.gethostbyname(pysocket.gethostname()) if host in ("0.0.0.0", "*") else host, protocol)
         return MooncakeServer(self._context, url, self._engine, self._engine_address, **self._sizes)
 
     def connect(self, url: str) -> MooncakeClient:
-        protocol, host, _port = _split(url)
-        self._ensure_engine(_local_ip_towards(host), protocol)
+        protocol, host, _port = split_address(url)
+        self._ensure_engine(local_ip_towards(host), protocol)
         return MooncakeClient(self._context, url, self._engine, self._engine_address, **self._sizes)
 
     def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
+        endpoints = [client for client in clients if isinstance(client, MooncakeClient)]
+        assert len(endpoints) == len(clients), "a mooncake transport waits on its own endpoints only"
         deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for client in endpoints:
+            poller.register(client.socket, zmq.POLLIN)
         while True:
-            ready = [index for index, client in enumerate(clients) if client.stash]  # type: ignore[attr-defined]
+            for client in endpoints:
+                client.progress()
+            ready = [index for index, client in enumerate(endpoints) if client.stash]
             if ready:
                 return ready
-            for client in clients:
-                client.flush_credits()  # type: ignore[attr-defined]
-            holding = any(client.holding() for client in clients)  # type: ignore[attr-defined]
-            poller = zmq.Poller()
-            for client in clients:
-                poller.register(client.socket, zmq.POLLIN)  # type: ignore[attr-defined]
-            remaining_ms = max(int((deadline - time.monotonic()) * 1000), 0)
-            events = dict(poller.poll(min(remaining_ms, 20) if holding else remaining_ms))
-            for client in clients:
-                if events.get(client.socket):  # type: ignore[attr-defined]
-                    client.pump(0)  # type: ignore[attr-defined]
+            remaining = max(deadline - time.monotonic(), 0.0)
+            events = dict(poller.poll(min(client.poll_ms(remaining) for client in endpoints)))
+            for client in endpoints:
+                if events.get(client.socket):
+                    client.pump(0)
             if not events and time.monotonic() >= deadline:
                 return []
 

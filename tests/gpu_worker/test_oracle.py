@@ -64,9 +64,17 @@ def test_half_precision_wire_converges_like_fp32(start_node, wire_dtype):
     assert max_difference(fp32, bf16) > 0.0  # it really went through bf16
 
 
-@pytest.mark.parametrize("transport", ["ipc", "tcp-curve"])
+@pytest.mark.parametrize("transport", ["ipc", "tcp-curve", "mooncake", "mooncake-layerwise-clip"])
 def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
     extra: dict = {}
+    if transport.startswith("mooncake"):  # two nodes, so each worker holds two engine connections
+        nodes = [start_node(f"mc{i}", listen="mooncake://127.0.0.1:0").address for i in range(2)]
+        assert all(address.startswith("mooncake://") for address in nodes)
+        clip = 0.05 if transport.endswith("clip") else None
+        params, _ = run_offloaded(RunConfig(nodes=nodes, layerwise="layerwise" in transport, max_grad_norm=clip))
+        fused_ref, _ = reference_averaged(2, fused=True, max_grad_norm=clip)
+        assert max_difference(params, fused_ref) <= (0.0 if clip is None else 1e-6)
+        return
     if transport == "ipc":
         node = start_node(listen=f"ipc://{tmp_path}/node.sock")
     else:

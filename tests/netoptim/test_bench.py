@@ -27,6 +27,14 @@ def test_transport_bench_reports_a_ratio():
     assert report["netoptim_curve_push_pull_gbs"] > 0 and report["curve_ratio"] > 0 and report["same_host_ratio"] > 0
 
 
+def test_transport_bench_over_mooncake_moves_the_bytes_by_one_sided_writes():
+    report = bench("transport", "--backend", "mooncake", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1")
+    assert report["backend"] == "mooncake" and report["ratio"] > 0 and report["netoptim_push_pull_gbs"] > 0
+    counted = report["client_bytes"]
+    assert counted["written_bytes"] + counted["inline_bytes"] == 2 * (8 << 20)  # a warm-up round and one timed round
+    assert counted["written_bytes"] >= 8 << 20  # everything after the first message went one-sided
+
+
 def test_train_bench_compares_ddp_full_and_layerwise():
     report = bench("train", "--sizes", "small", "--steps", "1", "--warmup", "0", "--batch", "1", "--seq", "16")
     entry = report["sizes"]["small"]
