@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, reference_whole_batch, run_offloaded
+from tests.transport.availability import requires_mooncake
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ def test_half_precision_wire_converges_like_fp32(start_node, wire_dtype):
     assert max_difference(fp32, bf16) > 0.0  # it really went through bf16
 
 
-@pytest.mark.parametrize("transport", ["ipc", "tcp-curve", "mooncake", "mooncake-layerwise-clip"])
+@pytest.mark.parametrize(
+    "transport", ["ipc", "tcp-curve", pytest.param("mooncake", marks=requires_mooncake), pytest.param("mooncake-layerwise-clip", marks=requires_mooncake)]
+)
 def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
     extra: dict = {}
     if transport.startswith("mooncake"):  # two nodes, so each worker holds two engine connections

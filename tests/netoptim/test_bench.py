@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from tests.transport.availability import requires_mooncake
+
 
 def bench(*args: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "netoptim", "bench", *args], capture_output=True, text=True, timeout=180)
@@ -27,6 +29,7 @@ def test_transport_bench_reports_a_ratio():
     assert report["netoptim_curve_push_pull_gbs"] > 0 and report["curve_ratio"] > 0 and report["same_host_ratio"] > 0
 
 
+@requires_mooncake
 def test_transport_bench_over_mooncake_moves_the_bytes_by_one_sided_writes():
     report = bench("transport", "--backend", "mooncake", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1")
     assert report["backend"] == "mooncake" and report["ratio"] > 0 and report["netoptim_push_pull_gbs"] > 0

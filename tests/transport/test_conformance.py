@@ -11,13 +11,14 @@ import time
 import pytest
 import torch
 
+from tests.transport.availability import requires_mooncake
 from transport import backend_for, create_transport
 from transport.security import CurveClientConfig, CurveServerConfig, generate_keypair
 from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 
 CHUNK = 1 << 16
 MOONCAKE_WINDOW = 16 << 20  # smaller than the 12 MiB case plus what is in flight: windows fill and drain
-KINDS = ["tcp", "ipc", "tcp-curve", "mooncake"]
+KINDS = ["tcp", "ipc", "tcp-curve", pytest.param("mooncake", marks=requires_mooncake)]
 
 
 def url_of(kind: str, tmp_path) -> str:
@@ -184,6 +185,7 @@ def test_unsupported_addresses():
         backend_for("udp://127.0.0.1:5555")
 
 
+@requires_mooncake
 def test_mooncake_moves_payloads_by_one_sided_writes_into_windows_it_reuses(tmp_path):
     pair = Pair("mooncake", tmp_path)
     try:
