@@ -80,7 +80,9 @@ def raw_socket_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
         server.join(10)
 
 
-def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, backend: str = "zmq", curve: bool = False, same_host: bool = False) -> tuple[float, dict]:
+def netoptim_seconds(
+    nbytes: int, bucket_bytes: int, repeats: int, *, backend: str = "zmq", curve: bool = False, same_host: bool = False, connections: int = 1
+) -> tuple[float, dict]:
     """Push+pull through a node over its tcp:// (or mooncake://) address, or its same-host ipc://
     socket; returns the median seconds and what the client endpoint counted (mooncake)."""
     buckets = [torch.ones(bucket_bytes // 4) for _ in range(nbytes // bucket_bytes)]
@@ -96,14 +98,17 @@ def netoptim_seconds(nbytes: int, bucket_bytes: int, repeats: int, *, backend: s
         listen = "mooncake://127.0.0.1:0" if backend == "mooncake" else "tcp://127.0.0.1:0"
         with NodeProcess(workdir, log_level="WARNING", listen=listen, extra_args=node_args) as node:
             address = node.same_host_address if same_host else node.address
-            label = f"netoptim push+pull ({backend}" + (", CURVE" if curve else "") + (", same host" if same_host else "") + ")"
-            return _measure_node(address, buckets, repeats, client_curve, label)
+            label = f"netoptim push+pull ({backend}" + (", CURVE" if curve else "") + (", same host" if same_host else "") + f", {connections} conn.)"
+            return _measure_node(address, buckets, repeats, client_curve, label, connections)
 
 
-def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str) -> tuple[float, dict]:
-    transport = create_transport(address, curve_client=curve) if curve else create_transport(address)
+def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str, connections: int) -> tuple[float, dict]:
+    options: dict = {"curve_client": curve} if curve else {}
+    if connections > 1:
+        options["connections_per_peer"] = connections
+    transport = create_transport(address, **options)
     client = transport.connect(address)
-    headers = [tensor_header(MsgType.ECHO, bucket, step=index) for index, bucket in enumerate(buckets)]
+    headers = [tensor_header(MsgType.ECHO, bucket, step=index, bucket_id=index) for index, bucket in enumerate(buckets)]
 
     def round_trip() -> None:
         for header, bucket in zip(headers, buckets, strict=True):
@@ -126,13 +131,16 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--bytes must be a multiple of --bucket-bytes, which must be a multiple of 4")
     if args.curve and args.backend != "zmq":
         raise SystemExit("--curve applies to --backend zmq only (the mooncake backend does not encrypt)")
-    netoptim_s, counters = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, backend=args.backend)
+    if args.connections > 1 and args.backend != "zmq":
+        raise SystemExit("--connections applies to --backend zmq (the Mooncake engine opens its own: MC_TCP_LANES_PER_PEER)")
+    netoptim_s, counters = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, backend=args.backend, connections=args.connections)
     socket_s = raw_socket_seconds(args.bytes, args.bucket_bytes, args.repeats)
     netoptim_gbs, socket_gbs = 2 * args.bytes / netoptim_s / 1e9, 2 * args.bytes / socket_s / 1e9
     report = {
         "benchmark": "transport",
         "ratio": round(netoptim_gbs / socket_gbs, 3),
         "backend": args.backend,
+        "connections": args.connections,
         "bytes": args.bytes,
         "bucket_bytes": args.bucket_bytes,
         "repeats": args.repeats,

@@ -84,6 +84,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         same_host_ipc: when a node runs on this host, move to the ipc:// socket it advertises at
             HELLO (a Unix socket: no TCP stack, no loopback retransmissions); ``False`` stays on
             the address given.
+        connections_per_node: TCP connections to each node (ZeroMQ addresses), for links one TCP
+            stream cannot fill: bucket ``b`` travels on connection ``b % connections_per_node``.
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -114,6 +116,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         units: UnitPlan | None = None,
         push_window_bytes: int = 1 << 30,
         same_host_ipc: bool = True,
+        connections_per_node: int = 1,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
@@ -144,7 +147,9 @@ class RemoteAdamW(torch.optim.Optimizer):
         if bool(curve_secret_key) != bool(curve_server_key):
             raise ValueError("curve_secret_key and curve_server_key go together")
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
-        self._session = OffloadSession(nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve, same_host=same_host_ipc)
+        self._session = OffloadSession(
+            nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve, same_host=same_host_ipc, connections_per_node=connections_per_node
+        )
         self._owner_thread = threading.get_ident()
         self._sync_enabled = True
         self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push

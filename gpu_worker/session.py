@@ -21,7 +21,7 @@ from gpu_worker.layout import gather_bucket, scatter_bucket
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.job import JobSpec
 from optimizer_node.placement import BucketSpec
-from transport import create_transport
+from transport import backend_for, create_transport
 from transport.interface import ClientEndpoint, Message, SendHandle
 from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
@@ -55,6 +55,7 @@ class OffloadSession:
         timeout_s: float,
         curve: CurveClientConfig | None = None,
         same_host: bool = True,
+        connections_per_node: int = 1,
     ) -> None:
         job.validate()
         if len(nodes) != job.num_nodes:
@@ -82,7 +83,11 @@ class OffloadSession:
         self._unconsumed: dict[int, int] = {}
         self._norm_partials: dict[int, float] = {}
         self.latest_step = 0  # the most updates any bucket has had (HELLO): where a layer-wise worker resumes
-        self._transport = create_transport(self.nodes[0], curve_client=curve)
+        backends = {backend_for(url) for url in self.nodes}
+        if len(backends) > 1:
+            raise ValueError(f"the nodes of a job use one transport; these addresses mix {sorted(backends)}: {self.nodes}")
+        lanes = {"connections_per_peer": connections_per_node} if connections_per_node != 1 else {}
+        self._transport = create_transport(self.nodes[0], curve_client=curve, **lanes)
         self._curve = curve
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
         self._same_host = same_host

@@ -35,6 +35,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="zmq: ZeroMQ over tcp:// (and the same-host ipc:// socket); mooncake: the Mooncake Transfer Engine over its tcp protocol (needs netoptim[rdma]) (default: %(default)s)",
     )
     transport.add_argument("--curve", action="store_true", help="zmq: also measure with CURVE encryption on (keys made for the run) and report its cost")
+    transport.add_argument(
+        "--connections", type=positive_int, default=1, help="zmq: TCP connections to the node, buckets spread over them (default: %(default)s)"
+    )
     transport.add_argument("--repeats", type=positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
     train = which.add_parser("train", help="GPT training tokens/s and worker peak RSS: torch DDP vs netoptim full-model vs layer-wise mode")
     train.add_argument(

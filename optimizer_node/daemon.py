@@ -473,4 +473,4 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
             self._send(message.peer, Header(msg_type=MsgType.ECHO))
             return
         payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
-        self._send(message.peer, tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step), payload)
+        self._send(message.peer, tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step, bucket_id=header.bucket_id), payload)

@@ -420,7 +420,10 @@ class MooncakeTransport(Transport):
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         curve_server: object = None,
         curve_client: object = None,
+        connections_per_peer: int = 1,
     ) -> None:
+        if connections_per_peer != 1:
+            raise ValueError("the Mooncake engine opens its own connections per peer: set MC_TCP_LANES_PER_PEER (tcp) or MC_NUM_QP_PER_EP (rdma) instead")
         if curve_server is not None or curve_client is not None:
             raise ValueError("CURVE encrypts ZeroMQ's data plane; the mooncake transport does not encrypt: use tcp:// with CURVE, or a trusted network")
         if window_bytes < chunk_bytes:

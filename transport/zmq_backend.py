@@ -2,6 +2,12 @@
 
 Frames at or above ``ZERO_COPY_BYTES`` are sent without a copy and tracked one by one (pyzmq tracks
 only the last frame of a multipart send), so callers can know when a buffer may be reused.
+
+A client may open several connections (*lanes*) to one node, for links one TCP stream cannot fill.
+Each lane is a DEALER socket whose routing id is the client's id plus its lane number and the lane
+count, so the node's ROUTER sees one peer. A message about bucket ``b`` takes lane ``b % lanes`` in
+both directions and every other message lane 0: messages about one bucket keep their order, as do
+all messages about none; messages about different buckets may pass each other.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+import struct
 import tempfile
 import time
 from collections.abc import Sequence
@@ -83,6 +90,14 @@ def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payloa
     return _TrackedSend(trackers)
 
 
+_LANED = b"\x01"  # first byte of a laned client's routing ids (ZeroMQ reserves ids starting with 0)
+_LANE_ID_BYTES = 8 + 2
+
+
+def _lane_of(header: Header, lanes: int) -> int:
+    return header.bucket_id % lanes if header.bucket_id >= 0 else 0
+
+
 def _decode(frames: list[zmq.Frame], peer: bytes, max_message_bytes: int) -> Message:
     if not frames:
         raise WireError(ErrorCode.MALFORMED, "empty message", peer=peer)
@@ -115,17 +130,23 @@ class ZmqServer(ServerEndpoint):
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._same_host_path: Path | None = None
+        self._lanes: dict[bytes, int] = {}  # laned client id -> its lane count
 
     def recv(self, timeout_s: float) -> Message | None:
         if not self._poller.poll(int(timeout_s * 1000)):
             return None
         frames = self._socket.recv_multipart(copy=False)
         peer = frames[0].bytes
+        if len(peer) == _LANE_ID_BYTES and peer[:1] == _LANED:  # one lane of a laned client: the client is the peer
+            peer, lanes = peer[:8], peer[9]
+            self._lanes[peer] = lanes
         return _decode(frames[1:], peer, self._max_message_bytes)
 
     def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
+        lanes = self._lanes.get(peer)
+        route = peer if lanes is None else peer + struct.pack("BB", _lane_of(header, lanes), lanes)
         try:
-            return _send_frames(self._socket, [peer], header, payload, self._chunk_bytes)
+            return _send_frames(self._socket, [route], header, payload, self._chunk_bytes)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"peer {peer.hex()} is gone") from exc
@@ -149,34 +170,54 @@ class ZmqServer(ServerEndpoint):
 
 
 class ZmqClient(ClientEndpoint):
-    """A DEALER socket connected to one node."""
+    """DEALER sockets connected to one node: one, or ``lanes`` (see the module docstring)."""
 
-    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int, curve: CurveClientConfig | None = None) -> None:
-        self._socket = context.socket(zmq.DEALER)
-        if curve is not None:
-            secure_client_socket(self._socket, curve)
-        tune_socket(self._socket)
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(url)
+    def __init__(
+        self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int, curve: CurveClientConfig | None = None, lanes: int = 1
+    ) -> None:
+        if not 1 <= lanes <= 255:
+            raise ValueError(f"connections per node must be in [1, 255], not {lanes}")
+        client_id = _LANED + secrets.token_bytes(7)
+        self.sockets: list[zmq.Socket] = []
+        for lane in range(lanes):
+            socket = context.socket(zmq.DEALER)
+            if curve is not None:
+                secure_client_socket(socket, curve)
+            tune_socket(socket)
+            socket.setsockopt(zmq.LINGER, 1000)
+            if lanes > 1:
+                socket.setsockopt(zmq.ROUTING_ID, client_id + struct.pack("BB", lane, lanes))
+            socket.connect(url)
+            self.sockets.append(socket)
         self.address = url
+        self.lanes = lanes
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
-        self.socket = self._socket  # for Poller registration by the backend
+        self._poller = zmq.Poller()
+        for socket in self.sockets:
+            self._poller.register(socket, zmq.POLLIN)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """Lane 0 (the only one unless lanes were asked for)."""
+        return self.sockets[0]
 
     def send(self, header: Header, payload: Payload | None = None) -> SendHandle:
-        return _send_frames(self._socket, [], header, payload, self._chunk_bytes)
+        return _send_frames(self.sockets[_lane_of(header, self.lanes)], [], header, payload, self._chunk_bytes)
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary frames; only for tests of how a node treats bad input."""
-        self._socket.send_multipart(list(frames))
+        self.sockets[0].send_multipart(list(frames))
 
     def recv(self, timeout_s: float) -> Message | None:
-        if not self._socket.poll(int(timeout_s * 1000)):
+        ready = self._poller.poll(int(timeout_s * 1000))
+        if not ready:
             return None
-        return _decode(self._socket.recv_multipart(copy=False), b"", self._max_message_bytes)
+        return _decode(ready[0][0].recv_multipart(copy=False), b"", self._max_message_bytes)
 
     def close(self) -> None:
-        self._socket.close()
+        for socket in self.sockets:
+            socket.close()
 
 
 class ZmqTransport(Transport):
@@ -190,11 +231,15 @@ class ZmqTransport(Transport):
         io_threads: int = 1,
         curve_server: CurveServerConfig | None = None,
         curve_client: CurveClientConfig | None = None,
+        connections_per_peer: int = 1,
     ) -> None:
+        if not 1 <= connections_per_peer <= 255:
+            raise ValueError(f"connections per node must be in [1, 255], not {connections_per_peer}")
+        self._lanes = connections_per_peer
         for config in (curve_server, curve_client):
             if config is not None:
                 config.validate()
-        self._context = zmq.Context(io_threads=io_threads)
+        self._context = zmq.Context(io_threads=max(io_threads, connections_per_peer))  # lanes move in parallel
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
         self._curve_server = curve_server
@@ -211,19 +256,22 @@ class ZmqTransport(Transport):
         return ZmqServer(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_server)
 
     def connect(self, url: str) -> ZmqClient:
-        return ZmqClient(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_client)
+        return ZmqClient(
+            self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_client, lanes=self._lanes
+        )
 
     def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
-        key = tuple(client.socket for client in clients)  # type: ignore[attr-defined]
+        key = tuple(socket for client in clients for socket in client.sockets)  # type: ignore[attr-defined]
         poller = self._pollers.get(key)
         if poller is None:  # a worker polls the same connections every step: build the poller once
             poller = zmq.Poller()
             for client in clients:
                 assert isinstance(client, ZmqClient)
-                poller.register(client.socket, zmq.POLLIN)
+                for socket in client.sockets:
+                    poller.register(socket, zmq.POLLIN)
             self._pollers = {key: poller}
         ready = dict(poller.poll(int(timeout_s * 1000)))
-        return [index for index, client in enumerate(clients) if ready.get(client.socket)]  # type: ignore[attr-defined]
+        return [index for index, client in enumerate(clients) if any(ready.get(socket) for socket in client.sockets)]  # type: ignore[attr-defined]
 
     def close(self) -> None:
         if self._authenticator is not None:

@@ -66,7 +66,8 @@ def test_half_precision_wire_converges_like_fp32(start_node, wire_dtype):
 
 
 @pytest.mark.parametrize(
-    "transport", ["ipc", "tcp-curve", pytest.param("mooncake", marks=requires_mooncake), pytest.param("mooncake-layerwise-clip", marks=requires_mooncake)]
+    "transport",
+    ["ipc", "tcp-curve", "tcp-3-lanes", pytest.param("mooncake", marks=requires_mooncake), pytest.param("mooncake-layerwise-clip", marks=requires_mooncake)],
 )
 def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
     extra: dict = {}
@@ -77,6 +78,11 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
         params, _ = run_offloaded(RunConfig(nodes=nodes, layerwise="layerwise" in transport, max_grad_norm=clip))
         fused_ref, _ = reference_averaged(2, fused=True, max_grad_norm=clip)
         assert max_difference(params, fused_ref) <= (0.0 if clip is None else 1e-6)
+        return
+    if transport == "tcp-3-lanes":  # three TCP connections per worker and node, buckets spread over them
+        nodes = [start_node(f"lanes{i}").address for i in range(2)]
+        params, _ = run_offloaded(RunConfig(nodes=nodes, extra={"connections_per_node": 3, "same_host_ipc": False}))
+        assert max_difference(params, reference_averaged(2, fused=True)[0]) == 0.0
         return
     if transport == "ipc":
         node = start_node(listen=f"ipc://{tmp_path}/node.sock")

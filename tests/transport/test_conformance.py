@@ -18,7 +18,7 @@ from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 
 CHUNK = 1 << 16
 MOONCAKE_WINDOW = 16 << 20  # smaller than the 12 MiB case plus what is in flight: windows fill and drain
-KINDS = ["tcp", "ipc", "tcp-curve", pytest.param("mooncake", marks=requires_mooncake)]
+KINDS = ["tcp", "ipc", "tcp-curve", "tcp-4-lanes", pytest.param("mooncake", marks=requires_mooncake)]
 
 
 def url_of(kind: str, tmp_path) -> str:
@@ -33,6 +33,8 @@ class Pair:
         server_options, self.client_options, self.secret, self.server_key = {}, {}, "-", "-"
         if kind == "mooncake":
             server_options = self.client_options = {"window_bytes": MOONCAKE_WINDOW}
+        if kind == "tcp-4-lanes":
+            self.client_options = {"connections_per_peer": 4}
         if kind == "tcp-curve":
             node_public, node_secret = generate_keypair(str(tmp_path / "keys"), "node")
             _, worker_secret = generate_keypair(str(tmp_path / "allowed"), "worker")
@@ -64,8 +66,8 @@ def pair(request, tmp_path):
     pair.close()
 
 
-def echo(pair: Pair, client, payload: torch.Tensor) -> torch.Tensor:
-    client.send(tensor_header(MsgType.ECHO, payload, chunk_bytes=CHUNK, step=7), payload).wait(10)
+def echo(pair: Pair, client, payload: torch.Tensor, bucket_id: int = 5) -> torch.Tensor:
+    client.send(tensor_header(MsgType.ECHO, payload, chunk_bytes=CHUNK, step=7, bucket_id=bucket_id), payload).wait(10)
     message = pair.server.recv(30)
     assert message is not None and message.header.step == 7 and message.header.numel == payload.numel()
     handle = pair.server.send(message.peer, message.header, [view for _, view in message.tensors])
@@ -199,5 +201,39 @@ def test_mooncake_moves_payloads_by_one_sided_writes_into_windows_it_reuses(tmp_
         assert client.staged_bytes == pair.server.staged_bytes == 0  # over TCP the engine reads any memory: nothing staged
         assert client.recv(0) is None  # its next call sends the credits for what it read
         assert not client.busy() and not pair.server.busy()  # every write done, every slot given back
+    finally:
+        pair.close()
+
+
+def test_lanes_keep_each_buckets_order_and_the_node_sees_one_peer(tmp_path):
+    pair = Pair("tcp-4-lanes", tmp_path)
+    try:
+        client = pair.client()
+        assert len(client.sockets) == 4
+        for step in range(10):
+            for bucket_id in range(8):  # two buckets per lane
+                payload = torch.full((5000,), float(100 * bucket_id + step))
+                client.send(tensor_header(MsgType.ECHO, payload, bucket_id=bucket_id, step=step), payload)
+        client.send(Header(msg_type=MsgType.QUERY, step=99))  # no bucket: lane 0
+        steps: dict[int, list[int]] = {b: [] for b in range(8)}
+        peers = set()
+        for _ in range(81):
+            message = pair.server.recv(30)
+            peers.add(message.peer)
+            if message.header.msg_type == MsgType.QUERY:
+                continue
+            bucket_id, step = message.header.bucket_id, message.header.step
+            assert torch.all(message.tensors[0][1] == 100 * bucket_id + step)
+            steps[bucket_id].append(step)
+            pair.server.send(message.peer, message.header, [view for _, view in message.tensors]).wait(10)
+        assert len(peers) == 1  # four connections, one peer
+        assert all(order == list(range(10)) for order in steps.values())
+        back: dict[int, list[int]] = {b: [] for b in range(8)}
+        for _ in range(80):  # the replies come back over the lane of their bucket, each bucket in order
+            message = client.recv(30)
+            back[message.header.bucket_id].append(message.header.step)
+        assert all(order == list(range(10)) for order in back.values())
+        with pytest.raises(ValueError, match=r"connections per node must be in \[1, 255\]"):
+            create_transport("tcp://127.0.0.1:1", connections_per_peer=0)
     finally:
         pair.close()

@@ -99,3 +99,12 @@ def test_a_payload_larger_than_the_window_is_refused_before_anything_is_written(
         client.close()
         server.close()
         transport.close()
+
+
+def test_a_job_does_not_mix_transports():
+    from gpu_worker import RemoteAdamW
+
+    with pytest.raises(ValueError, match=r"these addresses mix \['mooncake', 'zmq'\]"):
+        RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:1", "mooncake://127.0.0.1:2"], rank=0, world_size=1)
+    with pytest.raises(ValueError, match="MC_TCP_LANES_PER_PEER"):
+        create_transport("mooncake://127.0.0.1:0", connections_per_peer=2)
