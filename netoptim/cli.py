@@ -42,6 +42,12 @@ def _add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
     node.add_argument("--max-message-bytes", type=size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
+    node.add_argument(
+        "--io-threads",
+        type=positive_int,
+        default=1,
+        help="I/O threads moving the data plane's bytes; give the connections per node your workers open (default: %(default)s)",
+    )
     node.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
     node.add_argument(
         "--checkpoint-dir", default=None, help="directory for crash-safe checkpoints (one subdirectory per checkpoint); without it none are taken"
@@ -273,6 +279,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         state_dir=args.state_dir,
         memory_budget=args.memory_budget,
         sync_state_writes=args.sync_state_writes,
+        io_threads=args.io_threads,
     )
     if args.max_message_bytes is not None:
         config.max_message_bytes = args.max_message_bytes

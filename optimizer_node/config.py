@@ -29,6 +29,9 @@ class NodeConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Size of the frames outgoing tensors are split into."""
 
+    io_threads: int = 1
+    """I/O threads of the data plane's ZeroMQ context: raise it to the connections per node workers open."""
+
     send_timeout_s: float = 60.0
     """How long an update waits for the previous step's sends of the same bucket to finish."""
 
@@ -68,6 +71,8 @@ class NodeConfig:
     def validate(self) -> None:
         if self.max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
+        if not 1 <= self.io_threads <= 64:
+            raise ValueError(f"io_threads must be in [1, 64], not {self.io_threads}")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 8:
             raise ValueError("chunk_bytes must be a positive multiple of 8")
         if self.send_timeout_s <= 0 or self.poll_interval_s <= 0:

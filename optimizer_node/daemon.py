@@ -57,7 +57,9 @@ class NodeDaemon(OperatorControls, CheckpointControls, ParameterReplies, GlobalN
         config.validate()
         self.config = config
         curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
-        self._transport = create_transport(config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes, curve_server=curve)
+        self._transport = create_transport(
+            config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes, curve_server=curve, io_threads=config.io_threads
+        )
         self._endpoint = self._transport.bind(config.listen)
         self.address = self._endpoint.address
         self.same_host_address = self._endpoint.bind_same_host() if config.same_host_ipc else None

@@ -16,269 +16,38 @@ Completed writes, credits and queued headers are processed on every call into an
 recv, polling, a send handle's ``done``/``wait``): a receiver must keep calling its endpoint, as a
 node's loop and a waiting worker do.
 
+The protocol of one connection's end lives in :mod:`transport.mooncake_side`; this module holds the
+endpoints (a ROUTER-backed server, a DEALER-backed client) and the transport that owns the engine.
+
 The engine's ``tcp`` protocol runs on any host (and in CI); ``rdma`` is the same code on RDMA NICs:
 ``mooncake://HOST:PORT`` and ``mooncake+rdma://HOST:PORT`` (the control channel listens on PORT).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import socket as pysocket
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import msgpack
-import numpy as np
-import torch
 import zmq
 
 from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
-from transport.mooncake_link import CREDIT_TIMEOUT_S, DEFAULT_WINDOW_BYTES, Link, local_ip_towards, split_address, start_engine
+from transport.mooncake_link import DEFAULT_WINDOW_BYTES, local_ip_towards, split_address, start_engine
+from transport.mooncake_side import HANDSHAKE, ConnectionSide
 from transport.wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
-    ErrorCode,
     Header,
     Payload,
     WireError,
-    decode_header,
-    encode_header,
-    payload_chunks,
-    payload_views,
 )
 from transport.zmq_backend import prepare_bind_url, tune_socket
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE, _MESSAGE, _INLINE, _CREDIT = b"H", b"M", b"I", b"C"
-_BUSY_POLL_MS = 1
-"""Poll slice while writes are in flight or views are out: their completions and credits need a call."""
 
-
-class _WriteHandle(SendHandle):
-    """Done once the write has completed and the header is sent (the payload may then be reused)."""
-
-    def __init__(self, side: _Side) -> None:
-        self._side = side
-        self.finished = False
-
-    def done(self) -> bool:
-        if not self.finished:
-            self._side.progress()
-        return self.finished
-
-    def wait(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.done():
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"a one-sided write did not complete within {timeout_s:.1f} s")
-            time.sleep(0.0002)
-
-
-@dataclass(slots=True)
-class _Outgoing:
-    """A message whose header goes out once its write (if any) is complete, in send order."""
-
-    peer: bytes
-    frames: list[bytes]
-    handle: _WriteHandle
-    batch_ids: list[int] | None = None  # one per chunk: the engine reports a batch's first task only
-    link: Link | None = None
-    slots: tuple[int, ...] = ()
-    keep: object = None  # the payload's chunks: the engine reads them until the write completes
-
-
-def _address_in(chunk: memoryview, regions: Sequence[tuple[int, int]]) -> int | None:
-    """The address of ``chunk`` when it lies inside one of the registered ``regions``."""
-    start = np.frombuffer(chunk, dtype=np.uint8).ctypes.data
-    for base, length in regions:
-        if base <= start and start + len(chunk) <= base + length:
-            return start
-    return None
-
-
-class _Side:
-    """What both ends of a connection do: write payloads, read messages, hand back credits."""
-
-    def __init__(self, sock: zmq.Socket, engine, engine_address: str, protocol: str, *, chunk_bytes: int, window_bytes: int, max_message_bytes: int) -> None:
-        self.socket = sock
-        self.engine = engine
-        self.engine_address = engine_address
-        # Over TCP the engine reads the source with an ordinary send(), so any memory will do; an RDMA
-        # NIC reads only registered memory, so payloads outside it are staged in a registered buffer.
-        self.direct_sources = protocol == "tcp"
-        self.chunk_bytes = chunk_bytes
-        self.window_bytes = max(window_bytes - window_bytes % chunk_bytes, chunk_bytes)
-        self.max_message_bytes = min(max_message_bytes, self.window_bytes)
-        self.stash: collections.deque[Message] = collections.deque()
-        self.links: dict[bytes, Link] = {}
-        self.outgoing: collections.deque[_Outgoing] = collections.deque()
-        self.written_bytes = 0  # payload bytes sent by one-sided writes
-        self.staged_bytes = 0  # of those, bytes copied into a staging buffer first
-        self.inline_bytes = 0  # payload bytes sent on the control channel (before the handshake)
-
-    def _send_control(self, peer: bytes, frames: list[bytes]) -> None:
-        raise NotImplementedError
-
-    def on_handshake(self, peer: bytes, raw: bytes) -> None:
-        raise NotImplementedError
-
-    def new_link(self) -> Link:
-        return Link(self.engine, self.window_bytes, self.chunk_bytes)
-
-    # ------------------------------------------------------------ progress
-
-    def progress(self) -> None:
-        """Send the headers of completed writes (in order) and the credits of released slots."""
-        while self.outgoing:
-            item = self.outgoing[0]
-            if item.batch_ids:
-                status = self.engine.transfer_check_status(item.batch_ids[-1])
-                while status == 1 and len(item.batch_ids) > 1:
-                    item.batch_ids.pop()
-                    status = self.engine.transfer_check_status(item.batch_ids[-1])
-                if status == 0:
-                    break  # in flight; later messages wait behind it
-                if status != 1:
-                    self.outgoing.popleft()
-                    item.handle.finished = True
-                    log.error("a one-sided write to peer %s failed (status %d); the message is dropped", item.peer.hex() or "node", status)
-                    continue
-            self.outgoing.popleft()
-            item.handle.finished = True
-            try:
-                self._send_control(item.peer, item.frames)
-            except ConnectionError as exc:
-                log.warning("%s; its message is dropped", exc)
-        for peer, link in list(self.links.items()):
-            credits = link.take_credits()
-            if credits:
-                try:
-                    self._send_control(peer, [_CREDIT, msgpack.packb(credits)])
-                except ConnectionError:
-                    self.links.pop(peer, None)  # the peer is gone; its window goes with it
-
-    def busy(self) -> bool:
-        """True while writes are in flight or views of our windows are out: both need later calls."""
-        return bool(self.outgoing) or any(link.outstanding for link in self.links.values())
-
-    def poll_ms(self, timeout_s: float) -> int:
-        wait_ms = max(int(timeout_s * 1000), 0)
-        return min(wait_ms, _BUSY_POLL_MS) if self.busy() else wait_ms
-
-    # ------------------------------------------------------------ sending
-
-    def enqueue(self, peer: bytes, link: Link | None, header: Header, payload: Payload | None, pump: Callable[[float], bool], peer_name: str) -> SendHandle:
-        """Start the write of ``payload`` into the peer's window and queue the header behind it."""
-        handle = _WriteHandle(self)
-        chunks = payload_chunks(payload, self.chunk_bytes) if header.num_chunks else []
-        if chunks and (link is None or not link.ready):  # no window to write into yet: inline (copied)
-            frames = [bytes(chunk) for chunk in chunks]
-            self.inline_bytes += sum(len(frame) for frame in frames)
-            self.outgoing.append(_Outgoing(peer, [_INLINE, encode_header(header), *frames], handle))
-        elif chunks:
-            assert link is not None
-            batch_ids, slots = self._write(link, chunks, pump, peer_name)
-            frames = [_MESSAGE, encode_header(header), msgpack.packb(slots)]
-            self.outgoing.append(_Outgoing(peer, frames, handle, batch_ids, link, tuple(slots), chunks))
-        else:
-            self.outgoing.append(_Outgoing(peer, [_MESSAGE, encode_header(header), msgpack.packb([])], handle))
-        self.progress()
-        return handle
-
-    def _write(self, link: Link, chunks: list[memoryview], pump: Callable[[float], bool], peer_name: str) -> tuple[list[int], list[int]]:
-        total = sum(len(chunk) for chunk in chunks)
-        if len(chunks) > link.slots or total > self.max_message_bytes:
-            raise ValueError(f"a payload of {total} bytes is larger than the {self.window_bytes}-byte receive window: raise window_bytes on both sides")
-        deadline = time.monotonic() + CREDIT_TIMEOUT_S
-        while len(link.remote_free) < len(chunks):
-            if not pump(max(deadline - time.monotonic(), 0.0)) and time.monotonic() >= deadline:
-                raise TimeoutError(f"{peer_name} gave no window slots back for {CREDIT_TIMEOUT_S:.0f} s: is it still reading?")
-        slots = [link.remote_free.popleft() for _ in chunks]
-        registered = [(other.window.data_ptr(), other.window.numel()) for other in self.links.values()]
-        sources, targets, lengths = [], [], []
-        for slot, chunk in zip(slots, chunks, strict=True):
-            source = np.frombuffer(chunk, dtype=np.uint8).ctypes.data if self.direct_sources else _address_in(chunk, registered)
-            if source is None:  # stage it: the NIC reads registered memory only
-                staged = link.staging_slot(slot)[: len(chunk)]
-                staged.copy_(torch.frombuffer(chunk, dtype=torch.uint8))
-                source = staged.data_ptr()
-                self.staged_bytes += len(chunk)
-            sources.append(source)
-            targets.append(link.remote_base + slot * self.chunk_bytes)
-            lengths.append(len(chunk))
-        batch_ids = [self.engine.batch_transfer_async_write(link.remote_engine, [a], [b], [n]) for a, b, n in zip(sources, targets, lengths, strict=True)]
-        if min(batch_ids) < 0:
-            # Slots a started write may still land in are not given back: the peer never reads them.
-            raise ConnectionError(f"the one-sided write to {peer_name} could not start (status {min(batch_ids)}): is the peer still running?")
-        self.written_bytes += total
-        return batch_ids, slots
-
-    # ------------------------------------------------------------ receiving
-
-    def read(self, link: Link | None, frames: list[bytes], peer: bytes, *, copy: bool) -> Message:
-        """The message whose header and slot list are ``frames``; its payload is in our window."""
-        if len(frames) != 2:
-            raise WireError(ErrorCode.MALFORMED, f"a mooncake message has a header and a slot list, not {len(frames)} frames", peer=peer)
-        try:
-            slots = msgpack.unpackb(frames[1])
-        except Exception:
-            raise WireError(ErrorCode.MALFORMED, "the slot list is not msgpack", peer=peer) from None
-        if slots and link is None:
-            raise WireError(ErrorCode.BAD_PAYLOAD, "a payload before the connection's handshake", peer=peer)
-        total_slots = link.slots if link is not None else 0
-        if not isinstance(slots, list) or not all(isinstance(s, int) and 0 <= s < total_slots for s in slots) or len(set(slots)) != len(slots):
-            raise WireError(ErrorCode.BAD_PAYLOAD, f"the slot list {str(slots)[:80]} names slots outside the window", peer=peer)
-        try:
-            header = decode_header(frames[0], peer=peer)
-            if header.num_chunks != len(slots):
-                raise WireError(ErrorCode.BAD_PAYLOAD, f"header declares {header.num_chunks} chunks, the slot list names {len(slots)}", peer=peer)
-            if header.payload_bytes > self.max_message_bytes:
-                raise WireError(ErrorCode.TOO_LARGE, f"payload of {header.payload_bytes} bytes is over the limit of {self.max_message_bytes}", peer=peer)
-        except WireError:
-            if link is not None:  # the peer wrote them for this message: nothing will read them now
-                link.outstanding += len(slots)
-                link.returned.extend(slots)
-            raise
-        chunks, remaining = [], header.payload_bytes
-        for slot in slots:
-            size = max(min(self.chunk_bytes, remaining), 0)
-            chunks.append(link.view(slot, size, copy=copy))  # type: ignore[union-attr]
-            remaining -= size
-        return Message(peer=peer, header=header, tensors=payload_views(header, chunks, max_bytes=self.max_message_bytes, peer=peer))
-
-    def handle(self, peer: bytes, frames: list[bytes], *, copy: bool) -> Message | None:
-        """One incoming frame set: a message, or ``None`` for handshakes and credits."""
-        kind, rest = (frames[0], frames[1:]) if frames else (b"", [])
-        link = self.links.get(peer)
-        if kind == _MESSAGE:
-            return self.read(link, rest, peer, copy=copy)
-        if kind == _INLINE and rest:
-            header = decode_header(rest[0], peer=peer)
-            views = payload_views(header, [memoryview(frame) for frame in rest[1:]], max_bytes=self.max_message_bytes, peer=peer)
-            return Message(peer=peer, header=header, tensors=views)
-        if kind == _CREDIT and len(rest) == 1 and link is not None:
-            try:
-                credits = [int(slot) for slot in msgpack.unpackb(rest[0])]
-            except Exception:
-                raise WireError(ErrorCode.MALFORMED, "a credit frame that is not a list of slots", peer=peer) from None
-            link.remote_free.extend(credits)
-            return None
-        if kind == _HANDSHAKE and len(rest) == 1:
-            self.on_handshake(peer, rest[0])
-            return None
-        raise WireError(ErrorCode.MALFORMED, f"not a mooncake transport frame (kind {kind[:8]!r}, {len(frames)} frames)", peer=peer or None)
-
-    def close_links(self) -> None:
-        self.outgoing.clear()
-        for link in self.links.values():
-            link.close()
-        self.links.clear()
-
-
-class MooncakeServer(_Side, ServerEndpoint):
+class MooncakeServer(ConnectionSide, ServerEndpoint):
     """The node side: a ROUTER control socket and one link per worker connection."""
 
     def __init__(self, context: zmq.Context, url: str, engine, engine_address: str, **sizes: int) -> None:
@@ -311,7 +80,7 @@ class MooncakeServer(_Side, ServerEndpoint):
         if old is not None:
             old.close()
         self.links[peer] = link
-        self._send_control(peer, [_HANDSHAKE, link.describe(self.engine_address)])
+        self._send_control(peer, [HANDSHAKE, link.describe(self.engine_address)])
 
     def _pump(self, timeout_s: float, *, copy: bool) -> Message | bool:
         """Handle one incoming frame set: the message, True (not a message), False (nothing came)."""
@@ -355,7 +124,7 @@ class MooncakeServer(_Side, ServerEndpoint):
         self.close_links()
 
 
-class MooncakeClient(_Side, ClientEndpoint):
+class MooncakeClient(ConnectionSide, ClientEndpoint):
     """The worker side of one connection: a DEALER control socket and one link."""
 
     def __init__(self, context: zmq.Context, url: str, engine, engine_address: str, **sizes: int) -> None:
@@ -367,7 +136,7 @@ class MooncakeClient(_Side, ClientEndpoint):
         super().__init__(sock, engine, engine_address, protocol, **sizes)
         self.address = url
         self.links[b""] = self._link = self.new_link()
-        self._send_control(b"", [_HANDSHAKE, self._link.describe(engine_address)])
+        self._send_control(b"", [HANDSHAKE, self._link.describe(engine_address)])
 
     def _send_control(self, peer: bytes, frames: list[bytes]) -> None:
         self.socket.send_multipart(frames)
@@ -421,6 +190,7 @@ class MooncakeTransport(Transport):
         curve_server: object = None,
         curve_client: object = None,
         connections_per_peer: int = 1,
+        io_threads: int = 1,
     ) -> None:
         if connections_per_peer != 1:
             raise ValueError("the Mooncake engine opens its own connections per peer: set MC_TCP_LANES_PER_PEER (tcp) or MC_NUM_QP_PER_EP (rdma) instead")
@@ -429,7 +199,7 @@ class MooncakeTransport(Transport):
         if window_bytes < chunk_bytes:
             raise ValueError(f"window_bytes ({window_bytes}) must hold at least one chunk of {chunk_bytes} bytes")
         self._sizes = {"chunk_bytes": chunk_bytes, "window_bytes": window_bytes, "max_message_bytes": max_message_bytes}
-        self._context = zmq.Context()
+        self._context = zmq.Context(io_threads=io_threads)  # the control channel's; payloads move in the engine
         self._engine = None
         self._engine_address = ""
 

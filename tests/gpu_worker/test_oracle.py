@@ -80,7 +80,7 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
         assert max_difference(params, fused_ref) <= (0.0 if clip is None else 1e-6)
         return
     if transport == "tcp-3-lanes":  # three TCP connections per worker and node, buckets spread over them
-        nodes = [start_node(f"lanes{i}").address for i in range(2)]
+        nodes = [start_node(f"lanes{i}", extra_args=("--io-threads", "3")).address for i in range(2)]
         params, _ = run_offloaded(RunConfig(nodes=nodes, extra={"connections_per_node": 3, "same_host_ipc": False}))
         assert max_difference(params, reference_averaged(2, fused=True)[0]) == 0.0
         return

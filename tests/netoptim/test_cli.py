@@ -67,6 +67,8 @@ def test_help_runs_from_the_console():
         (["node", "--listen", "udp://127.0.0.1:1"], "unsupported scheme"),
         (["node", "--max-message-bytes", "12XB"], "not a size"),
         (["node", "--chunk-bytes", "-4"], "must be positive"),
+        (["node", "--io-threads", "0"], "must be positive"),
+        (["node", "--io-threads", "65"], "io_threads must be in [1, 64]"),
         (["demo", "--steps", "0"], "must be positive"),
         (["demo", "--workers", "two"], "not an integer"),
         (["bench", "optimizer", "--repeats", "0"], "must be positive"),

@@ -26,9 +26,10 @@ def keys(tmp_path_factory):
     return tmp_path / "keys", allowed
 
 
-def test_only_allowed_workers_get_in(start_node, keys):
+@pytest.mark.parametrize("lanes", [1, 3], ids=["one-connection", "3-lanes"])
+def test_only_allowed_workers_get_in(start_node, keys, lanes):
     key_dir, allowed = keys
-    node = start_node(extra_args=("--curve-secret-key", str(key_dir / "node.key_secret"), "--curve-allow", str(allowed)))
+    node = start_node(extra_args=("--curve-secret-key", str(key_dir / "node.key_secret"), "--curve-allow", str(allowed), "--io-threads", str(lanes)))
     model = torch.nn.Linear(4, 2)
     opt = RemoteAdamW(
         model.parameters(),
@@ -38,6 +39,7 @@ def test_only_allowed_workers_get_in(start_node, keys):
         world_size=1,
         curve_secret_key=str(key_dir / "good.key_secret"),
         curve_server_key=str(key_dir / "node.key"),
+        connections_per_node=lanes,  # every lane does its own handshake
     )
     before = model.weight.detach().clone()
     model(torch.ones(1, 4)).sum().backward()
@@ -55,6 +57,7 @@ def test_only_allowed_workers_get_in(start_node, keys):
             timeout_s=2,
             curve_secret_key=str(key_dir / "bad.key_secret"),
             curve_server_key=str(key_dir / "node.key"),
+            connections_per_node=lanes,
         )
     with pytest.raises(TimeoutError, match="give this worker its keys"):  # no CURVE at all
         RemoteAdamW(stranger.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
