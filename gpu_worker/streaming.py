@@ -37,6 +37,9 @@ from transport.interface import Message
 
 log = logging.getLogger(__name__)
 
+_MAPPED_FROM_BYTES = 32 << 20
+"""Allocations this large get their own mapping, freed to the OS at once; smaller ones reuse the heap."""
+
 
 @dataclass(eq=False)
 class _Unit:
@@ -118,7 +121,12 @@ class LayerStreamer:
         self._grads = _Grads(self.params)
         self.step = 0
         self._handles: list = []
-        map_large_allocations()  # parameters and frames come and go every step: keep the RSS at the window
+        # Parameters, frames and activations come and go every step. Below 32 MiB (glibc's largest
+        # threshold) they come from the heap, where the next unit reuses what the last one freed
+        # without faulting its pages in again; the heap is trimmed once a step, which keeps the RSS
+        # flat. Mapping every allocation of 1 MiB or more instead (returned to the OS at once) kept
+        # the RSS 25% lower but made layer-wise steps 20-25% slower on CPU: page faults on every fetch.
+        map_large_allocations(_MAPPED_FROM_BYTES)
 
     # ---------------------------------------------------------------- setup
 
@@ -217,7 +225,6 @@ class LayerStreamer:
         for i in unit.params:
             self.params[i].untyped_storage().resize_(0)
         unit.resident = False
-        trim_host_heap()
 
     def _on_params(self, node_index: int, message: Message) -> None:
         header = message.header
@@ -333,4 +340,5 @@ class LayerStreamer:
             for i in unit.params:
                 values[self.session.job.params[i].name] = self.params[i].detach().to("cpu", copy=True)
             self._release(unit)
+        trim_host_heap()
         return values
