@@ -1,5 +1,3 @@
-import sys
+from netoptim.cli import console
 
-from netoptim.cli import main
-
-sys.exit(main())
+console()
