@@ -35,13 +35,19 @@ class TransportUnavailable(RuntimeError):
     """The backend's library is not installed here; the message says what to install."""
 
 
-def start_engine(host: str, protocol: str):  # -> mooncake.engine.TransferEngine
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # the engine logs every connection at INFO otherwise
+def engine_class() -> type:
+    """Mooncake's ``TransferEngine``; :class:`TransportUnavailable` names what to install if it is missing."""
+    # Read when the library loads: the engine logs every connection at INFO otherwise.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:  # the package, or a system library it links (libibverbs.so.1, ...)
         raise TransportUnavailable(f"{INSTALL_HINT} ({exc})") from None
-    engine = TransferEngine()
+    return TransferEngine
+
+
+def start_engine(host: str, protocol: str):  # -> mooncake.engine.TransferEngine
+    engine = engine_class()()
     status = engine.initialize(f"{host}:0", "P2PHANDSHAKE", protocol, "")
     if status != 0:
         hint = "; is there an RDMA NIC and its driver? (mooncake:// uses TCP)" if protocol == "rdma" else ""

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from transport.mooncake_link import INSTALL_HINT
+from transport.mooncake_link import INSTALL_HINT, TransportUnavailable, engine_class
 
 
 def mooncake_importable() -> bool:
     try:
-        importlib.import_module("mooncake.engine")
-    except ImportError:
+        engine_class()
+    except TransportUnavailable:
         return False
     return True
 
