@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -82,7 +83,12 @@ class OffloadSession:
         self.push_window_bytes: int | None = None
         self._unconsumed: dict[int, int] = {}
         self._norm_partials: dict[int, float] = {}
-        self.latest_step = 0  # the most updates any bucket has had (HELLO): where a layer-wise worker resumes
+        # This process, to the nodes: a restarted worker is a new incarnation of its rank, which redoes
+        # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
+        self.incarnation = secrets.randbits(63) | 1
+        self.resume_step = 0  # the step this worker (re)does first, set at HELLO
+        self._contributed: set[int] = set()  # buckets of resume_step that already hold this rank's gradient
+        self._skipped: set[int] = set()  # pushes of this step left out because the node has them
         backends = {backend_for(url) for url in self.nodes}
         if len(backends) > 1:
             raise ValueError(f"the nodes of a job use one transport; these addresses mix {sorted(backends)}: {self.nodes}")
@@ -112,7 +118,7 @@ class OffloadSession:
                 gather_bucket(self.buckets[bucket_id], self.params, values)
                 self.send_initial(bucket_id, values)
         for bucket in self.buckets:
-            self._clients[bucket.node].send(Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket.bucket_id))
+            self.request(bucket.bucket_id, self.resume_step)
         waiting = set(range(len(self.buckets)))
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=False)
         try:
@@ -124,10 +130,11 @@ class OffloadSession:
     def hello(self) -> list[int]:
         """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
         that still need initial values (only rank 0 sends them, with :meth:`send_initial`)."""
-        hello = {"job": self.job.to_wire()}
+        hello = {"job": self.job.to_wire(), "incarnation": self.incarnation}
         for index, client in enumerate(self._clients):
             client.send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={**hello, "node_index": index}))
         needs_init: list[int] = []
+        resume: dict[int, tuple[int, list[int]]] = {}
         for index in range(len(self._clients)):
             hint = "is the node running and reachable" + (
                 "; is this worker's public key in the node's --curve-allow directory, and curve_server_key the node's key"
@@ -142,10 +149,36 @@ class OffloadSession:
             if reply.header.meta.get("owned") != owned:
                 raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
             needs_init += reply.header.meta.get("needs_init", [])
-            for bucket_id in owned:
-                self.bucket_steps[bucket_id] = int(reply.header.step)
-            self.latest_step = max(self.latest_step, int(reply.header.meta.get("latest_step", reply.header.step)))
+            resume[index] = (int(reply.header.meta["resume_step"]), [int(b) for b in reply.header.meta["contributed"]])
+        self._resume_at(resume)
         return sorted(needs_init)
+
+    def _resume_at(self, resume: dict[int, tuple[int, list[int]]]) -> None:
+        """Take the step this rank (re)does from the nodes' accounts: the lowest of them. A node already
+        a step further has this rank's whole gradient of that step; on the others, the buckets listed
+        have it too. Only the rest is pushed."""
+        steps = {index: step for index, (step, _) in resume.items()}
+        step = min(steps.values(), default=0)
+        if max(steps.values(), default=0) > step + 1:
+            raise RuntimeError(f"the nodes disagree on the step of rank {self.rank} ({steps}): were some of them resumed from older checkpoints?")
+        contributed: set[int] = set()
+        for index, (node_step, buckets) in resume.items():
+            if node_step > step:
+                contributed.update(b.bucket_id for b in self.buckets if b.node == index)
+            else:
+                contributed.update(buckets)
+        self.resume_step = step
+        self.bucket_steps = [step] * len(self.buckets)
+        self._contributed = contributed
+        if contributed:
+            log.warning(
+                "rank %d resumes in the middle of step %d: the nodes already hold its gradient of %d of %d buckets (from the process it replaces); it pushes the other %d",
+                self.rank,
+                step,
+                len(contributed),
+                len(self.buckets),
+                len(self.buckets) - len(contributed),
+            )
 
     def _switch_to_same_host(self, index: int, address: str, hello: dict, hint: str) -> Message:
         """The node is on this host: say HELLO again over its ipc:// socket and use that connection
@@ -193,6 +226,11 @@ class OffloadSession:
         if bucket_id in self._pushed:
             raise RuntimeError(f"bucket {bucket_id} was already pushed for step {self.bucket_steps[bucket_id]}")
         bucket = self.buckets[bucket_id]
+        if bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step:
+            self._contributed.discard(bucket_id)  # the node has this rank's gradient of this step already
+            self._skipped.add(bucket_id)
+            self._pushed.add(bucket_id)
+            return
         if self.push_window_bytes is not None:
             nbytes = bucket.numel * self._wire_dtype.itemsize
             window = self.push_window_bytes
@@ -239,12 +277,16 @@ class OffloadSession:
         for bucket_id in bucket_ids:
             self.bucket_steps[bucket_id] += 1
         self._pushed.difference_update(bucket_ids)
+        self._skipped.difference_update(bucket_ids)
 
     def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet, then install each bucket's new values as it comes back."""
         for bucket in self.buckets:
             if bucket.bucket_id not in self._pushed:
                 self.push_bucket(bucket.bucket_id, grads, hypers)
+        for bucket_id in sorted(self._skipped):  # their new values went to the process this one replaces
+            self.request(bucket_id, self.bucket_steps[bucket_id] + 1)
+        self._skipped.clear()
         waiting = set(range(len(self.buckets)))
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
         try:
@@ -309,8 +351,9 @@ class OffloadSession:
             raise RuntimeError(
                 f"node {self.nodes[node_index]} sent bucket {bucket_id} as {header.numel} x {header.dtype}, expected {bucket.numel} x {self.job.wire_dtype}"
             )
-        if expect_next_step and header.step != self.bucket_steps[bucket_id] + 1:
-            raise RuntimeError(f"bucket {bucket_id} came back at step {header.step}, expected {self.bucket_steps[bucket_id] + 1}")
+        expected = self.bucket_steps[bucket_id] + (1 if expect_next_step else 0)
+        if header.step != expected:
+            raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
         scatter_bucket(bucket, message.tensors, self.params)
         self.bucket_steps[bucket_id] = header.step
         waiting.discard(bucket_id)

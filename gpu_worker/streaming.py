@@ -134,11 +134,10 @@ class LayerStreamer:
         """Register the job; rank 0 sends initial values unit by unit (materializing, initializing and
         freeing each in turn, so the model is never whole here); every unit ends freed."""
         needs_init = set(self.session.hello())
-        # Buckets a step behind the others have their gradients on the node (their update waits, e.g.
-        # for disk space): this worker resumes after that step, and its first fetches wait for it.
-        self.step = self.session.latest_step
-        for bucket in self.session.buckets:
-            self.session.bucket_steps[bucket.bucket_id] = self.step
+        # The step the nodes say this rank is at: a restarted rank redoes the step its predecessor
+        # left unfinished, fetching that step's values (kept on the nodes for it) and pushing only
+        # the buckets the nodes do not have its gradient of yet.
+        self.step = self.session.resume_step
         if needs_init and self.session.rank == 0:
             log.info("registering initial values of %d buckets, unit by unit", len(needs_init))
             for unit in self.units.values():

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.step_ledger import StepLedger
     from transport.interface import Message
 
 
@@ -27,7 +28,8 @@ class GlobalNormClipping:
     _ready: list[int]
     _awaiting_clip: int | None
     _pause_reason: str | None
-    _peers: dict[int, bytes]
+    _ledger: StepLedger
+    _norm_partial: Header | None  # the NORM_PARTIAL of the step awaiting its norm (sent again to a restarted rank 0)
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -52,7 +54,14 @@ class GlobalNormClipping:
             grad.div_(job.spec.world_size)
             partial += sum_of_squares(grad)
         self._awaiting_clip = step
-        self._send(self._peers[0], Header(msg_type=MsgType.NORM_PARTIAL, step=step, meta={"sum_of_squares": partial, "node_index": job.node_index}))
+        self._norm_partial = Header(msg_type=MsgType.NORM_PARTIAL, step=step, meta={"sum_of_squares": partial, "node_index": job.node_index})
+        self._send_norm_partial()
+
+    def _send_norm_partial(self) -> None:
+        """To rank 0's current incarnation (again, when rank 0 restarted while the node waited for it)."""
+        peer = self._ledger.peer(0)
+        if self._awaiting_clip is not None and self._norm_partial is not None and peer is not None:
+            self._send(peer, self._norm_partial)
 
     def _on_clip(self, message: Message) -> None:
         self._require_rank(message)
@@ -66,6 +75,7 @@ class GlobalNormClipping:
         assert max_norm is not None
         grad_norm, coefficient = clip_coefficient(total, max_norm)
         self._awaiting_clip = None
+        self._norm_partial = None
         for bucket_id, in_flight in self._in_flight.items():
             in_flight.clip, in_flight.grad_norm = coefficient, grad_norm
             heapq.heappush(self._ready, bucket_id)

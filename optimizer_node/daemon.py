@@ -36,11 +36,12 @@ from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistration
 from optimizer_node.replies import ParameterReplies
+from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
-from transport.wire import ErrorCode, Header, MsgType, WireError, error_header, tensor_header
+from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             store = OutOfCoreStore(config.state_dir, config.memory_budget, sync=config.sync_state_writes)
         self._store = store if store is not None else InMemoryStore()
         self._job: ActiveJob | None = None
-        self._peers: dict[int, bytes] = {}  # rank -> transport identity
-        self._last_seen: dict[int, float] = {}
+        self._ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
+        # Previous values are kept in memory; an out-of-core node would need its budget again for them.
+        self._retain_previous = not isinstance(self._store, OutOfCoreStore)
+        self._norm_partial: Header | None = None
         self._deferred_hellos: list[Message] = []
         self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._in_flight: dict[int, BucketStep] = {}
@@ -87,7 +90,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.clock = StepClock()
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
-        self.metrics = NodeMetrics(lambda: len(self._peers))
+        self.metrics = NodeMetrics(lambda: len(self._ledger.ranks))
         self.started_at = time.time()
         self._crash_points = CrashPoints(config.crash_at)
         self._checkpoint_waiters: list = []
@@ -233,6 +236,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         if self._drain_step is not None and header.step >= self._drain_step:
             raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {self._drain_step} and takes no gradients after it")
         # Everything is validated: from here on the push is accepted.
+        self._ledger.gradient_of_step(header.step)
         self.clock.gradient_arrived()
         self._in_flight[bucket.bucket_id] = in_flight
         started = time.perf_counter()
@@ -250,8 +254,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     def _tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
         if job.spec.mode == "layerwise":
-            for rank in range(job.spec.world_size):
-                self._send(self._peers[rank], Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
+            for peer in self._ledger.peers.values():
+                self._send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
 
     def apply_next(self) -> bool:
         """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
@@ -286,6 +290,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
         self._store.acquire(state)  # StorageError here leaves everything as it was
+        if self._retain_previous:  # a rank that restarts in this step needs them to redo its gradient
+            self._ledger.retain(state.bucket_id, state.step, state.param, WIRE_DTYPES[job.spec.wire_dtype])
         try:
             self._update_and_send(job, state, in_flight)
         finally:
@@ -308,8 +314,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         sending = time.perf_counter()
         self.clock.current.update_s += sending - started
         meta = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
-        if job.spec.mode == "full":
-            self._send_params(state, [self._peers[rank] for rank in range(job.spec.world_size)], meta)
+        if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
+            answered = self._answer_deferred_pulls(state, meta)
+            self._send_params(state, [peer for peer in self._ledger.peers.values() if peer not in answered], meta)
         else:
             if in_flight.clip is None:
                 self._tell_consumed(job, state.bucket_id, in_flight.step)
@@ -329,6 +336,11 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
         )
 
+    def _rank_restarted(self, rank: int) -> None:
+        """A new process took over ``rank``: what the old one was sent and lost, it is sent again."""
+        if rank == 0:
+            self._send_norm_partial()
+
     # ---------------------------------------------------------------- diagnostics
 
     def _on_query(self, message: Message) -> None:
@@ -337,7 +349,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             "node_id": self.node_id,
             "registered": self._job is not None,
             "step": self.step,
-            "connected_ranks": sorted(self._peers),
+            "connected_ranks": sorted(self._ledger.ranks),
             "missing": missing,
             "awaiting_clip": self._awaiting_clip,
             "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,7 @@ class OperatorControls:
     clock: StepClock
     _job: ActiveJob | None
     _store: BucketStore
-    _peers: dict[int, bytes]
-    _last_seen: dict[int, float]
+    _ledger: StepLedger
     _in_flight: dict[int, BucketStep]
     _overrides: HyperOverrides
     _last_applied: dict[int, AdamWHyper]
@@ -77,7 +77,7 @@ class OperatorControls:
         return self.apply_all_ready()
 
     def _notify_workers(self, meta: dict) -> None:
-        for peer in self._peers.values():
+        for peer in self._ledger.peers.values():
             self._send(peer, Header(msg_type=MsgType.NOTICE, step=self.step, meta=meta))
 
     @property
@@ -138,7 +138,7 @@ class OperatorControls:
 
     def workers(self) -> dict[int, float]:
         """Rank -> when it was last heard from (unix time)."""
-        return dict(sorted(self._last_seen.items()))
+        return {rank: record.last_seen for rank, record in sorted(self._ledger.ranks.items())}
 
     def status(self) -> dict:
         """A snapshot of the node for the admin service."""

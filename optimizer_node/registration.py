@@ -8,16 +8,16 @@ connection, a bucket this node owns, the payload's dtype and size) live here too
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from optimizer_node.config import NodeConfig
 from optimizer_node.job import JobSpec
-from optimizer_node.job_state import ActiveJob
+from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from optimizer_node.placement import BucketSpec
+from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore
 from transport.interface import Message
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError
@@ -34,8 +34,8 @@ class JobRegistration:
     same_host_address: str | None
     _store: BucketStore
     _job: ActiveJob | None
-    _peers: dict[int, bytes]
-    _last_seen: dict[int, float]
+    _ledger: StepLedger
+    _in_flight: dict[int, BucketStep]
     _deferred_hellos: list[Message]
 
     if TYPE_CHECKING:  # provided by NodeDaemon and its other mixins
@@ -45,6 +45,7 @@ class JobRegistration:
         def handle(self, message: Message) -> None: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
         def _answer_deferred_pulls(self, state: BucketState) -> None: ...
+        def _rank_restarted(self, rank: int) -> None: ...
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
@@ -54,9 +55,8 @@ class JobRegistration:
     def _require_rank(self, message: Message) -> ActiveJob:
         job = self._require_job()
         rank = message.header.rank
-        if self._peers.get(rank) != message.peer:
-            raise WireError(ErrorCode.NOT_REGISTERED, f"rank {rank} has not said HELLO on this connection")
-        self._last_seen[rank] = time.time()
+        if not self._ledger.is_current(rank, message.peer):
+            raise WireError(ErrorCode.NOT_REGISTERED, self._ledger.describe(rank, message.peer))
         return job
 
     def _on_hello(self, message: Message) -> None:
@@ -68,6 +68,9 @@ class JobRegistration:
                 raise ValueError(f"node_index {node_index!r} is not in [0, {spec.num_nodes})")
             if not 0 <= header.rank < spec.world_size:
                 raise ValueError(f"rank {header.rank} is not in [0, {spec.world_size})")
+            incarnation = header.meta.get("incarnation")
+            if not isinstance(incarnation, int) or isinstance(incarnation, bool) or not 0 < incarnation < 1 << 64:
+                raise ValueError(f"incarnation must be a positive 64-bit integer naming the worker process, got {incarnation!r}")
             plan = spec.plan()  # duplicate names, a bucket size below the split alignment, ...
         except ValueError as exc:
             raise WireError(ErrorCode.BAD_REQUEST, f"bad HELLO: {exc}") from None
@@ -100,11 +103,19 @@ class JobRegistration:
             difference = f"this node is node {job.node_index} of the job, the worker addressed it as node {node_index}"
         if difference is not None:
             raise WireError(ErrorCode.LAYOUT_MISMATCH, f"rank {header.rank} does not match the registered job: {difference}")
-        previous = self._peers.get(header.rank)
-        if previous is not None and previous != message.peer:
+        how = self._ledger.register(header.rank, message.peer, incarnation)
+        resume_step, contributed = self._resume_point(job, header.rank)
+        if how == "restarted":
+            log.warning(
+                "rank %d restarted (a new process, incarnation %x): it redoes step %d, where %d of this node's %d buckets already have its gradient",
+                header.rank,
+                incarnation,
+                resume_step,
+                len(contributed),
+                len(job.owned),
+            )
+        elif how == "moved":
             log.info("rank %d reconnected", header.rank)
-        self._peers[header.rank] = message.peer
-        self._last_seen[header.rank] = time.time()
         needs_init = [b for b in sorted(job.owned) if self._store.get(b) is None]
         reply = Header(
             msg_type=MsgType.HELLO_OK,
@@ -114,15 +125,30 @@ class JobRegistration:
                 "node_id": self.node_id,
                 "owned": sorted(job.owned),
                 "needs_init": needs_init,
-                "latest_step": max((s.step for s in self._store), default=0),
+                "resume_step": resume_step,
+                "contributed": contributed,
                 **({"same_host": self.same_host_address} if self.same_host_address else {}),
             },
         )
         self._send(message.peer, reply)
+        if how == "restarted":
+            self._rank_restarted(header.rank)
         if header.rank == 0 and self._deferred_hellos:
             deferred, self._deferred_hellos = self._deferred_hellos, []
             for held in deferred:
                 self.handle(held)
+
+    def _resume_point(self, job: ActiveJob, rank: int) -> tuple[int, list[int]]:
+        """Where ``rank`` resumes at this node: see :meth:`StepLedger.resume_point`."""
+        steps = {b: state.step for b in job.owned if (state := self._store.get(b)) is not None}
+        if len(steps) < len(job.owned):  # rank 0 is still registering initial values
+            return 0, []
+
+        def has_gradient(bucket_id: int, rank: int) -> bool:
+            in_flight = self._in_flight.get(bucket_id)
+            return in_flight is not None and rank in in_flight.reduction.received
+
+        return self._ledger.resume_point(rank, steps, has_gradient)
 
     def _fit_problem(self, spec: JobSpec, node_index: int, plan: list[BucketSpec]) -> str | None:
         params = sum(b.numel for b in plan if b.node == node_index)

@@ -16,6 +16,7 @@ from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, t
 if TYPE_CHECKING:
     from optimizer_node.job_state import ActiveJob
     from optimizer_node.placement import BucketSpec
+    from optimizer_node.step_ledger import StepLedger
     from transport.interface import Message
 
 
@@ -26,6 +27,7 @@ class ParameterReplies:
     config: NodeConfig
     _store: BucketStore
     _deferred_pulls: dict[int, list[tuple[bytes, int]]]
+    _ledger: StepLedger
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -37,9 +39,10 @@ class ParameterReplies:
     def _on_pull(self, message: Message) -> None:
         """PARAMS now, or once the bucket exists (rank 0 initializes it) and reached ``at_step``.
 
-        Without ``at_step`` the bucket's current values are sent. A PULL for a step the bucket has
-        passed is STALE_STEP; one for a step more than one ahead is FUTURE_STEP (no worker can have
-        pushed the gradient that would bring the bucket there)."""
+        Without ``at_step`` the bucket's current values are sent. A PULL for the step before the
+        bucket's is answered with the values the ledger kept for a restarted rank; for an older step
+        (or when they are gone) it is STALE_STEP; one for a step more than one ahead is FUTURE_STEP (no
+        worker can have pushed the gradient that would bring the bucket there)."""
         job = self._require_rank(message)
         header = message.header
         bucket = self._owned_bucket(job, header)
@@ -49,6 +52,11 @@ class ParameterReplies:
         state = self._store.get(bucket.bucket_id)
         current = 0 if state is None else state.step
         if at_step is not None and at_step < current:
+            kept = self._ledger.retained(bucket.bucket_id, at_step)
+            if kept is not None:  # a copy: the ledger reuses its buffers, the send reads without copying
+                payload = kept.clone()
+                self._send(message.peer, tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=at_step, bucket_id=bucket.bucket_id), payload)
+                return
             raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {current}; its values of step {at_step} are gone")
         if at_step is not None and at_step > current + 1:
             raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {current}; step {at_step} is more than one update ahead")
@@ -57,7 +65,8 @@ class ParameterReplies:
             return
         self._send_params(state, [message.peer])
 
-    def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> None:
+    def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> list[bytes]:
+        """Send the bucket to whoever asked for its values of a step it has reached; returns them."""
         waiting = self._deferred_pulls.pop(state.bucket_id, [])
         due = [peer for peer, step in waiting if step <= state.step]
         later = [(peer, step) for peer, step in waiting if step > state.step]
@@ -65,6 +74,7 @@ class ParameterReplies:
             self._deferred_pulls[state.bucket_id] = later
         if due:
             self._send_params(state, due, meta)
+        return due
 
     def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
         job = self._require_job()

@@ -1,0 +1,152 @@
+"""Exactly-once steps across worker restarts: which process is each rank, what each rank still owes
+the step in progress, and the parameter values a restarted rank needs to redo it.
+
+A worker killed in the middle of its push leaves the node with part of its gradient of step ``k``:
+buckets that every rank had pushed were already updated to ``k + 1``, the others wait. Its
+replacement must compute the rest of the same gradient, so it needs the parameters of step ``k``,
+including those of the buckets already updated. The ledger keeps, for every bucket updated to ``k +
+1``, its step-``k`` values as they went out on the wire, until the step is over for every rank: the
+first gradient of step ``k + 1`` (from any rank) proves it, because no rank can compute it before it
+has every bucket of step ``k + 1``, so every rank has pushed all of step ``k`` to every node.
+
+A restarted rank says HELLO with a new incarnation. :meth:`StepLedger.resume_point` tells it the
+step to redo and which of that step's buckets already hold its gradient (it pushes only the others),
+so no update ever misses a gradient or counts one twice. Messages from the replaced incarnation are
+refused from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """The process that is a rank now: its connection, its incarnation and when it was last heard."""
+
+    peer: bytes
+    incarnation: int
+    last_seen: float
+
+
+@dataclass(slots=True)
+class _Retained:
+    step: int
+    values: torch.Tensor  # flat, in the wire dtype
+
+
+class StepLedger:
+    """Owns the rank table and the retained step-``k`` parameter values of one node."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, RankRecord] = {}
+        self._retained: dict[int, _Retained] = {}  # bucket -> values before its last update
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # buffers no bucket retains
+        self._complete_before = 0  # every step below this one is over for every rank
+
+    # ---------------------------------------------------------------- ranks
+
+    @property
+    def peers(self) -> dict[int, bytes]:
+        """rank -> transport identity of its current incarnation."""
+        return {rank: record.peer for rank, record in self.ranks.items()}
+
+    def peer(self, rank: int) -> bytes | None:
+        record = self.ranks.get(rank)
+        return None if record is None else record.peer
+
+    def register(self, rank: int, peer: bytes, incarnation: int) -> str:
+        """Record a HELLO; returns ``"new"``, ``"same"`` (the same connection again), ``"moved"`` (the
+        same process on another connection, e.g. its same-host socket or after a node restart) or
+        ``"restarted"`` (another process: the old one's messages are refused from now on)."""
+        now = time.time()
+        previous = self.ranks.get(rank)
+        self.ranks[rank] = RankRecord(peer, incarnation, now)
+        if previous is None:
+            return "new"
+        if previous.incarnation != incarnation:
+            return "restarted"
+        return "same" if previous.peer == peer else "moved"
+
+    def is_current(self, rank: int, peer: bytes) -> bool:
+        """Whether ``peer`` is the connection of ``rank``'s current incarnation (and note it was heard)."""
+        record = self.ranks.get(rank)
+        if record is None or record.peer != peer:
+            return False
+        record.last_seen = time.time()
+        return True
+
+    def silent_for(self, rank: int) -> float | None:
+        record = self.ranks.get(rank)
+        return None if record is None else time.time() - record.last_seen
+
+    def describe(self, rank: int, peer: bytes) -> str:
+        """Why ``peer`` may not speak for ``rank``, for the error it gets."""
+        record = self.ranks.get(rank)
+        if record is None:
+            return f"rank {rank} has not said HELLO"
+        return f"rank {rank} has said HELLO on another connection (incarnation {record.incarnation:x}); this one is no longer part of the job"
+
+    # ---------------------------------------------------------------- the step in progress
+
+    @staticmethod
+    def resume_point(rank: int, bucket_steps: dict[int, int], has_gradient: Callable[[int, int], bool]) -> tuple[int, list[int]]:
+        """The step ``rank`` must (re)do at this node and the owned buckets that already hold its
+        gradient of that step. ``bucket_steps``: owned bucket -> updates applied;
+        ``has_gradient(bucket, rank)``: the bucket's gradients in flight include ``rank``'s.
+
+        Buckets are at most one update apart (no rank can push step ``s + 1`` before every bucket
+        reached it). The rank redoes the lowest step unless every bucket still at that step has its
+        gradient; then it is at the next one, which has none of its gradients yet."""
+        if not bucket_steps:
+            return 0, []
+        lowest = min(bucket_steps.values())
+        behind = [b for b, s in bucket_steps.items() if s == lowest]
+        if all(has_gradient(b, rank) for b in behind):
+            return lowest + 1, []
+        done = sorted(b for b, s in bucket_steps.items() if s > lowest or has_gradient(b, rank))
+        return lowest, done
+
+    # ---------------------------------------------------------------- retained values
+
+    def retain(self, bucket_id: int, step: int, values: torch.Tensor, wire_dtype: torch.dtype) -> None:
+        """Keep ``values`` (the bucket's fp32 parameters of ``step``) as they go out on the wire until
+        step ``step`` is over for every rank. Called just before the bucket's update to ``step + 1``."""
+        if step < self._complete_before:
+            return  # no rank can still need them
+        previous = self._retained.pop(bucket_id, None)
+        if previous is not None:
+            self._give_back(previous.values)
+        buffer = self._take(values.numel(), wire_dtype)
+        buffer.copy_(values)  # the same rounding as the cast for sending
+        self._retained[bucket_id] = _Retained(step, buffer)
+
+    def retained(self, bucket_id: int, step: int) -> torch.Tensor | None:
+        """The bucket's values of ``step`` if they are retained."""
+        kept = self._retained.get(bucket_id)
+        return kept.values if kept is not None and kept.step == step else None
+
+    def gradient_of_step(self, step: int) -> None:
+        """A gradient of ``step`` arrived: every step before it is over for every rank."""
+        if step <= self._complete_before:
+            return
+        self._complete_before = step
+        for bucket_id in [b for b, kept in self._retained.items() if kept.step < step]:
+            self._give_back(self._retained.pop(bucket_id).values)
+
+    def retained_bytes(self) -> int:
+        return sum(kept.values.numel() * kept.values.element_size() for kept in self._retained.values())
+
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._pool.get((numel, dtype))
+        return free.pop() if free else torch.empty(numel, dtype=dtype)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        self._pool.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)

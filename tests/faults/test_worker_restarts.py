@@ -1,0 +1,86 @@
+"""A worker killed with SIGKILL at a random moment and started again (the same command, as torchrun
+would) continues the job exactly: the final parameters are bitwise those of an uninterrupted run.
+
+Each trial draws, from its seed, the phase (forward, backward, push, pull), the step and the event
+within it; ``NETOPTIM_FAULT_TRIALS`` sets the number of trials per case (a few in CI)."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+
+from tests.faults.harness import STEPS, TRIALS, WORLD, Job, bitwise_equal
+
+pytestmark = pytest.mark.faults
+
+PHASES = ["forward", "backward", "push", "pull"]
+EVENTS = {"forward": 4, "backward": 40, "push": 8, "pull": 8}  # events of a phase in one step (at most)
+
+
+def death(rng: random.Random) -> str:
+    phase = rng.choice(PHASES)
+    return f"{phase}:{rng.randrange(STEPS)}:{rng.randint(1, EVENTS[phase])}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final parameters of uninterrupted runs, per mode."""
+    results = {}
+    for mode in ("full", "early", "layerwise"):
+        job = Job(tmp_path_factory.mktemp(f"reference-{mode}"), mode=mode)
+        try:
+            job.start_node()
+            for rank in range(WORLD):
+                job.start_worker(rank)
+            for rank in range(WORLD):
+                assert job.wait(rank) == 0, job.logs()
+            results[mode] = job.result()
+        finally:
+            job.close()
+    return results
+
+
+def run_trial(job: Job, deaths: dict[int, str]) -> None:
+    """Start every rank (those in ``deaths`` die as planned), restart the dead ones, wait for all."""
+    job.start_node()
+    for rank in range(WORLD):
+        job.start_worker(rank, deaths.get(rank))
+    for rank in range(WORLD):
+        if rank in deaths:
+            status = job.wait(rank)
+            if status == -signal.SIGKILL:
+                job.start_worker(rank)  # the same command again
+            else:  # the planned event never came (e.g. fewer pushes than drawn): it just finished
+                assert status == 0, job.logs()
+    for rank in range(WORLD):
+        assert job.wait(rank) == 0, job.logs()
+
+
+@pytest.mark.parametrize("mode", ["full", "early", "layerwise"])
+@pytest.mark.parametrize("seed", range(TRIALS))
+def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, mode, seed):
+    rng = random.Random(f"{mode}-{seed}")
+    deaths = {rng.randrange(WORLD): death(rng)}
+    job = Job(tmp_path, mode=mode)
+    try:
+        run_trial(job, deaths)
+        difference = bitwise_equal(job.result(), reference[mode])
+        assert difference == 0.0, f"{deaths}: parameters differ by {difference}\n{job.logs()}"
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("mode", ["full", "layerwise"])
+@pytest.mark.parametrize("seed", range(max(1, TRIALS // 2)))
+def test_both_workers_killed_and_restarted_continue_bitwise(tmp_path, reference, mode, seed):
+    rng = random.Random(f"both-{mode}-{seed}")
+    deaths = {rank: death(rng) for rank in range(WORLD)}
+    job = Job(tmp_path, mode=mode)
+    try:
+        run_trial(job, deaths)
+        difference = bitwise_equal(job.result(), reference[mode])
+        assert difference == 0.0, f"{deaths}: parameters differ by {difference}\n{job.logs()}"
+    finally:
+        job.close()

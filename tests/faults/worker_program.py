@@ -1,0 +1,125 @@
+"""A training worker for the fault-injection tests, run as its own process.
+
+It trains a tiny GPT from the step the nodes give it (``remote_step``) to ``--steps``, with data that
+is a function of the step and the rank only, the way a training script must resume. With
+``--die-at PHASE:STEP:N`` it kills itself (SIGKILL: no cleanup, no flush) at the N-th event of PHASE
+during step STEP: ``forward`` (before the N-th block's forward), ``backward`` (at the N-th gradient),
+``push`` (before the N-th bucket push) or ``pull`` (after installing N buckets of new values). Rank 0
+writes the final parameters to ``--out``.
+
+    python -m tests.faults.worker_program --nodes tcp://127.0.0.1:5555 --rank 0 --world 2 --steps 4 --out final.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+
+from gpu_worker import RemoteAdamW, offload
+from gpu_worker.models import GPT, GPTConfig
+from gpu_worker.session import OffloadSession
+from gpu_worker.streaming import LayerStreamer
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+BUCKET_NUMEL = 2048
+
+
+def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s share of step ``step``'s global batch: the same whoever computes it, whenever."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=generator)
+    per = data.shape[0] // world_size
+    part = data[rank * per : (rank + 1) * per]
+    return part[:, :-1].contiguous(), part[:, 1:].contiguous()
+
+
+class DeathPlan:
+    """Counts events of one phase during one step and kills this process at the N-th."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.phase, self.step, self.nth = None, -1, 0
+        if spec:
+            phase, step, nth = spec.split(":")
+            self.phase, self.step, self.nth = phase, int(step), int(nth)
+        self.current_step = -1
+        self.count = 0
+
+    def event(self, phase: str) -> None:
+        if phase != self.phase or self.current_step != self.step:
+            return
+        self.count += 1
+        if self.count >= self.nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(plan: DeathPlan, model: GPT) -> None:
+    """Hooks and wrappers that report the events a death plan counts."""
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda _m, _a: plan.event("forward"))
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_hook(lambda grad: (plan.event("backward"), grad)[1])
+    push = OffloadSession.push_bucket
+
+    def push_bucket(session, *args, **kwargs):
+        plan.event("push")
+        return push(session, *args, **kwargs)
+
+    OffloadSession.push_bucket = push_bucket
+    install_full = OffloadSession._install
+
+    def installed(session, *args, **kwargs):
+        install_full(session, *args, **kwargs)
+        plan.event("pull")
+
+    OffloadSession._install = installed
+    on_params = LayerStreamer._on_params
+
+    def arrived(streamer, *args, **kwargs):
+        on_params(streamer, *args, **kwargs)
+        plan.event("pull")
+
+    LayerStreamer._on_params = arrived
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nodes", required=True, help="comma-separated node addresses")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--mode", choices=["full", "early", "layerwise"], default="full", help="early: push during backward")
+    parser.add_argument("--die-at", default=None, help="PHASE:STEP:N, see the module docstring")
+    parser.add_argument("--out", default=None, help="rank 0: where to save the final parameters")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    plan = DeathPlan(args.die_at)
+    install(plan, model)
+    options = dict(
+        nodes=args.nodes.split(","), rank=args.rank, world_size=args.world, lr=3e-3, weight_decay=0.1, bucket_numel=BUCKET_NUMEL, timeout_s=args.timeout
+    )
+    if args.mode == "layerwise":
+        opt = offload(model, model.blocks, prefetch=1, **options)
+    else:
+        opt = RemoteAdamW(model.named_parameters(), push_during_backward=args.mode == "early", **options)
+    for step in range(opt.remote_step, args.steps):
+        plan.current_step, plan.count = step, 0
+        _logits, loss = model(*batch(step, args.rank, args.world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    plan.current_step = -1
+    final = opt.gather_parameters()
+    if args.out and args.rank == 0:
+        torch.save(final, args.out)
+    opt.close()
+
+
+if __name__ == "__main__":
+    main()
