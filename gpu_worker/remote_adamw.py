@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.layout import layout_from_groups
+from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
@@ -66,8 +67,16 @@ class RemoteAdamW(torch.optim.Optimizer):
         max_grad_norm: clip the averaged gradient to this global L2 norm, with the semantics of
             ``torch.nn.utils.clip_grad_norm_``; ``last_grad_norm`` then holds the norm before clipping.
         bucket_numel: elements per transfer/update unit.
-        timeout_s: how long any wait for a node may take before a ``TimeoutError`` that names what
-            is missing.
+        timeout_s: how long a wait for the nodes may go without progress (the nodes alive, the step
+            not moving: a missing rank, a paused node) before a ``TimeoutError`` that names what is
+            missing.
+        connect_timeout_s: how long a node may take to answer the first HELLO: a wrong or dead
+            address fails after this, naming it.
+        heartbeat_s, silent_after_s, reconnect_s: while waiting, a node silent for ``heartbeat_s``
+            is pinged; one silent for ``silent_after_s`` is taken for gone and reconnected to for up
+            to ``reconnect_s`` (a node restarted with ``--resume`` on the same address): the worker
+            then continues at the node's step, pushing again what the node lost, or fails naming
+            the node and what to do.
         push_during_backward: send each bucket as soon as backward has produced all its gradients,
             so the nodes update early buckets while backward still runs. Hyperparameters are then
             read when backward produces the gradients (change them before ``backward()``), and
@@ -108,6 +117,10 @@ class RemoteAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         timeout_s: float = 300.0,
+        connect_timeout_s: float = 30.0,
+        heartbeat_s: float = 2.0,
+        silent_after_s: float = 10.0,
+        reconnect_s: float = 20.0,
         push_during_backward: bool = False,
         curve_secret_key: str | None = None,
         curve_server_key: str | None = None,
@@ -123,8 +136,10 @@ class RemoteAdamW(torch.optim.Optimizer):
         AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay).validate()
         if isinstance(nodes, str) or not nodes or not all(isinstance(n, str) for n in nodes):
             raise ValueError(f"nodes must be a non-empty list of addresses like ['tcp://127.0.0.1:5555'], got {nodes!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        timeouts = WorkerTimeouts(
+            timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
+        )
+        timeouts.validate()
         wire = dtype_name(wire_dtype)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         rank, world_size = _default_rank_and_world(rank, world_size)
@@ -148,7 +163,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             raise ValueError("curve_secret_key and curve_server_key go together")
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
         self._session = OffloadSession(
-            nodes, job, rank, tensors, timeout_s=timeout_s, curve=curve, same_host=same_host_ipc, connections_per_node=connections_per_node
+            nodes, job, rank, tensors, timeouts=timeouts, curve=curve, same_host=same_host_ipc, connections_per_node=connections_per_node
         )
         self._owner_thread = threading.get_ident()
         self._sync_enabled = True

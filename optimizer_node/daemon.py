@@ -336,8 +336,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
         )
 
-    def _rank_restarted(self, rank: int) -> None:
-        """A new process took over ``rank``: what the old one was sent and lost, it is sent again."""
+    def _rank_rejoined(self, rank: int) -> None:
+        """``rank`` is on a new connection (a new process, or the same one reconnecting): what the old
+        connection was sent and may have lost is sent again."""
         if rank == 0:
             self._send_norm_partial()
 

@@ -45,7 +45,7 @@ class JobRegistration:
         def handle(self, message: Message) -> None: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
         def _answer_deferred_pulls(self, state: BucketState) -> None: ...
-        def _rank_restarted(self, rank: int) -> None: ...
+        def _rank_rejoined(self, rank: int) -> None: ...
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
@@ -78,6 +78,8 @@ class JobRegistration:
             if header.rank != 0:
                 log.info("rank %d said HELLO before rank 0; holding it until rank 0 registers", header.rank)
                 self._deferred_hellos.append(message)
+                notice = {"waiting_for": f"rank 0 has not registered the job on node {self.node_id} yet; rank {header.rank} waits for it"}
+                self._send(message.peer, Header(msg_type=MsgType.NOTICE, rank=header.rank, meta=notice))
                 return
             problem = self._fit_problem(spec, node_index, plan)
             if problem is not None:
@@ -131,8 +133,8 @@ class JobRegistration:
             },
         )
         self._send(message.peer, reply)
-        if how == "restarted":
-            self._rank_restarted(header.rank)
+        if how in ("restarted", "moved"):
+            self._rank_rejoined(header.rank)
         if header.rank == 0 and self._deferred_hellos:
             deferred, self._deferred_hellos = self._deferred_hellos, []
             for held in deferred:

@@ -68,7 +68,7 @@ class ParameterReplies:
     def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> list[bytes]:
         """Send the bucket to whoever asked for its values of a step it has reached; returns them."""
         waiting = self._deferred_pulls.pop(state.bucket_id, [])
-        due = [peer for peer, step in waiting if step <= state.step]
+        due = list(dict.fromkeys(peer for peer, step in waiting if step <= state.step))  # a peer that asked twice gets it once
         later = [(peer, step) for peer, step in waiting if step > state.step]
         if later:
             self._deferred_pulls[state.bucket_id] = later

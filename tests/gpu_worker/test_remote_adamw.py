@@ -118,8 +118,10 @@ def test_constructor_rejects_bad_arguments():
 
 
 def test_unreachable_node_times_out_clearly():
-    with pytest.raises(TimeoutError, match=r"did not answer within 1 s while waiting for registration"):
-        RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:9"], rank=0, world_size=1, timeout_s=1)
+    with pytest.raises(
+        TimeoutError, match=r"node tcp://127.0.0.1:9 did not answer within 1 s while waiting for registration \(is a node running at that address"
+    ):
+        RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:9"], rank=0, world_size=1, connect_timeout_s=1)
 
 
 def accumulate_and_step(address: str, *, push_during_backward: bool) -> list[torch.Tensor]:

@@ -1,0 +1,105 @@
+"""A node killed with SIGKILL and started again with --resume on the same address: the running
+workers notice, reconnect by themselves (the same-host socket included), push again what the node
+lost and end bitwise where an uninterrupted run ends. A node that does not come back, or comes back
+at an older step, stops them with an error that names it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gpu_worker import RemoteAdamW
+from netoptim.launcher import NodeProcess
+from optimizer_node.faults import EXIT_STATUS
+from tests.gpu_worker.harness import run_threads
+
+pytestmark = pytest.mark.faults
+
+STEPS = 6
+WORLD = 2
+FAST = dict(heartbeat_s=0.2, silent_after_s=1.0, reconnect_s=30.0, timeout_s=60.0)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4))  # 316 params: 3 buckets of 128
+
+
+def train(address: str, *, on_step=None, **options) -> tuple[list[torch.Tensor] | None, list[BaseException]]:
+    """Worker threads from the nodes' step to STEPS; rank 0's final parameters (None if a rank failed)."""
+    models = [make_model() for _ in range(WORLD)]
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=[address], rank=rank, world_size=WORLD, bucket_numel=128, **options)
+            for step in range(opt.remote_step, STEPS):
+                generator = torch.Generator().manual_seed(step * WORLD + rank)
+                models[rank](torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if on_step is not None and rank == 0:
+                    on_step(step)
+            results[rank] = [p.detach().clone() for p in models[rank].parameters()]
+            opt.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    run_threads(worker, WORLD)
+    return (results.get(0) if not errors else None), errors
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    with NodeProcess(tmp_path_factory.mktemp("reference")) as node:
+        params, errors = train(node.address, **FAST)
+    assert not errors, errors
+    return params
+
+
+@pytest.mark.parametrize("crash_at", ["push:7", "update:5"])
+def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, tmp_path, uninterrupted, crash_at):
+    checkpoints = str(tmp_path / "checkpoints")
+    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", crash_at))
+    address = node.address
+
+    def restart_when_dead() -> None:
+        assert node.process.wait(30) == EXIT_STATUS
+        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--resume"))
+
+    restarter = threading.Thread(target=restart_when_dead)
+    restarter.start()
+    params, errors = train(address, **FAST)
+    restarter.join()
+    assert not errors, errors
+    assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))
+
+
+def test_a_node_back_at_an_older_step_stops_the_workers(start_node, tmp_path):
+    checkpoints = str(tmp_path / "checkpoints")
+    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", "update:11"))
+    address = node.address
+
+    def restart_when_dead() -> None:
+        assert node.process.wait(30) == EXIT_STATUS
+        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--resume"))
+
+    restarter = threading.Thread(target=restart_when_dead)
+    restarter.start()
+    _params, errors = train(address, **FAST)
+    restarter.join()
+    assert errors and all(isinstance(e, RuntimeError) for e in errors), errors
+    assert any(f"node {address} came back at step" in str(e) and "restart every worker" in str(e) for e in errors), errors
+
+
+def test_a_node_that_does_not_come_back_is_named_within_the_deadline(start_node):
+    node = start_node("doomed", extra_args=("--crash-at", "push:7"))
+    started = time.monotonic()
+    _params, errors = train(node.address, heartbeat_s=0.2, silent_after_s=1.0, reconnect_s=2.0, timeout_s=60.0)
+    elapsed = time.monotonic() - started
+    assert errors and elapsed < 20, (elapsed, errors)
+    assert any(isinstance(e, ConnectionError) and f"node {node.address} stopped answering" in str(e) and "--resume" in str(e) for e in errors), errors
