@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from gpu_worker.diagnosis import ask_what_nodes_wait_for
 from gpu_worker.layout import gather_bucket, scatter_bucket
 from gpu_worker.liveness import NodeLiveness, WorkerTimeouts
 from optimizer_node.adamw import AdamWHyper
@@ -503,34 +504,11 @@ class OffloadSession:
         return message
 
     def _diagnose_timeout(self, missing: str) -> str:
-        """Ask each node what it is waiting for, to name the missing ranks in the error."""
+        """The timeout's message: what this worker misses and, per node, what the node waits for."""
         lines = [f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s"]
-        for index, client in enumerate(self._clients):
-            client.send(Header(msg_type=MsgType.QUERY, rank=self.rank))
-            deadline = time.monotonic() + min(5.0, self.timeout_s)
-            status = None
-            while status is None and time.monotonic() < deadline:
-                message = client.recv(max(deadline - time.monotonic(), 0.0))
-                if message is not None and message.header.msg_type == MsgType.STATUS:
-                    status = message.header.meta
-            if status is None:
-                lines.append(f"node {self.nodes[index]}: no answer (is it running?)")
-                continue
-            if status.get("paused"):
-                lines.append(f"node {self.nodes[index]}: updates paused by its operator ({status['paused']})")
-                continue
-            if status.get("storage_error"):
-                lines.append(f"node {self.nodes[index]}: its state storage fails: {status['storage_error']}")
-                continue
-            missing_ranks = sorted({rank for _bucket, _step, ranks in status["missing"] for rank in ranks})
-            if missing_ranks:
-                lines.append(f"node {self.nodes[index]}: waiting for gradients from rank(s) {missing_ranks} on {len(status['missing'])} bucket(s)")
-            elif status.get("uninitialized"):
-                lines.append(f"node {self.nodes[index]}: {len(status['uninitialized'])} bucket(s) have no initial values: rank 0 never registered them")
-            elif status.get("awaiting_clip") is not None:
-                lines.append(f"node {self.nodes[index]}: waiting for rank 0 to send the global gradient norm")
-            else:
-                lines.append(f"node {self.nodes[index]}: waiting for nothing (connected ranks {status['connected_ranks']})")
+        lines += [
+            f"node {self.nodes[index]}: {account}" for index, account in enumerate(ask_what_nodes_wait_for(self._clients, self.rank, min(5.0, self.timeout_s)))
+        ]
         return "; ".join(lines)
 
     def close(self) -> None:

@@ -3,6 +3,8 @@ exactly the bad input they mean to."""
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from optimizer_node.adamw import AdamWHyper, adamw_update
@@ -27,6 +29,7 @@ class RawWorker:
     def __init__(self, transport: ZmqTransport, address: str, rank: int) -> None:
         self.client: ZmqClient = transport.connect(address)
         self.rank = rank
+        self.incarnation = secrets.randbits(63) | 1  # a process of its own
 
     def request(self, header: Header, payload: torch.Tensor | None = None, timeout_s: float = 10.0) -> Header:
         self.client.send(header, payload)
@@ -38,7 +41,7 @@ class RawWorker:
         return message.header if not message.tensors else (message.header, torch.cat([v for _, v in message.tensors]).clone())
 
     def hello(self, job: JobSpec = JOB) -> Header:
-        return self.request(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={"job": job.to_wire(), "node_index": 0}))
+        return self.request(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={"job": job.to_wire(), "node_index": 0, "incarnation": self.incarnation}))
 
     def push(self, bucket_id: int, step: int, grad: torch.Tensor, hyper: AdamWHyper = HYPER) -> None:
         self.client.send(tensor_header(MsgType.PUSH, grad, rank=self.rank, step=step, bucket_id=bucket_id, meta={"hyper": hyper.to_wire()}), grad)

@@ -177,6 +177,25 @@ def test_push_without_hello(job):
     assert_intact(job)
 
 
+def test_hello_without_an_incarnation(job):
+    stranger = RawWorker(ZmqTransport(), job["node"].address, 1)
+    reply = stranger.request(Header(msg_type=MsgType.HELLO, rank=1, meta={"job": JOB.to_wire(), "node_index": 0}))
+    assert_error(reply, ErrorCode.BAD_REQUEST, "incarnation")
+    stranger.client.close()
+    assert_intact(job)
+
+
+def test_a_replaced_process_is_refused(job):
+    """A second process says HELLO as rank 1: from then on it is rank 1, and the first is refused."""
+    successor = RawWorker(ZmqTransport(), job["node"].address, 1)
+    assert successor.hello().msg_type == MsgType.HELLO_OK
+    job["rank1"].push(0, 0, torch.ones(128))
+    assert_error(job["rank1"].reply(), ErrorCode.NOT_REGISTERED, "no longer part of the job")
+    job["rank1"] = successor
+    assert_intact(job)
+    successor.client.close()
+
+
 def test_second_worker_with_a_different_layout(job):
     other = type(JOB)(
         **{**{f: getattr(JOB, f) for f in JOB.__slots__}, "params": (ParamSpec("w", (200,), "float32", 0), ParamSpec("bias", (10,), "float32", 0))}
