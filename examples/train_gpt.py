@@ -13,8 +13,12 @@ Several hosts (two worker hosts with 4 workers each, optimizer nodes on two CPU 
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 \\
         examples/train_gpt.py --nodes tcp://10.0.0.11:5555,tcp://10.0.0.12:5555 --global-batch 64
 
-Every rank lists the nodes in the same order. Restart the workers with the same command and they
-resume at the step the nodes are at, with the data of that step.
+Every rank lists the nodes in the same order. A worker that dies is restarted with the same
+command (``torchrun --max-restarts 3`` does it): it starts at ``optimizer.remote_step``, the step the
+nodes say this rank must (re)do, with the data of that step (a function of the step and the rank
+only), and pushes only what the nodes lack: the run ends bitwise where an uninterrupted one would. A
+node restarted with ``--resume`` on the same address is reconnected to by the running workers. See
+docs/faults.md.
 """
 
 from gpu_worker.recipes.train_gpt import main
