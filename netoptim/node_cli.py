@@ -5,15 +5,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 from netoptim.admin_cli import TOKEN_ENV
 from netoptim.arg_types import address, non_negative_int, positive_int, size
 
+if TYPE_CHECKING:
+    from optimizer_node import NodeConfig, NodeDaemon
+    from optimizer_node.admin import AdminConfig, AdminServer
+    from optimizer_node.metrics import MetricsServer
+
 log = logging.getLogger("netoptim")
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (the OS picks) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: ports go from 0 (the OS picks) to 65535")
+    return value
 
 
 def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +41,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--listen",
         type=address,
         default="tcp://127.0.0.1:0",
-        help="data-plane address to bind, tcp://HOST:PORT or ipc://PATH; port 0 lets the OS choose (default: %(default)s)",
+        help="data-plane address to bind, tcp://HOST:PORT, ipc://PATH, mooncake://HOST:PORT or mooncake+rdma://HOST:PORT; port 0 lets the OS choose; the node refuses to start when another process holds it (default: %(default)s)",
     )
     node.add_argument(
         "--no-same-host-ipc",
@@ -34,7 +49,10 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_false",
         help="do not also listen on an ipc:// socket in the temporary directory (by default workers on this host switch to it after their HELLO: no TCP stack)",
     )
-    node.add_argument("--ready-file", help='write {"data": ADDRESS, "pid": PID} here as JSON once the node accepts work')
+    node.add_argument(
+        "--ready-file",
+        help='write {"data": ADDRESS, "pid": PID, "node_id": ID} here as JSON once the node accepts work, with "same_host", "admin" and "metrics" when it serves them',
+    )
     node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
     node.add_argument("--max-message-bytes", type=size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
@@ -58,7 +76,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument(
         "--resume",
         action="store_true",
-        help="start from the newest intact checkpoint in --checkpoint-dir (damaged ones are skipped); workers that reconnect continue from its step",
+        help="start from the newest intact checkpoint in --checkpoint-dir (damaged ones are skipped); workers that reconnect continue from its step. A directory that does not exist is an error (exit 1); an empty one starts fresh with a warning",
     )
     node.add_argument(
         "--curve-secret-key",
@@ -88,7 +106,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     node.add_argument(
         "--metrics-port",
-        type=non_negative_int,
+        type=port_number,
         default=None,
         help='serve Prometheus metrics at http://HOST:PORT/metrics (0: the OS picks; the URL goes into the ready file as "metrics")',
     )
@@ -134,24 +152,97 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
     return config
 
 
-def admin_config_from_args(args: argparse.Namespace):  # -> AdminConfig | None
-    """The admin service's settings, or ``None`` when ``--admin`` is not given."""
+def admin_config_from_args(args: argparse.Namespace) -> AdminConfig | None:
+    """The admin service's settings, or ``None`` when ``--admin`` is not given; ``ValueError`` for bad ones."""
     if args.admin is None:
         return None
-    from optimizer_node.admin import AdminConfig
+    from optimizer_node.admin import AdminConfig, split_host_port
 
-    host, sep, port = args.admin.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--admin {args.admin!r} must be HOST:PORT, like 127.0.0.1:0")
+    split_host_port(args.admin)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
     return AdminConfig(address=args.admin, token=args.admin_token or os.environ.get(TOKEN_ENV) or None, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
+class NodeStartError(Exception):
+    """The node cannot start; the message says why and what to do."""
+
+
+def bind_error(what: str, address: str, flag: str, exc: BaseException) -> str:
+    """The message for a server that could not bind ``address``; for one another process holds, it
+    names the address and says what to do."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return f"cannot start the node: {what} address {exc.filename or address} is in use by another process: pick another {flag} or stop the other node"
+    detail = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror and exc.filename else str(exc)
+    return f"cannot start the node: cannot serve {what} on {address}: {detail}"
+
+
+@dataclasses.dataclass(slots=True)
+class NodeServers:
+    """The admin and metrics servers of a node: bound before the daemon is built (so a taken port
+    stops a node before it clears a state directory or loads a checkpoint), started after."""
+
+    admin: AdminServer | None = None
+    metrics: MetricsServer | None = None
+
+    def start(self, daemon: NodeDaemon) -> None:
+        """Serve ``daemon`` on the bound addresses; they go into its ready file."""
+        if self.admin is not None:
+            self.admin.start(daemon)
+        if self.metrics is not None:
+            self.metrics.start(daemon.metrics)
+            daemon.metrics_address = self.metrics.address
+
+    def stop(self) -> None:
+        """Stop both and release their addresses."""
+        if self.admin is not None:
+            self.admin.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+
+def bind_servers(args: argparse.Namespace, admin_config: AdminConfig | None) -> NodeServers:
+    """Bind the admin and metrics addresses that ``args`` asks for; :class:`NodeStartError` when one
+    cannot be bound (what was bound is released)."""
+    servers = NodeServers()
+    if admin_config is not None:
+        from optimizer_node.admin import AdminServer
+
+        try:
+            servers.admin = AdminServer(admin_config)
+        except (OSError, ValueError) as exc:
+            raise NodeStartError(bind_error("admin", admin_config.address, "--admin port", exc)) from exc
+    if args.metrics_port is not None:
+        from optimizer_node.metrics import MetricsServer
+
+        address = f"{args.metrics_host}:{args.metrics_port}"
+        try:
+            servers.metrics = MetricsServer(args.metrics_host, args.metrics_port)
+        except (OSError, ValueError) as exc:
+            servers.stop()
+            raise NodeStartError(bind_error("metrics", address, "--metrics-port", exc)) from exc
+    return servers
+
+
+def start_daemon(config: NodeConfig) -> NodeDaemon:
+    """Build the daemon (it binds the data plane, prepares its store and loads a checkpoint on
+    ``resume``); :class:`NodeStartError` when it cannot start."""
+    from optimizer_node import NodeDaemon
+
+    try:
+        return NodeDaemon(config)
+    except Exception as exc:  # a port in use, a bad address, an unreadable checkpoint: say so and exit non-zero
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            flag = "--listen path" if config.listen.startswith("ipc://") else "--listen port"
+            raise NodeStartError(bind_error("data", config.listen, flag, exc)) from exc
+        raise NodeStartError(f"cannot start the node on {config.listen}: {exc}") from exc
+
+
 def run_node(args: argparse.Namespace) -> int:
+    """``netoptim node``: exit 0 after a clean stop, 2 for invalid flags, 1 when the node cannot start
+    (an address in use, a missing ``--resume`` directory, an unreadable checkpoint)."""
     import torch
 
-    from optimizer_node import NodeDaemon
     from optimizer_node.faults import CrashPoints
 
     config = node_config_from_args(args)
@@ -162,35 +253,24 @@ def run_node(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid node configuration: %s", exc)
         return 2
+    except OSError as exc:  # --resume with a checkpoint directory that is not there
+        log.error("cannot resume: %s: %s; check --checkpoint-dir, or leave out --resume to start fresh", exc.strerror, exc.filename)
+        return 1
     if args.threads:
         torch.set_num_threads(args.threads)
     log.info("node config: %s (torch threads: %d)", dataclasses.asdict(config), torch.get_num_threads())
     try:
-        daemon = NodeDaemon(config)
-    except Exception as exc:  # a bad address, a port in use: say so and exit non-zero
-        log.error("cannot start the node on %s: %s", config.listen, exc)
+        servers = bind_servers(args, admin_config)
+    except NodeStartError as exc:
+        log.error("%s", exc)
         return 1
-    admin = None
-    if admin_config is not None:
-        from optimizer_node.admin import AdminServer
-
-        try:
-            admin = AdminServer(daemon, admin_config).start()
-        except (OSError, RuntimeError, ValueError) as exc:
-            log.error("cannot start the admin service on %s: %s", admin_config.address, exc)
-            daemon.close()
-            return 1
-    metrics = None
-    if args.metrics_port is not None:
-        from optimizer_node.metrics import MetricsServer
-
-        try:
-            metrics = MetricsServer(daemon.metrics, args.metrics_host, args.metrics_port).start()
-        except OSError as exc:
-            log.error("cannot serve metrics on %s:%s: %s", args.metrics_host, args.metrics_port, exc)
-            daemon.close()
-            return 1
-        daemon.metrics_address = metrics.address
+    try:
+        daemon = start_daemon(config)
+    except NodeStartError as exc:
+        log.error("%s", exc)
+        servers.stop()
+        return 1
+    servers.start(daemon)
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -202,8 +282,5 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         daemon.serve(stop)
     finally:
-        if admin is not None:
-            admin.stop()
-        if metrics is not None:
-            metrics.stop()
+        servers.stop()
     return 0

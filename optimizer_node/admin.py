@@ -8,9 +8,11 @@ messages.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -212,46 +214,102 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
-class AdminServer:
-    """The running admin service of one daemon. ``address`` is the bound HOST:PORT."""
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``, the host as written (``[::1]`` keeps its brackets); ``ValueError``
+    unless the port is a number from 0 (the OS picks) to 65535: gRPC would wrap 99999 to 34463."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"admin address {address!r} must be HOST:PORT, like 127.0.0.1:7000 (port 0: the OS picks)")
+    if int(port) > 65535:
+        raise ValueError(f"admin address {address!r}: port {int(port)} is out of range (0 to 65535; 0 lets the OS choose)")
+    return host, int(port)
 
-    def __init__(self, daemon: NodeDaemon, config: AdminConfig) -> None:
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether another socket listens on ``host:port``: a plain bind with SO_REUSEADDR (as gRPC's own)
+    fails with EADDRINUSE exactly then on Linux."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    for family, kind, proto, _name, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def _bind_error(address: str, detail: str) -> OSError:
+    """Why gRPC could not bind ``address`` (it says only that it failed), as an ``OSError`` whose
+    ``filename`` is the address and whose ``errno`` is ``EADDRINUSE`` when another process holds it."""
+    host, port = split_host_port(address)
+    if port and _port_taken(host, port):
+        return OSError(errno.EADDRINUSE, "in use by another process", address)
+    return OSError(errno.EADDRNOTAVAIL, f"gRPC cannot bind it ({detail}); is the host an address of this machine?", address)
+
+
+class AdminServer:
+    """The admin service of one daemon. Constructing it binds the address exclusively (no
+    SO_REUSEPORT: a second node cannot share it), so a node learns that its address is taken before it
+    loads anything; :meth:`start` then serves a daemon there. ``address`` is the bound HOST:PORT.
+
+    Raises ``ValueError`` for a malformed address or TLS settings, and ``OSError`` (``EADDRINUSE``
+    when another process holds the port, ``filename`` the address) when the address cannot be bound."""
+
+    def __init__(self, config: AdminConfig) -> None:
+        host, _port = split_host_port(config.address)
+        if bool(config.tls_cert) != bool(config.tls_key):
+            raise ValueError("TLS needs both a certificate and its key")
         interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="admin"), interceptors=interceptors)
-        admin_pb2_grpc.add_OptimizerNodeAdminServicer_to_server(AdminServicer(daemon, config), self._server)
+        executor = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="admin")
+        self._server = grpc.server(executor, interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        host, _, _port = config.address.rpartition(":")
-        if bool(config.tls_cert) != bool(config.tls_key):
-            raise ValueError("TLS needs both a certificate and its key")
+        self.address = f"{host}:{self._bind(config)}"
+        self._config = config
+        self._daemon: NodeDaemon | None = None
+
+    def _bind(self, config: AdminConfig) -> int:
+        """Add the listening port; gRPC returns 0 on failure in some versions and raises in others."""
+        credentials = None
         if config.tls_cert and config.tls_key:
             with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
                 credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-            port = self._server.add_secure_port(config.address, credentials)
-        else:
-            port = self._server.add_insecure_port(config.address)
+        try:
+            if credentials is not None:
+                port = self._server.add_secure_port(config.address, credentials)
+            else:
+                port = self._server.add_insecure_port(config.address)
+        except RuntimeError as exc:
+            raise _bind_error(config.address, str(exc).partition(";")[0]) from None
         if port == 0:
-            raise OSError(f"cannot bind the admin service to {config.address}")
-        self.address = f"{host}:{port}"
-        self._daemon = daemon
-        self._token_required = bool(config.token)
-        self._tls = bool(config.tls_cert)
+            raise _bind_error(config.address, "no port was added")
+        return port
 
-    def start(self) -> AdminServer:
+    def start(self, daemon: NodeDaemon) -> AdminServer:
+        """Serve ``daemon``'s admin calls on the bound address."""
+        admin_pb2_grpc.add_OptimizerNodeAdminServicer_to_server(AdminServicer(daemon, self._config), self._server)
         self._server.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._daemon.admin_address = self.address
+        self._daemon = daemon
+        daemon.admin_address = self.address
         log.info(
             "admin service on %s (%s, %s)",
             self.address,
-            "token required" if self._token_required else "no token: bind it to a trusted interface only",
-            "TLS" if self._tls else "plaintext",
+            "token required" if self._config.token else "no token: bind it to a trusted interface only",
+            "TLS" if self._config.tls_cert else "plaintext",
         )
         return self
 
     def stop(self, grace_s: float = 2.0) -> None:
+        """Stop serving (calls in flight get ``grace_s``) and release the address."""
         self._health.enter_graceful_shutdown()
-        self._daemon.clock.close()
+        if self._daemon is not None:
+            self._daemon.clock.close()
         self._server.stop(grace_s).wait(grace_s + 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 
 from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
@@ -69,6 +71,17 @@ class NodeConfig:
     """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
 
     def validate(self) -> None:
+        """``ValueError`` for settings that cannot work together; ``FileNotFoundError`` (or
+        ``NotADirectoryError``) when ``resume`` names a checkpoint directory that does not exist, most
+        likely a mistyped path: resuming from nothing would silently start training over. An existing
+        directory without a checkpoint yet is fine (a fresh start, with a warning)."""
+        scheme, _, rest = self.listen.partition("://")
+        if scheme != "ipc":
+            _host, sep, port = rest.rpartition(":")
+            if not sep or not (port == "*" or port.isdigit()):
+                raise ValueError(f"listen address {self.listen!r} needs a port, like {scheme}://127.0.0.1:5555 (port 0 lets the OS choose)")
+            if port.isdigit() and int(port) > 65535:
+                raise ValueError(f"listen address {self.listen!r}: port {int(port)} is out of range (0 to 65535; 0 lets the OS choose)")
         if self.max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
         if not 1 <= self.io_threads <= 64:
@@ -87,3 +100,7 @@ class NodeConfig:
             raise ValueError("state_dir and memory_budget go together (--state-dir DIR --memory-budget SIZE)")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("memory_budget must be positive")
+        if self.resume and self.checkpoint_dir and not os.path.isdir(self.checkpoint_dir):
+            if os.path.exists(self.checkpoint_dir):
+                raise NotADirectoryError(errno.ENOTDIR, "the checkpoint directory to resume from is not a directory", self.checkpoint_dir)
+            raise FileNotFoundError(errno.ENOENT, "the checkpoint directory to resume from does not exist", self.checkpoint_dir)

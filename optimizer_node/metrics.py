@@ -5,6 +5,7 @@ The daemon thread records; the HTTP thread renders. A lock keeps each scrape con
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable
@@ -100,34 +101,61 @@ class NodeMetrics:
         return "\n".join(lines) + "\n"
 
 
+class _ExclusiveHTTPServer(ThreadingHTTPServer):
+    """An HTTP server that owns its port alone."""
+
+    allow_reuse_address = True  # SO_REUSEADDR: a restart binds despite old connections in TIME_WAIT; Linux still allows one listener per port
+    allow_reuse_port = False  # SO_REUSEPORT would let a second process listen on the same port and take half the scrapes
+    metrics: NodeMetrics | None = None  # what /metrics renders, set by MetricsServer.start
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _ExclusiveHTTPServer
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] != "/metrics":
+            self.send_error(404, "only /metrics is served")
+            return
+        metrics = self.server.metrics
+        assert metrics is not None, "served only after MetricsServer.start"
+        body = metrics.render().encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # scrapes are not worth a log line
+        return
+
+
 class MetricsServer:
-    """Serves ``/metrics`` over HTTP from a background thread."""
+    """Serves ``/metrics`` over HTTP from a background thread. Constructing it binds ``host:port``
+    exclusively (port 0: the OS picks), so a node learns that the port is taken before it loads
+    anything; :meth:`start` then serves a node's metrics there.
 
-    def __init__(self, metrics: NodeMetrics, host: str, port: int) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                body = metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    Raises ``ValueError`` for a port outside [0, 65535] and ``OSError`` when the address cannot be
+    bound (``EADDRINUSE`` when another process holds it; ``filename`` is ``host:port``)."""
 
-            def log_message(self, format: str, *args: object) -> None:  # scrapes are not worth a log line
-                return
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
+    def __init__(self, host: str, port: int) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port {port} is out of range (0 to 65535; 0 lets the OS choose)")
+        try:
+            self._server = _ExclusiveHTTPServer((host, port), _Handler)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror if exc.errno != errno.EADDRINUSE else "in use by another process", f"{host}:{port}") from None
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
 
-    def start(self) -> MetricsServer:
+    def start(self, metrics: NodeMetrics) -> MetricsServer:
+        """Serve ``metrics`` on the bound address."""
+        self._server.metrics = metrics
         self._thread.start()
         log.info("metrics on http://%s/metrics", self.address)
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
+        """Stop serving and release the port."""
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()

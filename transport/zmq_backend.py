@@ -12,9 +12,13 @@ all messages about none; messages about different buckets may pass each other.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import secrets
+import socket as sockets
+import stat
 import struct
 import tempfile
 import time
@@ -107,8 +111,51 @@ def _decode(frames: list[zmq.Frame], peer: bytes, max_message_bytes: int) -> Mes
 
 
 def prepare_bind_url(url: str) -> str:
+    """``url`` as ZeroMQ binds it; ``ValueError`` for a TCP port outside [0, 65535], which ZeroMQ would
+    silently wrap (99999 would bind 34463)."""
+    _host, sep, port = url.rpartition(":")
+    if url.startswith("tcp://") and sep and port.isdigit() and int(port) > 65535:
+        raise ValueError(f"address {url!r}: port {int(port)} is out of range (0 to 65535; 0 lets the OS choose)")
     # ZeroMQ spells "let the OS choose" as "*"; accept the conventional port 0 too.
     return re.sub(r"^(tcp://.+):0$", r"\1:*", url)
+
+
+def _ipc_in_use(path: str) -> bool:
+    """Whether a process listens on the Unix socket ``path``. ZeroMQ removes whatever is at the path of
+    an ``ipc://`` bind, which would take the socket from a running node without an error."""
+    if path.startswith("@"):  # Linux abstract namespace: the kernel itself refuses a second bind
+        return False
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"ipc://{path}: the path exists and is not a socket; refusing to replace it")
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False  # a stale socket file that nobody serves: ZeroMQ replaces it
+        except OSError as exc:
+            log.debug("cannot probe %s (%s); assuming it is in use", path, exc)
+    return True
+
+
+def bind_exclusive(socket: zmq.Socket, url: str) -> str:
+    """Bind ``socket`` to ``url`` unless another process already serves that address, and return the
+    bound endpoint. An address in use raises ``OSError`` with ``errno.EADDRINUSE``: TCP binds fail
+    that way by themselves (ZeroMQ sets SO_REUSEADDR, never SO_REUSEPORT, and Linux lets only one
+    listener have a port), ``ipc://`` paths are probed first. ``ValueError`` for a bad address."""
+    if url.startswith("ipc://") and _ipc_in_use(url.removeprefix("ipc://")):
+        raise OSError(errno.EADDRINUSE, f"{url} is in use by another process")
+    try:
+        socket.bind(prepare_bind_url(url))
+    except zmq.ZMQError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(errno.EADDRINUSE, f"{url} is in use by another process") from None
+        raise
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 class ZmqServer(ServerEndpoint):
@@ -123,8 +170,11 @@ class ZmqServer(ServerEndpoint):
         self._socket.setsockopt(zmq.LINGER, 0)
         # Hard cap per frame as a guard against memory exhaustion; the header check gives the clear error.
         self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_message_bytes, chunk_bytes) + (1 << 20))
-        self._socket.bind(prepare_bind_url(url))
-        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.address = bind_exclusive(self._socket, url)
+        except Exception:
+            self._socket.close(linger=0)
+            raise
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
         self._poller = zmq.Poller()
@@ -158,7 +208,7 @@ class ZmqServer(ServerEndpoint):
         if not self.address.startswith("tcp://"):
             return None
         path = Path(tempfile.gettempdir()) / f"netoptim-{secrets.token_hex(8)}.sock"
-        self._socket.bind(f"ipc://{path}")
+        bind_exclusive(self._socket, f"ipc://{path}")
         self._same_host_path = path
         return f"ipc://{path}"
 
