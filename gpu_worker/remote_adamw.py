@@ -139,7 +139,6 @@ class RemoteAdamW(torch.optim.Optimizer):
         timeouts = WorkerTimeouts(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
         )
-        timeouts.validate()
         wire = dtype_name(wire_dtype)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         rank, world_size = _default_rank_and_world(rank, world_size)

@@ -77,6 +77,7 @@ class OffloadSession:
         self._waiting: set[int] = set()  # full mode: buckets whose new values the step waits for
         self._step_grads: tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]] | None = None  # full mode: to push again
         self._last_clip: tuple[int, float] | None = None  # rank 0: (step, sum of squares) of the last CLIP sent
+        self._reconnected = False  # a node was reconnected to in this step: a bucket's values may come twice
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
@@ -319,6 +320,7 @@ class OffloadSession:
             self._pushed.clear()
             self._step_grads = None
             self._waiting = set()
+            self._reconnected = False
 
     @property
     def pushed(self) -> frozenset[int]:
@@ -334,15 +336,18 @@ class OffloadSession:
         nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.liveness`)."""
         self._liveness.start_waiting()
         deadline = time.monotonic() + self.timeout_s
+        check_at = time.monotonic() + self.timeouts.heartbeat_s  # silence is looked at once a heartbeat, not per message
         while not done():
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError(self._diagnose_timeout(missing()))
-            for index in self._liveness.gone():
-                self._reconnect(index)
-                deadline = time.monotonic() + self.timeout_s
-            for index in self._liveness.to_ping():
-                self._clients[index].send(Header(msg_type=MsgType.QUERY, rank=self.rank))
+            if now >= check_at:
+                check_at = now + self.timeouts.heartbeat_s / 2
+                for index in self._liveness.gone():
+                    self._reconnect(index)
+                    deadline = time.monotonic() + self.timeout_s
+                for index in self._liveness.to_ping():
+                    self._clients[index].send(Header(msg_type=MsgType.QUERY, rank=self.rank))
             ready = self._transport.wait_readable(self._clients, max(min(deadline - now, self.timeouts.heartbeat_s), 0.0))
             for index in ready:
                 message = self._clients[index].recv(0.0)
@@ -355,8 +360,6 @@ class OffloadSession:
 
     def _dispatch(self, index: int, message: Message) -> None:
         header = message.header
-        if header.msg_type == MsgType.STATUS:
-            return
         if header.msg_type == MsgType.ERROR:
             raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
         if header.msg_type == MsgType.NOTICE:
@@ -412,6 +415,7 @@ class OffloadSession:
         self._resync(index, reply)
 
     def _resync(self, index: int, reply: Message) -> None:
+        self._reconnected = True
         meta = reply.header.meta
         address = self.nodes[index]
         mine = [b.bucket_id for b in self.buckets if b.node == index]
@@ -457,8 +461,8 @@ class OffloadSession:
     def _install(self, node_index: int, message: Message, waiting: set[int], expect_next_step: bool) -> None:
         header = message.header
         bucket_id = header.bucket_id
-        if bucket_id not in waiting and 0 <= bucket_id < len(self.buckets) and header.step == self.bucket_steps[bucket_id]:
-            return  # after a reconnect, values already installed can come twice (asked for and broadcast)
+        if self._reconnected and bucket_id not in waiting and 0 <= bucket_id < len(self.buckets) and header.step == self.bucket_steps[bucket_id]:
+            return  # after a reconnect, values already installed can come twice (asked for again and broadcast)
         if bucket_id not in waiting or self.buckets[bucket_id].node != node_index:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id}, which this worker did not ask it for")
         bucket = self.buckets[bucket_id]

@@ -254,7 +254,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     def _tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
         if job.spec.mode == "layerwise":
-            for peer in self._ledger.peers.values():
+            for peer in self._ledger.connections():
                 self._send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
 
     def apply_next(self) -> bool:
@@ -316,7 +316,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         meta = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
         if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
             answered = self._answer_deferred_pulls(state, meta)
-            self._send_params(state, [peer for peer in self._ledger.peers.values() if peer not in answered], meta)
+            self._send_params(state, [peer for peer in self._ledger.connections() if peer not in answered], meta)
         else:
             if in_flight.clip is None:
                 self._tell_consumed(job, state.bucket_id, in_flight.step)

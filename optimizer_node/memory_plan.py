@@ -4,7 +4,9 @@ Per parameter a node keeps 12 bytes of state (fp32 master, exp_avg, exp_avg_sq).
 holds the gradients that arrived and are not applied yet: in full-model mode up to every worker's
 whole share (workers push everything at the end of the step), in layer-wise mode at most each
 worker's push window. A wire dtype other than fp32 adds an fp32 sum and a cast copy per resident
-bucket. Out of core, the state in RAM is the budget, and the disk holds the live state plus, for
+bucket. In memory it also keeps, for a worker that restarts in the middle of a step, the values of
+each bucket before its last update, in the wire dtype (see :mod:`optimizer_node.step_ledger`). Out
+of core (where those are not kept), the state in RAM is the budget, and the disk holds the live state plus, for
 each kept checkpoint, the versions it hard-links (at most one full copy each).
 """
 
@@ -48,7 +50,8 @@ def node_needs(
         gradients = min(gradients, workers * push_window_bytes)
     state = STATE_BYTES_PER_PARAM * params
     cast = 0 if wire_bytes == 4 else (4 + wire_bytes) * params  # fp32 sums and the cast copy of what goes out
-    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients
+    kept_for_restarts = wire_bytes * params
+    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts
     out_of_core = None
     if memory_budget is not None:
         resident_fraction = min(1.0, memory_budget / state) if state else 1.0

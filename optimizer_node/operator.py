@@ -77,7 +77,7 @@ class OperatorControls:
         return self.apply_all_ready()
 
     def _notify_workers(self, meta: dict) -> None:
-        for peer in self._ledger.peers.values():
+        for peer in self._ledger.connections():
             self._send(peer, Header(msg_type=MsgType.NOTICE, step=self.step, meta=meta))
 
     @property

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +53,9 @@ class StepLedger:
 
     # ---------------------------------------------------------------- ranks
 
-    @property
-    def peers(self) -> dict[int, bytes]:
-        """rank -> transport identity of its current incarnation."""
-        return {rank: record.peer for rank, record in self.ranks.items()}
+    def connections(self) -> Iterator[bytes]:
+        """The transport identity of every rank's current incarnation, in rank order of registration."""
+        return (record.peer for record in self.ranks.values())
 
     def peer(self, rank: int) -> bytes | None:
         record = self.ranks.get(rank)
@@ -82,10 +81,6 @@ class StepLedger:
             return False
         record.last_seen = time.time()
         return True
-
-    def silent_for(self, rank: int) -> float | None:
-        record = self.ranks.get(rank)
-        return None if record is None else time.time() - record.last_seen
 
     def describe(self, rank: int, peer: bytes) -> str:
         """Why ``peer`` may not speak for ``rank``, for the error it gets."""

@@ -11,46 +11,18 @@ import time
 import pytest
 import torch
 
-from gpu_worker import RemoteAdamW
 from netoptim.launcher import NodeProcess
 from optimizer_node.faults import EXIT_STATUS
-from tests.gpu_worker.harness import run_threads
+from tests.optimizer_node.test_recovery import train as train_threads
 
 pytestmark = pytest.mark.faults
 
 STEPS = 6
-WORLD = 2
 FAST = dict(heartbeat_s=0.2, silent_after_s=1.0, reconnect_s=30.0, timeout_s=60.0)
 
 
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4))  # 316 params: 3 buckets of 128
-
-
-def train(address: str, *, on_step=None, **options) -> tuple[list[torch.Tensor] | None, list[BaseException]]:
-    """Worker threads from the nodes' step to STEPS; rank 0's final parameters (None if a rank failed)."""
-    models = [make_model() for _ in range(WORLD)]
-    results: dict[int, list[torch.Tensor]] = {}
-    errors: list[BaseException] = []
-
-    def worker(rank: int) -> None:
-        try:
-            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=[address], rank=rank, world_size=WORLD, bucket_numel=128, **options)
-            for step in range(opt.remote_step, STEPS):
-                generator = torch.Generator().manual_seed(step * WORLD + rank)
-                models[rank](torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                if on_step is not None and rank == 0:
-                    on_step(step)
-            results[rank] = [p.detach().clone() for p in models[rank].parameters()]
-            opt.close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    run_threads(worker, WORLD)
-    return (results.get(0) if not errors else None), errors
+def train(address: str, **options) -> tuple[list[torch.Tensor] | None, list[BaseException]]:
+    return train_threads(address, steps=STEPS, **options)
 
 
 @pytest.fixture(scope="module")

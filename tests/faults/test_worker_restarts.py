@@ -58,11 +58,7 @@ def run_trial(job: Job, deaths: dict[int, str]) -> None:
         assert job.wait(rank) == 0, job.logs()
 
 
-@pytest.mark.parametrize("mode", ["full", "early", "layerwise"])
-@pytest.mark.parametrize("seed", range(TRIALS))
-def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, mode, seed):
-    rng = random.Random(f"{mode}-{seed}")
-    deaths = {rng.randrange(WORLD): death(rng)}
+def assert_continues_bitwise(tmp_path, reference: dict, mode: str, deaths: dict[int, str]) -> None:
     job = Job(tmp_path, mode=mode)
     try:
         run_trial(job, deaths)
@@ -70,17 +66,17 @@ def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, 
         assert difference == 0.0, f"{deaths}: parameters differ by {difference}\n{job.logs()}"
     finally:
         job.close()
+
+
+@pytest.mark.parametrize("mode", ["full", "early", "layerwise"])
+@pytest.mark.parametrize("seed", range(TRIALS))
+def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, mode, seed):
+    rng = random.Random(f"{mode}-{seed}")
+    assert_continues_bitwise(tmp_path, reference, mode, {rng.randrange(WORLD): death(rng)})
 
 
 @pytest.mark.parametrize("mode", ["full", "layerwise"])
 @pytest.mark.parametrize("seed", range(max(1, TRIALS // 2)))
 def test_both_workers_killed_and_restarted_continue_bitwise(tmp_path, reference, mode, seed):
     rng = random.Random(f"both-{mode}-{seed}")
-    deaths = {rank: death(rng) for rank in range(WORLD)}
-    job = Job(tmp_path, mode=mode)
-    try:
-        run_trial(job, deaths)
-        difference = bitwise_equal(job.result(), reference[mode])
-        assert difference == 0.0, f"{deaths}: parameters differ by {difference}\n{job.logs()}"
-    finally:
-        job.close()
+    assert_continues_bitwise(tmp_path, reference, mode, {rank: death(rng) for rank in range(WORLD)})
