@@ -22,7 +22,13 @@ class WorkerTimeouts:
     """Longest wait without progress (nodes alive but the step not moving: a missing rank, a pause)."""
 
     connect_timeout_s: float = 30.0
-    """Longest wait for a node's first answer to HELLO (a wrong or dead address fails after this)."""
+    """Longest wait for a node's first answer to HELLO (a wrong or dead address fails after this, or
+    after ``timeout_s`` if that is shorter)."""
+
+    @property
+    def first_answer_s(self) -> float:
+        """How long a HELLO may go unanswered: the shorter of the two limits."""
+        return min(self.connect_timeout_s, self.timeout_s)
 
     heartbeat_s: float = 2.0
     """Ping a node after this much silence while waiting for it."""

@@ -70,8 +70,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         timeout_s: how long a wait for the nodes may go without progress (the nodes alive, the step
             not moving: a missing rank, a paused node) before a ``TimeoutError`` that names what is
             missing.
-        connect_timeout_s: how long a node may take to answer the first HELLO: a wrong or dead
-            address fails after this, naming it.
+        connect_timeout_s: how long a node may take to answer the first HELLO (at most
+            ``timeout_s``): a wrong or dead address fails after this, naming it.
         heartbeat_s, silent_after_s, reconnect_s: while waiting, a node silent for ``heartbeat_s``
             is pinged; one silent for ``silent_after_s`` is taken for gone and reconnected to for up
             to ``reconnect_s`` (a node restarted with ``--resume`` on the same address): the worker

@@ -145,7 +145,7 @@ class OffloadSession:
         needs_init: list[int] = []
         resume: dict[int, tuple[int, list[int]]] = {}
         for index in range(len(self._clients)):
-            reply = self._registered(index, self.timeouts.connect_timeout_s)
+            reply = self._registered(index, self.timeouts.first_answer_s)
             needs_init += reply.header.meta.get("needs_init", [])
             resume[index] = (int(reply.header.meta["resume_step"]), [int(b) for b in reply.header.meta["contributed"]])
         self._resume_at(resume)
@@ -216,7 +216,7 @@ class OffloadSession:
             self._clients[index] = tcp
             log.warning("rank %d stays on %s: %s", self.rank, self.nodes[index], exc)
             self._send_hello(index)
-            return self._expect(index, MsgType.HELLO_OK, what, first_answer_s=self.timeouts.connect_timeout_s)
+            return self._expect(index, MsgType.HELLO_OK, what, first_answer_s=self.timeouts.first_answer_s)
         tcp.close()
         log.info("rank %d talks to node %s over %s (same host)", self.rank, self.nodes[index], address)
         return reply

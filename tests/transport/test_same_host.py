@@ -70,7 +70,7 @@ def test_a_same_host_socket_that_does_not_answer_leaves_the_worker_on_tcp(start_
     with socket.socket(socket.AF_UNIX) as silent:  # accepts connections into its backlog, never speaks
         silent.bind(str(tmp_path / "silent.sock"))
         silent.listen()
-        reply = session._switch_to_same_host(0, f"ipc://{tmp_path / 'silent.sock'}", {"job": session.job.to_wire()}, "test")
+        reply = session._switch_to_same_host(0, f"ipc://{tmp_path / 'silent.sock'}", "test")
     assert reply.header.meta["owned"] == [0] and session.connection_addresses == [node.address]
     model(torch.ones(1, 4)).sum().backward()
     opt.step()  # the node answers this rank over TCP again
