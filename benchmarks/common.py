@@ -25,6 +25,30 @@ def median_seconds(run: Callable[[], None], repeats: int, *, setup: Callable[[],
     return statistics.median(times)
 
 
+def interleaved_seconds(runs: dict[str, Callable[[], None]], repeats: int, *, label: str = "") -> dict[str, list[float]]:
+    """Wall times of each of ``runs`` over ``repeats`` rounds, in turns: each round calls each run
+    twice in a row and times the second call.
+
+    Taking turns makes the i-th times of two runs comparable on a shared machine, where the load of
+    other work drifts over a measurement: compare them round by round (:func:`median_ratio`). The
+    untimed first call absorbs what the other run leaves behind: caches, and the threads of its
+    thread pool still spinning for work (torch's and numba's OpenMP runtimes are distinct), so each
+    run is timed in its steady state."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in tqdm(range(repeats), desc=label, leave=False, disable=not label):
+        for name, run in runs.items():
+            run()
+            started = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def median_ratio(baseline: list[float], measured: list[float]) -> float:
+    """Median over rounds of ``baseline / measured`` time: how many times faster ``measured`` ran."""
+    return statistics.median(base / seconds for base, seconds in zip(baseline, measured, strict=True))
+
+
 def memory_bandwidth_gbs(repeats: int, nbytes: int = 256 << 20) -> float:
     """GB/s of an in-place add over large tensors (two reads, one write per element).
 

@@ -77,13 +77,28 @@ def adamw_update(
         return [tensor[offset : offset + numel] for offset, numel in pieces]
 
     step.add_(1)
+    fused_adamw(split(param), split(grad), split(exp_avg), split(exp_avg_sq), step, hyper, grad_divisor=grad_divisor)
+
+
+def fused_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: torch.Tensor,
+    hyper: AdamWHyper,
+    *,
+    grad_divisor: torch.Tensor | None = None,
+) -> None:
+    """torch's fused AdamW kernel on lists of fp32 tensors, all at step ``step`` (not incremented here);
+    each tensor is one call of the kernel, whose scalar tail is that tensor's last elements."""
     torch._fused_adamw_(
-        split(param),
-        split(grad),
-        split(exp_avg),
-        split(exp_avg_sq),
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
         [],
-        [step] * len(pieces),
+        [step] * len(params),
         lr=hyper.lr,
         beta1=hyper.beta1,
         beta2=hyper.beta2,

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from optimizer_node.adamw import AdamWHyper, HyperOverrides, adamw_update
+from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.clipping import GlobalNormClipping
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
@@ -38,6 +38,7 @@ from optimizer_node.registration import JobRegistration
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
+from optimizer_node.update_pass import reduce_and_update
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
@@ -71,6 +72,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
         # Previous values are kept in memory; an out-of-core node would need its budget again for them.
         self._retain_previous = not isinstance(self._store, OutOfCoreStore)
+        # The compiled update loop brings numba and LLVM, ~140 MB of RSS: not for a node held to a memory budget.
+        self._compiled_update = not isinstance(self._store, OutOfCoreStore)
         self._norm_partial: Header | None = None
         self._deferred_hellos: list[Message] = []
         self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
@@ -223,7 +226,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
-            in_flight = BucketStep(header.step, hyper, OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer), time.perf_counter())
+            # defer: the last arrival's gradient is added in the update pass, together with AdamW
+            reduction = OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer, defer=True)
+            in_flight = BucketStep(header.step, hyper, reduction, time.perf_counter())
             self._store.prefetch(bucket.bucket_id)  # out of core: read the state while the other ranks' gradients arrive
         elif header.rank in in_flight.reduction.received:
             raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
@@ -244,6 +249,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.clock.current.reduce_s += time.perf_counter() - started
         self._crash_points.passed("push")
         if not in_flight.reduction.complete:
+            if len(in_flight.reduction.received) == 1 and self._retain_previous and job.spec.wire_dtype == "float32":
+                # Keep the values a restarted rank would need now, while the other ranks' gradients are
+                # on their way, rather than on the path from the last gradient to the new values.
+                self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
             return
         if self.max_grad_norm is not None:
             self._tell_consumed(job, bucket.bucket_id, header.step)  # clipping holds every sum until the norm is known
@@ -290,26 +299,49 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
         self._store.acquire(state)  # StorageError here leaves everything as it was
-        if self._retain_previous:  # a rank that restarts in this step needs them to redo its gradient
-            self._ledger.retain(state.bucket_id, state.step, state.param, WIRE_DTYPES[job.spec.wire_dtype])
+        previous = None
+        if self._retain_previous and self._ledger.retained(state.bucket_id, state.step) is None:
+            # a rank that restarts in this step needs them to redo its gradient
+            if state.wire_copy is not None and state.wire_step == state.step:  # 16-bit wire: keep what went out
+                state.wire_copy = self._ledger.swap_kept(state.bucket_id, state.step, state.wire_copy)
+                state.wire_step = -1
+            else:  # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
+                previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
+        kept_step = state.step
         try:
-            self._update_and_send(job, state, in_flight)
+            self._update_and_send(job, state, in_flight, previous)
         finally:
             self._store.release(state, dirty=True)
+        if previous is not None:
+            self._ledger.keep(state.bucket_id, kept_step, previous)
 
-    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
+    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, previous: torch.Tensor | None) -> None:
         started = time.perf_counter()
-        grad = in_flight.reduction.result
-        assert grad is not None, "a complete reduction has a result"
+        assert in_flight.reduction.complete, "only a complete reduction is applied"
         hyper = self._overrides.apply(in_flight.hyper)
         self._last_applied[job.owned[state.bucket_id].group] = hyper
-        divisor = None
-        if in_flight.clip is None:
-            divisor = job.divisor
-        else:
-            grad.mul_(in_flight.clip)  # already divided by world_size for the norm
-        adamw_update(state.param, grad, state.exp_avg, state.exp_avg_sq, state.step_tensor, hyper, segments=job.segments[state.bucket_id], grad_divisor=divisor)
+        wire = None
+        if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
+            if state.wire_copy is None:
+                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+            wire = state.wire_copy
+        reduce_and_update(
+            in_flight.reduction,
+            state.param,
+            state.exp_avg,
+            state.exp_avg_sq,
+            state.step_tensor,
+            hyper,
+            segments=job.segments[state.bucket_id],
+            # with clipping, the sum was divided by world_size for the norm: it is only multiplied
+            grad_divisor=job.divisor if in_flight.clip is None else None,
+            grad_multiplier=in_flight.clip,
+            wire_out=wire,
+            previous_out=previous,
+            compiled=self._compiled_update,
+        )
         state.step += 1
+        state.wire_step = state.step if wire is not None else -1
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()
         self.clock.current.update_s += sending - started

@@ -84,8 +84,11 @@ class ParameterReplies:
         elif params is state.param:
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+                state.wire_step = -1
             payload = state.wire_copy
-            payload.copy_(params)
+            if state.wire_step != state.step:  # the update pass cast it already for this step
+                payload.copy_(params)
+                state.wire_step = state.step
         else:
             payload = params.to(WIRE_DTYPES[job.spec.wire_dtype])
         header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})

@@ -114,14 +114,39 @@ class StepLedger:
     def retain(self, bucket_id: int, step: int, values: torch.Tensor, wire_dtype: torch.dtype) -> None:
         """Keep ``values`` (the bucket's fp32 parameters of ``step``) as they go out on the wire until
         step ``step`` is over for every rank. Called just before the bucket's update to ``step + 1``."""
+        buffer = self.buffer_to_keep(bucket_id, step, values.numel(), wire_dtype)
+        if buffer is not None:
+            buffer.copy_(values)  # the same rounding as the cast for sending
+            self.keep(bucket_id, step, buffer)
+
+    def buffer_to_keep(self, bucket_id: int, step: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A buffer for the bucket's values of ``step``, to fill (the update pass does, while it reads
+        them) and hand to :meth:`keep`; ``None`` when no rank can still need them. The bucket's older
+        values are let go."""
         if step < self._complete_before:
-            return  # no rank can still need them
+            return None
         previous = self._retained.pop(bucket_id, None)
         if previous is not None:
             self._give_back(previous.values)
-        buffer = self._take(values.numel(), wire_dtype)
-        buffer.copy_(values)  # the same rounding as the cast for sending
-        self._retained[bucket_id] = _Retained(step, buffer)
+        return self._take(numel, dtype)
+
+    def keep(self, bucket_id: int, step: int, values: torch.Tensor) -> None:
+        """Keep ``values``, the bucket's values of ``step`` in the wire dtype (the ledger owns them now)."""
+        previous = self._retained.pop(bucket_id, None)
+        if previous is not None:
+            self._give_back(previous.values)
+        self._retained[bucket_id] = _Retained(step, values)
+
+    def swap_kept(self, bucket_id: int, step: int, values: torch.Tensor) -> torch.Tensor:
+        """Keep ``values`` (what the node sent of ``step``, in the wire dtype) if a rank may still need
+        them, and return a buffer of the same shape and dtype to send the next values from: with a
+        16-bit wire, the outgoing copy is kept as it is, without a pass of its own."""
+        if step < self._complete_before:
+            return values
+        spare = self.buffer_to_keep(bucket_id, step, values.numel(), values.dtype)
+        assert spare is not None
+        self._retained[bucket_id] = _Retained(step, values)
+        return spare
 
     def retained(self, bucket_id: int, step: int) -> torch.Tensor | None:
         """The bucket's values of ``step`` if they are retained."""

@@ -41,6 +41,7 @@ class BucketState:
     # Zero-copy sends still reading ``param`` (or the wire copy); waited for before the next update.
     pending_sends: list[SendHandle] = field(default_factory=list)
     wire_copy: torch.Tensor | None = None  # reused cast buffer when the wire dtype is not fp32
+    wire_step: int = -1  # the step whose parameters wire_copy holds (the update pass casts them); -1: none
     numel: int = -1  # set from param at creation; known while the tensors are on disk
 
     def __post_init__(self) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+
 import pytest
 import torch
 
+from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper, adamw_update, clip_coefficient, sum_of_squares
 from optimizer_node.reduce import OrderedReduction
+from optimizer_node.update_pass import plan_chunks, plan_loop, reduce_and_update
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
@@ -81,3 +86,209 @@ def test_reduction_upcasts_bf16():
     assert reduction.missing() == [0]
     reduction.add(0, [(0, torch.full((4,), 0.25, dtype=torch.bfloat16))])
     assert reduction.result.dtype == torch.float32 and torch.equal(reduction.result, torch.full((4,), 1.75))
+
+
+# ---------------------------------------------------------------- the one-pass update (sum in rank order + AdamW)
+
+SEGMENT_SIZES = (1003, 64 * 3 + 5, 20_000 + 17, 77, 1, 15_001)  # odd sizes; none a multiple of the chunk
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _segments(sizes):
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(offsets, sizes, strict=True))
+
+
+def _as_frames(flat, generator):
+    """``flat`` as the wire delivers it: pieces at arbitrary element offsets (several frames)."""
+    cuts = sorted(torch.randint(1, flat.numel(), (2,), generator=generator).tolist())
+    bounds = [0, *cuts, flat.numel()]
+    return [(start, flat[start:stop].clone()) for start, stop in itertools.pairwise(bounds) if stop > start]
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    """Counts the compiled loop's calls (the bucket went through it, not through torch ops)."""
+    compiled_update.usable()  # its check, run once, calls the loop too
+    calls = []
+    real = compiled_update.update
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiled_update, "update", counted)
+    return calls
+
+
+@pytest.mark.parametrize("wire", list(WIRE_DTYPES))
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("path", ["compiled", "compiled-1-thread", "torch", "torch-frames-in-pieces"])
+def test_reduce_and_update_is_bitwise_torch_fused(world_size, wire, path, loop_calls):
+    """Several segments of odd sizes, chunks that cut segments, any arrival order, several steps:
+    bitwise torch.optim.AdamW(fused=True) fed the averaged gradient, the wire copy and the kept previous values; through the
+    compiled loop (fp32 and bf16 frames) and through torch ops (everything, and what the loop does not take)."""
+    compiled = path.startswith("compiled")
+    if compiled and importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    assert not compiled or compiled_update.usable(), "the compiled loop differs from torch's kernel here: see its log"
+    dtype = WIRE_DTYPES[wire]
+    generator = torch.Generator().manual_seed(world_size)
+    segments = _segments(SEGMENT_SIZES)
+    numel = sum(SEGMENT_SIZES)
+    initial = torch.randn(numel, generator=generator)
+    reference = [torch.nn.Parameter(initial[offset : offset + size].clone()) for offset, size in segments]
+    optimizer = torch.optim.AdamW(reference, lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05, fused=True)
+    param, exp_avg, exp_avg_sq, step = initial.clone(), torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    wire_out = torch.empty(numel, dtype=dtype)
+    hyper = AdamWHyper(3e-3, 0.8, 0.99, 1e-7, 0.05)
+    divisor = torch.tensor(float(world_size))
+    threads = torch.get_num_threads()
+    if path == "compiled-1-thread":
+        torch.set_num_threads(1)
+    try:
+        for step_index in range(4):
+            grads = [(torch.randn(numel, generator=generator) * 10 ** (rank % 3)).to(dtype) for rank in range(world_size)]
+            summed = grads[0].float()
+            for grad in grads[1:]:
+                summed = summed + grad.float()
+            averaged = summed / world_size
+            for p, (offset, size) in zip(reference, segments, strict=True):
+                p.grad = averaged[offset : offset + size].clone()
+            optimizer.step()
+
+            reduction = OrderedReduction(numel, world_size, lambda: torch.empty(numel), defer=True)
+            # in order (a partial sum of the first ranks, then the last frame), last rank first (every frame held), random
+            orders = [list(range(world_size)), list(reversed(range(world_size)))]
+            for rank in orders[step_index] if step_index < 2 else torch.randperm(world_size, generator=generator).tolist():
+                in_pieces = path == "torch-frames-in-pieces" and (rank + step_index) % 2 == 0
+                reduction.add(rank, _as_frames(grads[rank], generator) if in_pieces else [(0, grads[rank].clone())])
+            assert reduction.complete
+            before, previous = param.clone(), torch.full((numel,), float("nan"))
+            reduce_and_update(
+                reduction, param, exp_avg, exp_avg_sq, step, hyper,
+                segments=segments, grad_divisor=divisor, wire_out=wire_out, previous_out=previous, chunk_numel=4096, compiled=compiled,
+            )  # fmt: skip
+            assert torch.equal(previous, before), "the kept values are the parameters before the update"
+            expected = torch.cat([p.detach() for p in reference])
+            assert torch.equal(param, expected), f"step {step_index}"
+            assert torch.equal(exp_avg, torch.cat([optimizer.state[p]["exp_avg"] for p in reference]))
+            assert torch.equal(exp_avg_sq, torch.cat([optimizer.state[p]["exp_avg_sq"] for p in reference]))
+            assert torch.equal(wire_out, expected.to(dtype))
+    finally:
+        torch.set_num_threads(threads)
+    assert float(step) == 4.0
+    assert len(loop_calls) == (4 if compiled and wire != "float16" else 0)  # fp16 frames: torch ops
+
+
+def test_compiled_loop_agrees_with_this_torch():
+    """The loop's own check against torch's kernel passes here: if a torch release changes its kernel's
+    arithmetic, this fails (the node would quietly fall back to torch ops)."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    assert compiled_update._self_check() is None
+    assert compiled_update.usable()
+
+
+def test_compiled_loop_can_be_turned_off(monkeypatch, loop_calls):
+    monkeypatch.setenv("NETOPTIM_COMPILED_UPDATE", "0")
+    compiled_update._checked.cache_clear()
+    try:
+        assert not compiled_update.usable()
+        numel = 300
+        reduction = OrderedReduction(numel, 2, lambda: torch.empty(numel), defer=True)
+        reduction.add(0, [(0, torch.ones(numel))])
+        reduction.add(1, [(0, torch.ones(numel))])
+        param, exp_avg, exp_avg_sq, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+        reduce_and_update(reduction, param, exp_avg, exp_avg_sq, step, AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.0), grad_divisor=torch.tensor(2.0))
+        assert loop_calls == [] and torch.equal(exp_avg, torch.full((numel,), 0.1))
+    finally:
+        monkeypatch.delenv("NETOPTIM_COMPILED_UPDATE")
+        compiled_update._checked.cache_clear()
+
+
+@pytest.mark.parametrize("chunk_numel", [64, 4096, 1 << 17])
+def test_reduce_and_update_equals_sum_then_update(chunk_numel):
+    """The pass against the two-pass path it replaces (reduction.result, then adamw_update), with the
+    clipping path's multiplier too; bitwise, at chunk sizes from the smallest to larger than the bucket."""
+    generator = torch.Generator().manual_seed(chunk_numel)
+    segments = _segments(SEGMENT_SIZES)
+    numel = sum(SEGMENT_SIZES)
+    hyper = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01)
+    grads = [torch.randn(numel, generator=generator) for _ in range(3)]
+    start = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator), torch.rand(numel, generator=generator)]
+    for multiplier in (None, torch.tensor(0.37)):
+        two_pass = [t.clone() for t in start] + [torch.zeros(())]
+        one_pass = [t.clone() for t in start] + [torch.zeros(())]
+        for _ in range(2):
+            eager = OrderedReduction(numel, 3, lambda: torch.empty(numel))
+            deferred = OrderedReduction(numel, 3, lambda: torch.empty(numel), defer=True)
+            for rank in (1, 0, 2):
+                eager.add(rank, [(0, grads[rank].clone())])
+                deferred.add(rank, [(0, grads[rank].clone())])
+            grad = eager.result
+            divisor = torch.tensor(3.0)
+            if multiplier is not None:  # as the daemon clips: divide for the norm, multiply, no divisor in the kernel
+                grad.div_(3).mul_(multiplier)
+                deferred.result.div_(3)
+                divisor = None
+            adamw_update(two_pass[0], grad, two_pass[1], two_pass[2], two_pass[3], hyper, segments=segments, grad_divisor=divisor)
+            reduce_and_update(
+                deferred, one_pass[0], one_pass[1], one_pass[2], one_pass[3], hyper,
+                segments=segments, grad_divisor=divisor, grad_multiplier=multiplier, chunk_numel=chunk_numel,
+            )  # fmt: skip
+        for a, b in zip(two_pass, one_pass, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_deferred_reduction_holds_the_last_arrivals_and_sums_the_rest():
+    calls = []
+
+    def buffer():
+        calls.append(1)
+        return torch.empty(8)
+
+    grads = [torch.full((8,), float(2**rank), dtype=torch.bfloat16) for rank in range(3)]
+    reduction = OrderedReduction(8, 3, buffer, defer=True)
+    reduction.add(0, [(0, grads[0])])
+    assert calls == []  # rank 0 alone stays a bf16 frame rather than an fp32 copy
+    reduction.add(1, [(0, grads[1])])
+    assert calls == [1] and torch.equal(reduction.result, torch.full((8,), 3.0))  # ranks 0 and 1 in order
+    reduction.add(2, [(0, grads[2])])
+    assert reduction.complete and reduction.missing() == []
+    terms = reduction.take_pending()  # the partial sum, then rank 2's frame, left to the update pass
+    assert len(terms) == 2 and terms[1][0][1] is grads[2]
+    fp32 = [torch.full((8,), float(rank + 1)) for rank in range(2)]
+    reduction = OrderedReduction(8, 2, buffer, defer=True)
+    reduction.add(1, [(0, fp32[1])])
+    reduction.add(0, [(0, fp32[0])])
+    assert torch.equal(reduction.result, torch.full((8,), 3.0))  # the whole sum on demand (clipping needs it)
+    assert reduction.result.data_ptr() == fp32[0].data_ptr()
+
+
+def test_chunks_cut_segments_only_at_the_split_alignment():
+    from optimizer_node.placement import SPLIT_ALIGNMENT
+
+    segments = _segments(SEGMENT_SIZES)
+    for chunk_numel in (64, 100, 4096, 1 << 20):
+        chunks = plan_chunks(tuple(segments), chunk_numel)
+        assert chunks[0].start == 0 and chunks[-1].stop == sum(SEGMENT_SIZES)
+        covered = [piece for chunk in chunks for piece in chunk.pieces]
+        assert sum(numel for _, numel in covered) == sum(SEGMENT_SIZES)
+        for chunk, following in itertools.pairwise(chunks):
+            assert chunk.stop == following.start and chunk.stop - chunk.start <= chunk_numel
+        for offset, size in segments:
+            parts = [(o, n) for o, n in covered if offset <= o < offset + size]
+            assert sum(n for _, n in parts) == size
+            assert all((o - offset) % SPLIT_ALIGNMENT == 0 for o, _ in parts)
+    with pytest.raises(ValueError, match="tile"):
+        plan_chunks(((0, 10), (11, 5)), 64)
+    loop = plan_loop(tuple(segments), 4096)  # the compiled loop: whole multiples of the alignment, tails to torch
+    covered = [(int(start), int(stop - start)) for start, stop in loop.blocks] + list(loop.tails)
+    assert sum(numel for _, numel in covered) == sum(SEGMENT_SIZES)
+    for offset, size in segments:
+        parts = sorted((o, n) for o, n in covered if offset <= o < offset + size)
+        assert all((o - offset) % SPLIT_ALIGNMENT == 0 for o, _ in parts) and sum(n for _, n in parts) == size
+        assert all(n <= 4096 for _, n in parts)
+        if size % SPLIT_ALIGNMENT:
+            assert (offset + size - size % SPLIT_ALIGNMENT, size % SPLIT_ALIGNMENT) in loop.tails

@@ -48,3 +48,30 @@ def test_a_new_incarnation_replaces_the_old_one():
     assert ledger.register(1, b"c", 9) == "restarted"
     assert ledger.is_current(1, b"c") and not ledger.is_current(1, b"b")
     assert "no longer part of the job" in ledger.describe(1, b"b")
+
+
+def test_the_outgoing_copy_is_kept_by_swapping_buffers():
+    """A 16-bit wire: the copy that went out is kept as it is; the node sends the next values from a spare."""
+    ledger = StepLedger()
+    sent = torch.full((8,), 1.5, dtype=torch.bfloat16)
+    spare = ledger.swap_kept(0, 2, sent)
+    assert spare is not sent and spare.shape == sent.shape and spare.dtype == torch.bfloat16
+    assert ledger.retained(0, 2) is sent
+    spare.fill_(2.5)
+    again = ledger.swap_kept(0, 3, spare)  # the next update: the step-2 values go back to the pool
+    assert again is sent and ledger.retained(0, 3) is spare and ledger.retained(0, 2) is None
+    ledger.gradient_of_step(5)
+    assert ledger.swap_kept(0, 4, again) is again, "nobody can need step 4 any more: nothing is kept"
+    assert ledger.retained_bytes() == 0
+
+
+def test_a_buffer_filled_by_the_update_pass_is_kept():
+    ledger = StepLedger()
+    buffer = ledger.buffer_to_keep(1, 0, 4, torch.float32)
+    assert buffer is not None
+    buffer.copy_(torch.arange(4.0))
+    ledger.keep(1, 0, buffer)
+    assert torch.equal(ledger.retained(1, 0), torch.arange(4.0))
+    assert ledger.buffer_to_keep(1, 1, 4, torch.float32) is buffer, "the step-0 values are let go and their buffer reused"
+    ledger.gradient_of_step(3)
+    assert ledger.buffer_to_keep(1, 2, 4, torch.float32) is None

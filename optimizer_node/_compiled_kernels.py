@@ -1,0 +1,213 @@
+"""The compiled loop's numba functions (imported by :mod:`optimizer_node.compiled_update` on first
+use, so that importing the node does not import numba). Only exact IEEE fp32 arithmetic: no
+fast-math, hence no contraction or reassociation that the source does not spell out.
+
+A block of a bucket is updated by one loop that reads the last gradient term (and the sum of the
+others, or the first term when there are two) straight from memory, so the memory reads of the sum
+and of AdamW overlap as in torch's own kernel; bf16 terms are widened in the loop (exact: the bf16
+bits are the high half of the fp32 ones).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _jit(**options):
+    """``njit`` with exact IEEE arithmetic (no fast-math: no contraction, no reassociation)."""
+    return njit(fastmath=False, boundscheck=False, error_model="numpy", nogil=True, cache=True, **options)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """fp32 ``a * b + c`` with one rounding: torch's ``vec::fmadd``."""
+    signature = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3), "llvm.fma.f32")
+        return builder.call(function, args)
+
+    return signature, codegen
+
+
+@intrinsic
+def _as_float(typingctx, bits):
+    """The fp32 whose bits are ``bits`` (uint32)."""
+    return types.float32(types.uint32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
+
+
+@intrinsic
+def _as_bits(typingctx, value):
+    """The bits (uint32) of the fp32 ``value``."""
+    return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
+
+
+@_jit(inline="always")
+def _widen(raw):  # pragma: no cover - compiled
+    """bf16 bits (uint16) to fp32, exactly."""
+    return _as_float(np.uint32(raw) << np.uint32(16))
+
+
+@_jit(inline="always")
+def _adamw(p, m, v, i, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover - compiled
+    """Element ``i``, with its averaged gradient: the vector path of torch's fp32 AdamW kernel, operation
+    by operation; returns the new parameter."""
+    old = m[i]
+    base = old if lerp_from_m else grad  # exp_avg.lerp_(grad, w): |w| < 0.5 ? m + w*(g-m) : g + (w-1)*(g-m)
+    mi = _fma(coeff, grad - old, base)
+    vi = _fma(one_minus_beta2 * grad, grad, v[i] * beta2)  # the multiply-add torch's build fuses
+    m[i] = mi
+    v[i] = vi
+    new = p[i] * decay + (neg_step * mi) / (math.sqrt(vi) / bias2_sqrt + eps)
+    p[i] = new
+    return new
+
+
+@_jit(inline="always")
+def _to_bf16(value):  # pragma: no cover - compiled
+    """fp32 to bf16 bits as torch's ``copy_`` rounds: to nearest even, NaN as 0xFFFF."""
+    u = _as_bits(value)
+    rounded = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return np.uint16(0xFFFF) if value != value else rounded
+
+
+@_jit()
+def _pair_fp32(p, m, v, a, b, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    for i in range(p.shape[0]):
+        _adamw(p, m, v, i, (a[i] + b[i]) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def _pair_mixed(p, m, v, a, b, wire, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    if wire.shape[0] > 0:  # the outgoing bf16 copy in the same loop
+        for i in range(p.shape[0]):
+            wire[i] = _to_bf16(_adamw(p, m, v, i, (a[i] + _widen(b[i])) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step))
+    else:
+        for i in range(p.shape[0]):
+            _adamw(p, m, v, i, (a[i] + _widen(b[i])) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def _pair_bf16(p, m, v, a, b, wire, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    if wire.shape[0] > 0:  # the outgoing bf16 copy in the same loop
+        for i in range(p.shape[0]):
+            wire[i] = _to_bf16(
+                _adamw(p, m, v, i, (_widen(a[i]) + _widen(b[i])) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+            )
+    else:
+        for i in range(p.shape[0]):
+            _adamw(p, m, v, i, (_widen(a[i]) + _widen(b[i])) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def _single_fp32(p, m, v, a, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    for i in range(p.shape[0]):
+        _adamw(p, m, v, i, a[i] / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def _single_bf16(p, m, v, a, wire, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    if wire.shape[0] > 0:  # the outgoing bf16 copy in the same loop
+        for i in range(p.shape[0]):
+            wire[i] = _to_bf16(_adamw(p, m, v, i, _widen(a[i]) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step))
+    else:
+        for i in range(p.shape[0]):
+            _adamw(p, m, v, i, _widen(a[i]) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def cast_bf16(p, out):  # pragma: no cover - compiled
+    """``out`` = ``p`` as bf16 bits, rounded as torch's ``copy_`` rounds: to nearest even, NaN as 0xFFFF."""
+    for i in range(p.shape[0]):
+        out[i] = _to_bf16(p[i])
+
+
+@_jit(parallel=True)
+def update_fp32(p, m, v, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    """Each block (start, stop): (``prev`` not empty) the parameters kept as they were; AdamW with the
+    fp32 frames summed in order; then (``wire`` not empty) the bf16 copy."""
+    count = len(frames)
+    for b in prange(blocks.shape[0]):
+        lo, hi = blocks[b, 0], blocks[b, 1]
+        if prev.shape[0] > 0:  # the block is in cache for the update that follows
+            prev[lo:hi] = p[lo:hi]
+        last = frames[count - 1][lo:hi]
+        if count == 1:
+            _single_fp32(p[lo:hi], m[lo:hi], v[lo:hi], last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        else:
+            if count == 2:
+                rest = frames[0][lo:hi]
+            else:  # the terms before the last, summed in order, then added to the last in the loop
+                rest = frames[0][lo:hi] + frames[1][lo:hi]
+                for k in range(2, count - 1):
+                    rest += frames[k][lo:hi]
+            _pair_fp32(p[lo:hi], m[lo:hi], v[lo:hi], rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        if wire.shape[0] > 0:
+            cast_bf16(p[lo:hi], wire[lo:hi])
+
+
+@_jit(parallel=True)
+def update_bf16(
+    p, m, v, head, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+):  # pragma: no cover
+    """Each block (start, stop): (``prev`` not empty) the parameters kept as they were; AdamW with the
+    fp32 head (if not empty) and the bf16 frames summed in order, writing (``wire`` not empty) the bf16
+    copy in the same loop."""
+    count = len(frames)
+    for b in prange(blocks.shape[0]):
+        lo, hi = blocks[b, 0], blocks[b, 1]
+        if prev.shape[0] > 0:  # the block is in cache for the update that follows
+            prev[lo:hi] = p[lo:hi]
+        last = frames[count - 1][lo:hi]
+        wire_block = wire[lo:hi] if wire.shape[0] > 0 else wire
+        if head.shape[0] == 0 and count == 1:
+            _single_bf16(p[lo:hi], m[lo:hi], v[lo:hi], last, wire_block, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        elif head.shape[0] == 0 and count == 2:
+            _pair_bf16(
+                p[lo:hi],
+                m[lo:hi],
+                v[lo:hi],
+                frames[0][lo:hi],
+                last,
+                wire_block,
+                scale,
+                decay,
+                coeff,
+                lerp_from_m,
+                beta2,
+                one_minus_beta2,
+                bias2_sqrt,
+                eps,
+                neg_step,
+            )
+        else:  # the terms before the last, summed in order, then added to the last in the loop
+            rest = np.empty(hi - lo, dtype=np.float32)
+            first = 0
+            if head.shape[0] > 0:
+                rest[:] = head[lo:hi]
+            else:
+                _widen_into(rest, frames[0][lo:hi])
+                first = 1
+            for k in range(first, count - 1):
+                _add_widened(rest, frames[k][lo:hi])
+            _pair_mixed(
+                p[lo:hi], m[lo:hi], v[lo:hi], rest, last, wire_block, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+            )
+
+
+@_jit()
+def _widen_into(out, raw):  # pragma: no cover - compiled
+    for i in range(out.shape[0]):
+        out[i] = _widen(raw[i])
+
+
+@_jit()
+def _add_widened(out, raw):  # pragma: no cover - compiled
+    for i in range(out.shape[0]):
+        out[i] += _widen(raw[i])

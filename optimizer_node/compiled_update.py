@@ -1,0 +1,220 @@
+"""The node's one-pass update as one compiled loop (numba, optional): for each element, add the
+workers' gradients in rank order and apply AdamW, reading each input once and writing the parameter
+and both moments once.
+
+torch's fused AdamW kernel takes a ready gradient, so with torch ops alone the sum is an op of its
+own, and its memory reads cannot overlap with the kernel's. This loop does both at once. It must be
+bitwise equal to ``torch._fused_adamw_``, so it repeats the arithmetic of that kernel's vector path
+(aten/src/ATen/native/cpu/FusedAdamKernel.cpp) operation by operation in fp32, with its constants
+rounded from the same float64 values: the gradient divided by the number of workers, the decayed
+parameter, ``exp_avg.lerp_(grad, 1 - beta1)`` as one fused multiply-add, and ``exp_avg_sq`` with the
+one multiply-add that torch's build fuses, ``fma((1 - beta2) * g, g, exp_avg_sq * beta2)`` (of the
+possible orders, the only one that matched torch bit for bit on 3M random elements).
+
+What is build-dependent is checked, not assumed: before first use, :func:`usable` runs this loop and
+torch's kernel on the same random inputs (both lerp branches, with and without weight decay,
+several steps, bf16 and fp32 gradients) and uses the loop only if every bit agrees; otherwise, or
+without numba, the caller falls back to torch ops. Each parameter piece's last ``numel % 64``
+elements are left to torch's kernel, whose scalar tail rounds differently (see
+:mod:`optimizer_node.update_pass`).
+
+``NETOPTIM_COMPILED_UPDATE=0`` turns the loop off. The compiled code is cached on disk by numba.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from optimizer_node.adamw import AdamWHyper
+
+log = logging.getLogger(__name__)
+
+BLOCK = 16384
+"""Elements per block, the unit spread over the threads (numba's ``prange``); with three or more
+workers, a block's sum of all but the last gradient (64 KiB) is made first and read from cache."""
+
+
+def _enabled() -> bool:
+    return os.environ.get("NETOPTIM_COMPILED_UPDATE", "1") != "0" and importlib.util.find_spec("numba") is not None
+
+
+_calling_thread = threading.local()
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """The numba functions, imported (and compiled, or loaded from numba's cache) on first use."""
+    import numba
+
+    from optimizer_node import _compiled_kernels
+
+    return SimpleNamespace(
+        numba=numba, update_fp32=_compiled_kernels.update_fp32, update_bf16=_compiled_kernels.update_bf16, cast_bf16=_compiled_kernels.cast_bf16
+    )
+
+
+@functools.lru_cache(maxsize=64)  # every bucket of a step shares them
+def constants(hyper: AdamWHyper, step: float, divisor: float) -> tuple:
+    """The kernel's fp32 constants, each rounded from the float64 value torch's kernel computes."""
+    f32 = np.float32
+    bias1 = 1 - hyper.beta1**step
+    bias2 = 1 - hyper.beta2**step
+    weight = f32(1 - hyper.beta1)
+    lerp_from_m = bool(abs(weight) < f32(0.5))
+    coeff = weight if lerp_from_m else f32(weight - f32(1))
+    decay = f32(1 - hyper.lr * hyper.weight_decay) if hyper.weight_decay != 0 else f32(1)  # x * 1 is x: same bits
+    return (f32(divisor), decay, coeff, lerp_from_m, f32(hyper.beta2), f32(1 - hyper.beta2), f32(math.sqrt(bias2)), f32(hyper.eps), f32(-(hyper.lr / bias1)))
+
+
+_NO_FP32 = np.empty(0, dtype=np.float32)  # "none" for the kernels' optional arrays
+_NO_BF16 = np.empty(0, dtype=np.uint16)
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view (bf16 as its raw uint16 bits)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def supports(head: torch.Tensor | None, frames: Sequence[torch.Tensor]) -> bool:
+    """Whether the loop takes these terms: fp32 or bf16 frames of one dtype (an fp32 head first)."""
+    if not frames or len({frame.dtype for frame in frames}) != 1 or frames[0].dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return head is None or head.dtype == torch.float32
+
+
+def update(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    head: torch.Tensor | None,
+    frames: Sequence[torch.Tensor],
+    wire: torch.Tensor | None,
+    blocks: np.ndarray,
+    hyper: AdamWHyper,
+    step: float,
+    divisor: float,
+    previous: torch.Tensor | None = None,
+) -> None:
+    """Sum ``head`` (the partial sum, if any) and ``frames`` in order, divide by ``divisor`` and apply
+    AdamW at ``step`` (already incremented) to the ``(start, stop)`` ranges in ``blocks``, in place;
+    ``wire`` (bf16), if given, receives those ranges' new parameters as ``wire.copy_(param)`` would;
+    ``previous`` (fp32), if given, receives their parameters as they were before the update."""
+    kernels = _kernels()
+    threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
+    if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
+        kernels.numba.set_num_threads(threads)
+        _calling_thread.threads = threads
+    consts = constants(hyper, step, divisor)
+    p, m, v = param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy()
+    out = _array(wire) if wire is not None else _NO_BF16
+    prev = previous.numpy() if previous is not None else _NO_FP32
+    if frames[0].dtype == torch.float32:
+        terms = tuple(t.numpy() for t in ([head, *frames] if head is not None else frames))
+        kernels.update_fp32(p, m, v, terms, out, prev, blocks, *consts)
+    else:
+        first = head.numpy() if head is not None else _NO_FP32
+        kernels.update_bf16(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
+
+
+def usable() -> bool:
+    """Whether the loop is available here and bitwise equal to torch's kernel on this build; the first
+    call runs the check (seconds: numba compiles, or loads its cache), later ones return at once."""
+    return _checked().result()
+
+
+def ready() -> bool:
+    """:func:`usable`, without waiting: False while the check runs (it starts on the first call, in a
+    thread of its own), so an update never waits for the compiler; torch ops give the same bits meanwhile."""
+    future = _checked()
+    return future.done() and future.result()
+
+
+@functools.cache
+def _checked() -> Future[bool]:
+    """The check, started once, in the background (settled at once where the loop is off or numba absent)."""
+    future: Future[bool] = Future()
+    if not _enabled():
+        future.set_result(False)
+    else:
+        threading.Thread(target=lambda: future.set_result(_check()), name="compiled-update-check", daemon=True).start()
+    return future
+
+
+def _check() -> bool:
+    try:
+        mismatch = _self_check()
+    except Exception as exc:  # a numba that cannot compile here: torch ops do the update
+        log.warning("the compiled update is unavailable (%s: %s); updating with torch ops", type(exc).__name__, exc)
+        return False
+    if mismatch:
+        log.warning("the compiled update differs from torch's fused AdamW here (%s); updating with torch ops", mismatch)
+    return not mismatch
+
+
+def _self_check() -> str | None:
+    """Run the loop and torch's kernel on the same inputs; the first difference found, or ``None``."""
+    generator = torch.Generator().manual_seed(0)
+    cases = [  # both lerp branches, with and without weight decay; fp32 frames, bf16 frames, bf16 after a partial sum
+        (AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01), torch.float32, 2),
+        (AdamWHyper(3e-2, 0.3, 0.5, 1e-6, 0.0), torch.bfloat16, 2),
+        (AdamWHyper(1e-2, 0.8, 0.99, 1e-7, 0.1), torch.bfloat16, 3),
+    ]
+    for hyper, dtype, workers in cases:
+        if (mismatch := _check_case(hyper, dtype, workers, generator)) is not None:
+            return mismatch
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40, 1.00390625, 1.01171875, -1.00390625])
+    values = torch.cat([special, torch.randn(1000, generator=generator) * torch.exp(20 * torch.randn(1000, generator=generator))])
+    cast = torch.empty(values.numel(), dtype=torch.bfloat16)
+    _kernels().cast_bf16(values.numpy(), _array(cast))
+    if not torch.equal(cast.view(torch.int16), values.to(torch.bfloat16).view(torch.int16)):
+        return "the bf16 cast"
+    return None
+
+
+def _check_case(hyper: AdamWHyper, dtype: torch.dtype, workers: int, generator: torch.Generator, numel: int = 4096) -> str | None:
+    blocks = np.array([[0, 1000], [1000, numel]], dtype=np.int64)
+    wire = torch.empty(numel, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
+    mine = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator), torch.rand(numel, generator=generator)]
+    mine[0][:64] = 0.0
+    theirs = [t.clone() for t in mine]
+    step = torch.zeros(())
+    for index in range(3):
+        # magnitudes over many orders, and zeros
+        grads = [(torch.randn(numel, generator=generator) * torch.exp(4 * torch.randn(numel, generator=generator))).to(dtype) for _ in range(workers)]
+        grads[0][64:128] = 0
+        total = grads[0].float()
+        for grad in grads[1:]:
+            total = total + grad.float()
+        head = None
+        frames = grads
+        if dtype == torch.bfloat16 and workers > 2:  # a partial sum in fp32, then bf16 frames
+            head, frames = grads[0].float() + grads[1].float(), grads[2:]
+        step.add_(1 if index < 2 else 997)  # a late step too: the bias corrections' powers
+        torch._fused_adamw_(
+            [theirs[0]], [total], [theirs[1]], [theirs[2]], [], [step], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+            weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False, grad_scale=torch.tensor(float(workers)), found_inf=None,
+        )  # fmt: skip
+        before = mine[0].clone()
+        previous = torch.empty(numel)
+        update(mine[0], mine[1], mine[2], head, frames, wire, blocks, hyper, float(step), float(workers), previous)
+        if not torch.equal(previous, before):
+            return f"the kept parameters at step {int(step)}"
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), mine, theirs, strict=True):
+            if not torch.equal(a, b):
+                return f"{name} at step {int(step)}, {dtype} gradients of {workers} workers, {hyper}"
+        if wire is not None and not torch.equal(wire, theirs[0].to(torch.bfloat16)):
+            return f"the bf16 copy at step {int(step)}"
+    return None

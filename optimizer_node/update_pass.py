@@ -1,0 +1,278 @@
+"""The node's update of one bucket in one pass: sum the workers' gradients in rank order and apply
+AdamW while the sum is in cache, then cast the outgoing copy.
+
+Two ways, with the same result bit for bit:
+
+* the compiled loop of :mod:`optimizer_node.compiled_update` (numba), when it is installed and has
+  passed its check against torch's kernel on this machine: one loop reads every gradient, the
+  parameters and both moments once and writes the last three (and the bf16 copy) once: 32 bytes per
+  parameter with two fp32 workers, the sum's reads overlapping the update's;
+* torch ops, chunk by chunk (``CHUNK_NUMEL`` elements): the chunk's sum, then torch's fused AdamW
+  kernel on it, then the chunk's cast. This is the fallback, and the path for what the loop does not
+  take (fp16 gradients, gradients in several frames, the clipping path's multiplier) and for the
+  first updates of a process, while the loop is checked in the background.
+
+Bitwise equality with ``torch.optim.AdamW(fused=True)`` fed the averaged gradient holds because each
+element's gradient is added in rank order, ``((g0 + g1) + g2) ...`` in fp32, and divided by the number
+of workers as the kernel does, with the same step for every chunk (incremented once per bucket); and
+because the kernel's math is elementwise except that the last ``numel % vector_width`` elements of a
+tensor take a scalar path that can round differently. Chunks and blocks cut a parameter's segment
+only at multiples of ``SPLIT_ALIGNMENT`` elements from its start, and the compiled loop leaves each
+segment's last ``numel % SPLIT_ALIGNMENT`` elements to torch's kernel, so every element takes the
+path it takes when the whole segment is one tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from optimizer_node import compiled_update
+from optimizer_node.adamw import AdamWHyper, fused_adamw
+from optimizer_node.placement import SPLIT_ALIGNMENT
+from optimizer_node.reduce import OrderedReduction, TensorPieces
+
+CHUNK_NUMEL = 512 << 10
+"""Elements per chunk of the torch-ops path: 2 MiB of fp32 sum, kept in L2/L3 until the kernel reads
+it; smaller chunks pay more in per-op overhead and thread start-ups than they gain (measured)."""
+
+
+class Chunk(NamedTuple):
+    """A range of the bucket updated by one kernel call, and the segment pieces it holds."""
+
+    start: int
+    stop: int
+    pieces: tuple[tuple[int, int], ...]  # (bucket offset, numel), each within one segment
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_chunks(segments: tuple[tuple[int, int], ...], chunk_numel: int = CHUNK_NUMEL) -> tuple[Chunk, ...]:
+    """Cut a bucket's segments (which must tile it from 0, in order) into chunks of at most
+    ``chunk_numel`` elements; a segment is cut only at multiples of ``SPLIT_ALIGNMENT`` from its start."""
+    if chunk_numel < SPLIT_ALIGNMENT:
+        raise ValueError(f"chunk_numel must be at least {SPLIT_ALIGNMENT}, got {chunk_numel}")
+    chunks: list[Chunk] = []
+    pieces: list[tuple[int, int]] = []
+    start = size = expected = 0
+    for offset, numel in segments:
+        if offset != expected:
+            raise ValueError(f"segments must tile the bucket in order: one starts at {offset}, expected {expected}")
+        expected += numel
+        done = 0
+        while done < numel:
+            room = chunk_numel - size
+            take = numel - done if numel - done <= room else room - room % SPLIT_ALIGNMENT
+            if take == 0:
+                chunks.append(Chunk(start, start + size, tuple(pieces)))
+                pieces, start, size = [], start + size, 0
+                continue
+            pieces.append((offset + done, take))
+            done += take
+            size += take
+    if pieces:
+        chunks.append(Chunk(start, start + size, tuple(pieces)))
+    return tuple(chunks)
+
+
+class LoopPlan(NamedTuple):
+    """A bucket as the compiled loop takes it: blocks inside segments, and the segments' tails for torch."""
+
+    blocks: np.ndarray  # (n, 2) int64 (start, stop)
+    tails: tuple[tuple[int, int], ...]  # (bucket offset, numel): each segment's last numel % SPLIT_ALIGNMENT
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_loop(segments: tuple[tuple[int, int], ...], block: int = compiled_update.BLOCK) -> LoopPlan:
+    """Split each segment into its whole multiples of ``SPLIT_ALIGNMENT`` (cut in blocks) and its tail."""
+    blocks: list[tuple[int, int]] = []
+    tails: list[tuple[int, int]] = []
+    for offset, numel in segments:
+        bulk = numel - numel % SPLIT_ALIGNMENT
+        blocks += [(start, min(start + block, offset + bulk)) for start in range(offset, offset + bulk, block)]
+        if bulk < numel:
+            tails.append((offset + bulk, numel - bulk))
+    return LoopPlan(np.array(blocks, dtype=np.int64).reshape(-1, 2), tuple(tails))
+
+
+class _Term:
+    """One term of the sum (a rank's gradient, or the partial sum) as received, in pieces."""
+
+    def __init__(self, pieces: TensorPieces) -> None:
+        self.pieces = sorted(pieces, key=lambda piece: piece[0])
+        self.offsets = [offset for offset, _ in self.pieces]
+
+    def views(self, start: int, stop: int) -> list[tuple[int, torch.Tensor]]:
+        """``(offset from start, view)`` pieces covering elements ``start .. stop - 1``."""
+        found = []
+        for offset, view in self.pieces[max(0, bisect.bisect_right(self.offsets, start) - 1) :]:
+            if offset >= stop:
+                break
+            low, high = max(start, offset), min(stop, offset + view.numel())
+            if low < high:
+                found.append((low - start, view[low - offset : high - offset]))
+        return found
+
+
+class _Scratch(threading.local):
+    """A reused fp32 buffer per thread for a chunk's sum (a fresh one per chunk would be page faults)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
+
+    def get(self, numel: int) -> torch.Tensor:
+        if numel > self.buffer.numel():
+            self.buffer = torch.empty(numel)
+        return self.buffer[:numel]
+
+
+_scratch = _Scratch()
+
+
+def add_in_rank_order(terms: Sequence[_Term], start: int, stop: int, out: torch.Tensor) -> None:
+    """``out`` = the sum of the terms' elements ``start .. stop - 1``, added in order, in fp32."""
+    views = [term.views(start, stop) for term in terms]
+    first = 0
+    if len(views) >= 2 and len(views[0]) == len(views[1]) == 1 and views[0][0][1].dtype == views[1][0][1].dtype == torch.float32:
+        torch.add(views[0][0][1], views[1][0][1], out=out)  # the same fp32 addition as copy then add, one op fewer
+        first = 2
+    for index, pieces in enumerate(views[first:], first):
+        for offset, view in pieces:
+            target = out[offset : offset + view.numel()]
+            if index == 0:
+                target.copy_(view)  # exact upcast
+            elif view.dtype == torch.float32:
+                target.add_(view)
+            else:  # upcast first (exact): torch's mixed-dtype in-place add is slower
+                target.add_(view.to(torch.float32))
+
+
+def reduce_and_update(
+    reduction: OrderedReduction,
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamWHyper,
+    *,
+    segments: Sequence[tuple[int, int]] | None = None,
+    grad_divisor: torch.Tensor | None = None,
+    grad_multiplier: torch.Tensor | None = None,
+    wire_out: torch.Tensor | None = None,
+    previous_out: torch.Tensor | None = None,
+    chunk_numel: int = CHUNK_NUMEL,
+    compiled: bool = True,
+) -> None:
+    """Finish ``reduction`` (complete) and apply one AdamW step to the bucket, in one pass.
+
+    Bitwise equal to ``adamw_update(param, reduction.result, ...)`` with the same arguments, then
+    ``wire_out.copy_(param)``. ``grad_multiplier`` (the clip coefficient) multiplies the gradient
+    before the kernel, as the daemon's clipping path does to the (already averaged) sum;
+    ``grad_divisor`` divides it inside the kernel. ``wire_out``, when given, receives the new
+    parameters cast to its dtype; ``previous_out`` the parameters as they were, cast to its dtype (in
+    fp32, read in the same pass, while the update has them in cache). ``compiled=False`` keeps to torch ops. The reduction lets go of the
+    received frames; they are freed when this returns.
+    """
+    segments = tuple(segments) if segments is not None else ((0, param.numel()),)
+    chunks = plan_chunks(segments, chunk_numel)  # also checks that the segments tile the bucket
+    if not chunks or chunks[-1].stop != param.numel():
+        raise ValueError(f"segments cover {chunks[-1].stop if chunks else 0} elements, the bucket has {param.numel()}")
+    if previous_out is not None and previous_out.dtype != torch.float32:
+        previous_out.copy_(param)  # a cast of its own (the node's wire copy usually serves instead)
+        previous_out = None
+    pending = reduction.take_pending()
+    step.add_(1)  # once per bucket: every kernel call reads the same step
+    loop = compiled and grad_multiplier is None and grad_divisor is not None
+    if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, wire_out, previous_out):
+        return
+    terms = [_Term(pieces) for pieces in pending]
+    for chunk in chunks:
+        if previous_out is not None:
+            previous_out[chunk.start : chunk.stop].copy_(param[chunk.start : chunk.stop])
+        _update_pieces(terms, chunk.start, chunk.stop, chunk.pieces, param, exp_avg, exp_avg_sq, step, hyper, grad_divisor, grad_multiplier)
+        if wire_out is not None:  # while the chunk's parameters are in cache
+            wire_out[chunk.start : chunk.stop].copy_(param[chunk.start : chunk.stop])
+
+
+def _compiled_pass(
+    pending: Sequence[TensorPieces],
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamWHyper,
+    segments: tuple[tuple[int, int], ...],
+    grad_divisor: torch.Tensor,
+    wire_out: torch.Tensor | None,
+    previous_out: torch.Tensor | None,
+) -> bool:
+    """The update (and bf16 copy) through the compiled loop, the segments' tails through torch ops;
+    False, having done nothing, if the loop does not take these terms or is not ready."""
+    wholes = [pieces[0][1] if len(pieces) == 1 else None for pieces in pending]  # the loop takes whole frames
+    if any(whole is None for whole in wholes):
+        return False
+    head = wholes[0] if len(wholes) > 1 and wholes[0].dtype == torch.float32 and wholes[1].dtype != torch.float32 else None
+    frames = wholes[1:] if head is not None else wholes
+    if not compiled_update.supports(head, frames) or not compiled_update.ready():
+        return False
+    plan = plan_loop(segments)
+    bf16_copy = wire_out if wire_out is not None and wire_out.dtype == torch.bfloat16 else None  # the loop writes it
+    if len(plan.blocks):
+        compiled_update.update(param, exp_avg, exp_avg_sq, head, frames, bf16_copy, plan.blocks, hyper, float(step), float(grad_divisor), previous_out)
+    if plan.tails:
+        start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]
+        if previous_out is not None:
+            for offset, numel in plan.tails:
+                previous_out[offset : offset + numel].copy_(param[offset : offset + numel])
+        _update_pieces([_Term(pieces) for pieces in pending], start, stop, plan.tails, param, exp_avg, exp_avg_sq, step, hyper, grad_divisor, None)
+        if bf16_copy is not None:
+            for offset, numel in plan.tails:
+                bf16_copy[offset : offset + numel].copy_(param[offset : offset + numel])
+    if wire_out is not None and bf16_copy is None:
+        wire_out.copy_(param)
+    return True
+
+
+def _update_pieces(
+    terms: Sequence[_Term],
+    start: int,
+    stop: int,
+    pieces: Sequence[tuple[int, int]],
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamWHyper,
+    grad_divisor: torch.Tensor | None,
+    grad_multiplier: torch.Tensor | None,
+) -> None:
+    """Sum and update ``pieces`` (inside ``start .. stop - 1``) with torch ops: each piece one tensor of
+    torch's kernel. Contiguous pieces are summed by one set of ops; scattered ones piece by piece."""
+    contiguous = sum(numel for _, numel in pieces) == stop - start
+    grad = _scratch.get(stop - start if contiguous else sum(numel for _, numel in pieces))
+    grads: list[torch.Tensor] = []
+    if contiguous:
+        add_in_rank_order(terms, start, stop, grad)
+        grads = [grad[offset - start : offset - start + numel] for offset, numel in pieces]
+    else:
+        at = 0
+        for offset, numel in pieces:
+            grads.append(grad[at : at + numel])
+            add_in_rank_order(terms, offset, offset + numel, grads[-1])
+            at += numel
+    if grad_multiplier is not None:
+        grad.mul_(grad_multiplier)
+    fused_adamw(
+        [param[offset : offset + numel] for offset, numel in pieces],
+        grads,
+        [exp_avg[offset : offset + numel] for offset, numel in pieces],
+        [exp_avg_sq[offset : offset + numel] for offset, numel in pieces],
+        step,
+        hyper,
+        grad_divisor=grad_divisor,
+    )
