@@ -9,9 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from transport.wire import WIRE_DTYPES
 from tests.optimizer_node.raw_client import JOB, RawWorker
-from transport.wire import ErrorCode, Header, MsgType, tensor_header
+from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
 from transport.zmq_backend import ZmqTransport
 
 
