@@ -18,6 +18,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.train_bench import run
     elif args.bench == "plan":
         from benchmarks.plan_bench import run
+    elif args.bench == "step":
+        from benchmarks.step_bench import run
     else:
         raise AssertionError(args.bench)
     print(json.dumps(run(args), indent=2))

@@ -64,6 +64,20 @@ class HostToDevice:
             torch.cuda.current_stream().wait_event(event)
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """The device as the tensors on it name it, so that devices compare equal however they were
+    spelled: ``cpu`` without an index (``cpu:0`` is the same memory), an accelerator with one
+    (``cuda`` means the current CUDA device, ``cuda:0`` on most machines)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None and device.type != "meta":
+        backend = getattr(torch, device.type, None)
+        if backend is not None and hasattr(backend, "current_device") and backend.is_available():
+            return torch.device(device.type, backend.current_device())
+    return device
+
+
 def device_to_host_ready(device: torch.device) -> None:
     """Before a send buffer filled by non-blocking device-to-host copies is read by the transport."""
     if device.type == "cuda":

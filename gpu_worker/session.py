@@ -10,39 +10,27 @@ handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import stat
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.diagnosis import ask_what_nodes_wait_for
 from gpu_worker.layout import gather_bucket, scatter_bucket
-from gpu_worker.liveness import NodeLiveness, WorkerTimeouts
+from gpu_worker.liveness import WorkerTimeouts
+from gpu_worker.node_connections import NodeConnections, NodeError
+from gpu_worker.send_buffers import SendBuffers
+from gpu_worker.step_timings import WorkerStepTimings, elapsed
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.job import JobSpec
 from optimizer_node.placement import BucketSpec
-from transport import backend_for, create_transport
-from transport.interface import ClientEndpoint, Message, SendHandle
+from transport.interface import Message
 from transport.security import CurveClientConfig
-from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
+from transport.wire import WIRE_DTYPES, Header, MsgType, tensor_header
 
 log = logging.getLogger(__name__)
 
-
-class NodeError(RuntimeError):
-    """An optimizer node rejected a request; ``code`` says why."""
-
-    def __init__(self, node: str, code: int, message: str) -> None:
-        try:
-            name = ErrorCode(code).name
-        except ValueError:
-            name = str(code)
-        super().__init__(f"optimizer node {node} rejected the request ({name}): {message}")
-        self.node = node
-        self.code = code
+__all__ = ["NodeError", "OffloadSession"]
 
 
 class OffloadSession:
@@ -72,7 +60,6 @@ class OffloadSession:
         timeouts.validate()
         self.timeouts = timeouts
         self.timeout_s = timeouts.timeout_s
-        self._liveness = NodeLiveness(len(self.nodes), timeouts)
         self._requests: dict[int, int] = {}  # bucket -> step asked for with PULL, not arrived yet
         self._waiting: set[int] = set()  # full mode: buckets whose new values the step waits for
         self._step_grads: tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]] | None = None  # full mode: to push again
@@ -82,16 +69,15 @@ class OffloadSession:
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
-        # Send buffers are reused once the zero-copy send that read them is done; pinned when
-        # gradients come from a GPU, so the device-to-host copies can be asynchronous.
-        self._pin = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
-        self._free_buffers: dict[int, list[torch.Tensor]] = {}  # numel -> buffers no send reads
-        self._sending: list[tuple[SendHandle, torch.Tensor]] = []
+        self._send_buffers = SendBuffers(self._wire_dtype, pin_memory=any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available())
+        self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
+        self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
         # Layer-wise flow control: gradient bytes pushed and not yet consumed by their node; a push
         # that would exceed the window first waits for CONSUMED messages.
         self.push_window_bytes: int | None = None
         self._unconsumed: dict[int, int] = {}
+        self._unconsumed_bytes = 0
         self._norm_partials: dict[int, float] = {}
         # This process, to the nodes: a restarted worker is a new incarnation of its rank, which redoes
         # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
@@ -99,16 +85,17 @@ class OffloadSession:
         self.resume_step = 0  # the step this worker (re)does first, set at HELLO
         self._contributed: set[int] = set()  # buckets of resume_step that already hold this rank's gradient
         self._skipped: set[int] = set()  # pushes of this step left out because the node has them
-        backends = {backend_for(url) for url in self.nodes}
-        if len(backends) > 1:
-            raise ValueError(f"the nodes of a job use one transport; these addresses mix {sorted(backends)}: {self.nodes}")
-        lanes = {"connections_per_peer": connections_per_node} if connections_per_node != 1 else {}
-        self._transport = create_transport(self.nodes[0], curve_client=curve, **lanes)
-        self._curve = curve
-        self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
-        self._same_host = same_host
+        self._connections = NodeConnections(
+            self.nodes,
+            rank,
+            self.incarnation,
+            job.to_wire(),
+            timeouts,
+            curve=curve,
+            same_host=same_host,
+            connections_per_node=connections_per_node,
+        )
         self._pushed: set[int] = set()
-        self._closed = False
 
     # ---------------------------------------------------------------- setup
 
@@ -140,39 +127,23 @@ class OffloadSession:
     def hello(self) -> list[int]:
         """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
         that still need initial values (only rank 0 sends them, with :meth:`send_initial`)."""
-        for index in range(len(self._clients)):
-            self._send_hello(index)
+        for index in range(len(self._connections)):
+            self._connections.send_hello(index)
         needs_init: list[int] = []
         resume: dict[int, tuple[int, list[int]]] = {}
-        for index in range(len(self._clients)):
+        for index in range(len(self._connections)):
             reply = self._registered(index, self.timeouts.first_answer_s)
             needs_init += reply.header.meta.get("needs_init", [])
             resume[index] = (int(reply.header.meta["resume_step"]), [int(b) for b in reply.header.meta["contributed"]])
         self._resume_at(resume)
         return sorted(needs_init)
 
-    def _send_hello(self, index: int) -> None:
-        meta = {"job": self.job.to_wire(), "incarnation": self.incarnation, "node_index": index}
-        self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta=meta))
-
     def _registered(self, index: int, first_answer_s: float) -> Message:
-        """The node's HELLO_OK to the HELLO just sent (moving to its same-host socket if it has one
-        here), checked against the plan. The node must answer within ``first_answer_s`` (a NOTICE
-        that it waits for rank 0 counts); its HELLO_OK may then take up to ``timeout_s``."""
-        hint = (
-            "is this worker's public key in the node's --curve-allow directory, and curve_server_key the node's key?"
-            if self._curve
-            else "if the node uses CURVE, give this worker its keys."
-        )
-        what = f"registration (is a node running at that address and reachable from this host? {hint})"
-        reply = self._expect(index, MsgType.HELLO_OK, what, first_answer_s=first_answer_s)
-        same_host = reply.header.meta.get("same_host")
-        if self._same_host and isinstance(same_host, str) and _reachable_here(same_host):
-            reply = self._switch_to_same_host(index, same_host, what)
+        """The node's HELLO_OK to the HELLO just sent, checked against the plan."""
+        reply = self._connections.registered(index, first_answer_s)
         owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
         if reply.header.meta.get("owned") != owned:
             raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
-        self._liveness.heard(index)
         return reply
 
     def _resume_at(self, resume: dict[int, tuple[int, list[int]]]) -> None:
@@ -202,41 +173,22 @@ class OffloadSession:
                 len(self.buckets) - len(contributed),
             )
 
-    def _switch_to_same_host(self, index: int, address: str, what: str) -> Message:
-        """The node is on this host: say HELLO again over its ipc:// socket and use that connection
-        (the node then answers this rank there), closing the TCP one. If the socket does not answer
-        within 10 s, stay on TCP: say HELLO there again, so the node answers this rank there."""
-        tcp = self._clients[index]
-        self._clients[index] = self._transport.connect(address)
-        try:
-            self._send_hello(index)
-            reply = self._expect(index, MsgType.HELLO_OK, f"registration over the same-host socket {address}", first_answer_s=min(10.0, self.timeout_s))
-        except TimeoutError as exc:
-            self._clients[index].close()
-            self._clients[index] = tcp
-            log.warning("rank %d stays on %s: %s", self.rank, self.nodes[index], exc)
-            self._send_hello(index)
-            return self._expect(index, MsgType.HELLO_OK, what, first_answer_s=self.timeouts.first_answer_s)
-        tcp.close()
-        log.info("rank %d talks to node %s over %s (same host)", self.rank, self.nodes[index], address)
-        return reply
-
     @property
     def connection_addresses(self) -> list[str]:
         """Where each node connection goes: the address given, or the node's same-host socket."""
-        return [client.address for client in self._clients]
+        return self._connections.addresses
 
     def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:
         """Rank 0: give a bucket its initial fp32 values (flat, ``numel`` of the bucket); waits for the ACK."""
         bucket = self.buckets[bucket_id]
-        self._clients[bucket.node].send(tensor_header(MsgType.INIT, values, rank=self.rank, bucket_id=bucket_id), values)
-        self._expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}")
+        self._connections.send(bucket.node, tensor_header(MsgType.INIT, values, rank=self.rank, bucket_id=bucket_id), values)
+        self._connections.expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}")
 
     def request(self, bucket_id: int, at_step: int) -> None:
         """Layer-wise: ask for a bucket's values of ``at_step``; the node answers once the bucket is there."""
         bucket = self.buckets[bucket_id]
         self._requests[bucket_id] = at_step
-        self._clients[bucket.node].send(Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket_id, meta={"at_step": at_step}))
+        self._connections.send(bucket.node, Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket_id, meta={"at_step": at_step}))
 
     # ---------------------------------------------------------------- one step
 
@@ -258,42 +210,32 @@ class OffloadSession:
             nbytes = bucket.numel * self._wire_dtype.itemsize
             window = self.push_window_bytes
             self.receive_until(
-                lambda: not self._unconsumed or sum(self._unconsumed.values()) + nbytes <= window,
-                lambda: f"the nodes have not consumed {sum(self._unconsumed.values())} bytes of gradients",
+                lambda: not self._unconsumed or self._unconsumed_bytes + nbytes <= window,
+                lambda: f"the nodes have not consumed {self._unconsumed_bytes} bytes of gradients",
             )
             self._unconsumed[bucket_id] = nbytes
-        buffer = self._send_buffer(bucket.numel)
+            self._unconsumed_bytes += nbytes
+        started = time.perf_counter()
+        buffer = self._send_buffers.take(bucket.numel)
         gather_bucket(bucket, grads, buffer)
         if buffer.is_pinned():
             torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
-        header = tensor_header(
-            MsgType.PUSH,
-            buffer,
-            rank=self.rank,
-            step=self.bucket_steps[bucket_id],
-            bucket_id=bucket_id,
-            meta={"hyper": hypers[bucket.group].to_wire()},
-        )
-        self._sending.append((self._clients[bucket.node].send(header, buffer), buffer))
+        sending = time.perf_counter()
+        self.timings.gather_s += sending - started
+        hyper = hypers[bucket.group]
+        cached = self._hyper_wire.get(bucket.group)
+        if cached is None or cached[0] != hyper:
+            cached = self._hyper_wire[bucket.group] = (hyper, hyper.to_wire())
+        hyper_wire = cached[1]
+        header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=self.bucket_steps[bucket_id], bucket_id=bucket_id, meta={"hyper": hyper_wire})
+        self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
         self._pushed.add(bucket_id)
-
-    def _send_buffer(self, numel: int) -> torch.Tensor:
-        """A send buffer of ``numel`` wire elements that no zero-copy send still reads."""
-        still_sending = []
-        for handle, buffer in self._sending:
-            if handle.done():
-                self._free_buffers.setdefault(buffer.numel(), []).append(buffer)
-            else:
-                still_sending.append((handle, buffer))
-        self._sending = still_sending
-        free = self._free_buffers.get(numel)
-        if free:
-            return free.pop()
-        return torch.empty(numel, dtype=self._wire_dtype, pin_memory=self._pin)
+        self.timings.send_s += elapsed(sending)
+        self.timings.pushes += 1
 
     def release_send_buffers(self) -> None:
         """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""
-        self._free_buffers.clear()
+        self._send_buffers.clear()
 
     def advance(self, bucket_ids: Sequence[int]) -> None:
         """Layer-wise: the pushed buckets' step is over for this worker (their values come on request)."""
@@ -322,6 +264,11 @@ class OffloadSession:
             self._waiting = set()
             self._reconnected = False
 
+    def take_timings(self) -> WorkerStepTimings:
+        """The phases' times since the last call (a step's, when called once a step), starting anew."""
+        taken, self.timings = self.timings, WorkerStepTimings()
+        return taken
+
     @property
     def pushed(self) -> frozenset[int]:
         """Buckets already pushed for the step in progress."""
@@ -334,7 +281,7 @@ class OffloadSession:
         PARAMS go to ``on_params``; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
         clipped step here, whatever it was waiting for; an ERROR raises :class:`NodeError`. Silent
         nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.liveness`)."""
-        self._liveness.start_waiting()
+        self._connections.liveness.start_waiting()
         deadline = time.monotonic() + self.timeout_s
         check_at = time.monotonic() + self.timeouts.heartbeat_s  # silence is looked at once a heartbeat, not per message
         while not done():
@@ -343,17 +290,17 @@ class OffloadSession:
                 raise TimeoutError(self._diagnose_timeout(missing()))
             if now >= check_at:
                 check_at = now + self.timeouts.heartbeat_s / 2
-                for index in self._liveness.gone():
+                for index in self._connections.liveness.gone():
                     self._reconnect(index)
                     deadline = time.monotonic() + self.timeout_s
-                for index in self._liveness.to_ping():
-                    self._clients[index].send(Header(msg_type=MsgType.QUERY, rank=self.rank))
-            ready = self._transport.wait_readable(self._clients, max(min(deadline - now, self.timeouts.heartbeat_s), 0.0))
+                self._connections.ping(self._connections.liveness.to_ping())
+            waiting = time.perf_counter()
+            ready = self._connections.wait_readable(max(min(deadline - now, self.timeouts.heartbeat_s), 0.0))
+            self.timings.wait_s += elapsed(waiting)
             for index in ready:
-                message = self._clients[index].recv(0.0)
+                message = self._connections.take(index)
                 if message is None:
                     continue
-                self._liveness.heard(index)
                 if message.header.msg_type != MsgType.STATUS:  # a STATUS answers a ping: alive, not progress
                     deadline = time.monotonic() + self.timeout_s
                     self._dispatch(index, message)
@@ -363,10 +310,10 @@ class OffloadSession:
         if header.msg_type == MsgType.ERROR:
             raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
         if header.msg_type == MsgType.NOTICE:
-            self._log_notice(index, header)
+            self._connections.log_notice(index, header)
             return
         if header.msg_type == MsgType.CONSUMED:
-            self._unconsumed.pop(header.bucket_id, None)
+            self._unconsumed_bytes -= self._unconsumed.pop(header.bucket_id, 0)
             return
         if header.msg_type == MsgType.NORM_PARTIAL:
             self._on_norm_partial(index, header)
@@ -384,7 +331,7 @@ class OffloadSession:
         A node that restarted after the total went out asks again: it gets the same total."""
         nodes_with_buckets = sorted({b.node for b in self.buckets})
         if self._last_clip is not None and self._last_clip[0] == header.step:
-            self._clients[index].send(Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": self._last_clip[1]}))
+            self._connections.send(index, Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": self._last_clip[1]}))
             return
         self._norm_partials[index] = float(header.meta["sum_of_squares"])
         if len(self._norm_partials) == len(nodes_with_buckets):
@@ -392,7 +339,7 @@ class OffloadSession:
             self._norm_partials.clear()
             self._last_clip = (header.step, total)
             for node in nodes_with_buckets:
-                self._clients[node].send(Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": total}))
+                self._connections.send(node, Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": total}))
 
     # ---------------------------------------------------------------- a node that went away
 
@@ -400,11 +347,11 @@ class OffloadSession:
         """Reach node ``index`` again at the address it was given (its same-host socket may be gone
         with it) and continue where it is: push again what it lost, ask again for what is awaited."""
         address = self.nodes[index]
-        silent = self._liveness.silent_for(index)
+        silent = self._connections.liveness.silent_for(index)
         log.warning("rank %d: node %s has not answered for %.0f s; reconnecting (for up to %.0f s)", self.rank, address, silent, self.timeouts.reconnect_s)
-        self._clients[index].close()
-        self._clients[index] = self._transport.connect(address)
-        self._send_hello(index)
+        self._send_buffers.forget(index)
+        self._connections.reopen(index)
+        self._connections.send_hello(index)
         try:
             reply = self._registered(index, self.timeouts.reconnect_s)
         except TimeoutError:
@@ -473,62 +420,18 @@ class OffloadSession:
         expected = self.bucket_steps[bucket_id] + (1 if expect_next_step else 0)
         if header.step != expected:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
+        started = time.perf_counter()
         scatter_bucket(bucket, message.tensors, self.params)
+        self.timings.install_s += elapsed(started)
+        self.timings.installs += 1
         self.bucket_steps[bucket_id] = header.step
         waiting.discard(bucket_id)
 
     # ---------------------------------------------------------------- errors
 
-    def _log_notice(self, node_index: int, header: Header) -> None:
-        if header.meta.get("waiting_for"):
-            log.info("node %s: %s", self.nodes[node_index], header.meta["waiting_for"])
-        elif header.meta.get("paused"):
-            log.warning("node %s paused updates: %s; this worker waits (timeout %.0f s)", self.nodes[node_index], header.meta.get("reason"), self.timeout_s)
-        else:
-            log.warning("node %s resumed updates", self.nodes[node_index])
-
-    def _expect(self, node_index: int, msg_type: MsgType, what: str, *, first_answer_s: float | None = None) -> Message:
-        """The node's next answer, which must be ``msg_type``. The first message must come within
-        ``first_answer_s`` (default ``timeout_s``); after a NOTICE (the node is alive, e.g. waiting for
-        rank 0) the answer may take ``timeout_s`` more."""
-        timeout_s = self.timeout_s if first_answer_s is None else first_answer_s
-        message = self._clients[node_index].recv(timeout_s)
-        while message is not None and message.header.msg_type in (MsgType.NOTICE, MsgType.STATUS):
-            if message.header.msg_type == MsgType.NOTICE:
-                self._log_notice(node_index, message.header)
-                timeout_s = self.timeout_s
-            message = self._clients[node_index].recv(timeout_s)
-        if message is None:
-            raise TimeoutError(f"rank {self.rank}: node {self.nodes[node_index]} did not answer within {timeout_s:.0f} s while waiting for {what}")
-        header = message.header
-        if header.msg_type == MsgType.ERROR:
-            raise NodeError(self.nodes[node_index], header.meta.get("code", 0), header.meta.get("message", ""))
-        if header.msg_type != msg_type:
-            raise RuntimeError(f"node {self.nodes[node_index]} answered {header.msg_type.name}, expected {msg_type.name}")
-        return message
-
     def _diagnose_timeout(self, missing: str) -> str:
         """The timeout's message: what this worker misses and, per node, what the node waits for."""
-        lines = [f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s"]
-        lines += [
-            f"node {self.nodes[index]}: {account}" for index, account in enumerate(ask_what_nodes_wait_for(self._clients, self.rank, min(5.0, self.timeout_s)))
-        ]
-        return "; ".join(lines)
+        return "; ".join([f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s", *self._connections.accounts()])
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for client in self._clients:
-            client.close()
-        self._transport.close()
-
-
-def _reachable_here(address: str) -> bool:
-    """An ipc:// address whose socket file exists on this host (a node elsewhere has its own)."""
-    if not address.startswith("ipc://"):
-        return False
-    try:
-        return stat.S_ISSOCK(os.stat(address[len("ipc://") :]).st_mode)
-    except OSError:
-        return False
+        self._connections.close()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpu_worker.device_copy import canonical_device
+
 log = logging.getLogger(__name__)
 
 ROOT_UNIT = "<root>"
@@ -107,10 +109,10 @@ def plan_units(
     if device is None:
         real = [p.device for p in model.parameters() if not p.is_meta]
         device = real[0] if real else torch.device("cpu")
-    device = torch.device(device)
+    device = canonical_device(device)  # "cuda" and "cuda:0" alike
     needs_init = _materialize_meta(model, device) if any_meta else set()
     for name, param in model.named_parameters():
-        if param.device != device:
+        if canonical_device(param.device) != device:
             raise ValueError(f"parameter {name!r} is on {param.device}, the others on {device}: move the model to one device first")
 
     owners: dict[int, set[int]] = {}

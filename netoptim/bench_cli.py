@@ -14,7 +14,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,step}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -84,3 +84,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     planned.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
     planned.add_argument("--calibration", default="", help="JSON calibration file to reuse or write (as netoptim plan --calibration)")
     planned.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
+    step = which.add_parser("step", help="a bucket's cost per step, and each phase of a step on the worker and on the node; fewest vs most buckets")
+    step.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters trained, as one fp32 tensor (default: %(default)s)")
+    step.add_argument(
+        "--buckets",
+        type=lambda text: [positive_int(part) for part in text.split(",")],
+        default=[128, 1024, 4096],
+        help="comma-separated bucket counts to split the parameters into; the fewest is the baseline (default: 128,1024,4096)",
+    )
+    step.add_argument("--threads", type=positive_int, default=1, help="torch threads of the worker (the node runs one) (default: %(default)s)")
+    step.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
+    step.add_argument("--steps", type=positive_int, default=5, help="timed steps per bucket count; the median is reported (default: %(default)s)")

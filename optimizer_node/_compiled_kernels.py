@@ -128,77 +128,117 @@ def cast_bf16(p, out):  # pragma: no cover - compiled
         out[i] = _to_bf16(p[i])
 
 
-@_jit(parallel=True)
-def update_fp32(p, m, v, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
-    """Each block (start, stop): (``prev`` not empty) the parameters kept as they were; AdamW with the
+@_jit(inline="always")
+def _block_fp32(p, m, v, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    """Elements ``lo .. hi - 1``: (``prev`` not empty) the parameters kept as they were; AdamW with the
     fp32 frames summed in order; then (``wire`` not empty) the bf16 copy."""
     count = len(frames)
-    for b in prange(blocks.shape[0]):
-        lo, hi = blocks[b, 0], blocks[b, 1]
-        if prev.shape[0] > 0:  # the block is in cache for the update that follows
-            prev[lo:hi] = p[lo:hi]
-        last = frames[count - 1][lo:hi]
-        if count == 1:
-            _single_fp32(p[lo:hi], m[lo:hi], v[lo:hi], last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+    if prev.shape[0] > 0:  # the block is in cache for the update that follows
+        prev[lo:hi] = p[lo:hi]
+    last = frames[count - 1][lo:hi]
+    if count == 1:
+        _single_fp32(p[lo:hi], m[lo:hi], v[lo:hi], last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+    else:
+        if count == 2:
+            rest = frames[0][lo:hi]
+        else:  # the terms before the last, summed in order, then added to the last in the loop
+            rest = frames[0][lo:hi].copy()  # (a constant index past a short tuple would not type)
+            for k in range(1, count - 1):
+                rest += frames[k][lo:hi]
+        _pair_fp32(p[lo:hi], m[lo:hi], v[lo:hi], rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+    if wire.shape[0] > 0:
+        cast_bf16(p[lo:hi], wire[lo:hi])
+
+
+@_jit(inline="always")
+def _block_bf16(
+    p, m, v, head, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+):  # pragma: no cover
+    """Elements ``lo .. hi - 1``: (``prev`` not empty) the parameters kept as they were; AdamW with the
+    fp32 head (if not empty) and the bf16 frames summed in order, writing (``wire`` not empty) the bf16
+    copy in the same loop."""
+    count = len(frames)
+    if prev.shape[0] > 0:  # the block is in cache for the update that follows
+        prev[lo:hi] = p[lo:hi]
+    last = frames[count - 1][lo:hi]
+    wire_block = wire[lo:hi] if wire.shape[0] > 0 else wire
+    if head.shape[0] == 0 and count == 1:
+        _single_bf16(p[lo:hi], m[lo:hi], v[lo:hi], last, wire_block, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+    elif head.shape[0] == 0 and count == 2:
+        _pair_bf16(
+            p[lo:hi],
+            m[lo:hi],
+            v[lo:hi],
+            frames[0][lo:hi],
+            last,
+            wire_block,
+            scale,
+            decay,
+            coeff,
+            lerp_from_m,
+            beta2,
+            one_minus_beta2,
+            bias2_sqrt,
+            eps,
+            neg_step,
+        )
+    else:  # the terms before the last, summed in order, then added to the last in the loop
+        rest = np.empty(hi - lo, dtype=np.float32)
+        first = 0
+        if head.shape[0] > 0:
+            rest[:] = head[lo:hi]
         else:
-            if count == 2:
-                rest = frames[0][lo:hi]
-            else:  # the terms before the last, summed in order, then added to the last in the loop
-                rest = frames[0][lo:hi] + frames[1][lo:hi]
-                for k in range(2, count - 1):
-                    rest += frames[k][lo:hi]
-            _pair_fp32(p[lo:hi], m[lo:hi], v[lo:hi], rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
-        if wire.shape[0] > 0:
-            cast_bf16(p[lo:hi], wire[lo:hi])
+            _widen_into(rest, frames[0][lo:hi])
+            first = 1
+        for k in range(first, count - 1):
+            _add_widened(rest, frames[k][lo:hi])
+        _pair_mixed(p[lo:hi], m[lo:hi], v[lo:hi], rest, last, wire_block, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+# Each update comes twice: over the threads (numba's prange), and in this thread alone, for one
+# thread or one block, where starting the thread pool costs more than the block (small buckets).
+
+
+@_jit(parallel=True)
+def update_fp32(p, m, v, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    """Each block (start, stop) of ``blocks``, over the threads: see ``_block_fp32``."""
+    for b in prange(blocks.shape[0]):
+        _block_fp32(
+            p, m, v, frames, wire, prev, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+        )
+
+
+@_jit()
+def update_fp32_serial(
+    p, m, v, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+):  # pragma: no cover
+    """``update_fp32`` in the calling thread."""
+    for b in range(blocks.shape[0]):
+        _block_fp32(
+            p, m, v, frames, wire, prev, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+        )
 
 
 @_jit(parallel=True)
 def update_bf16(
     p, m, v, head, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
 ):  # pragma: no cover
-    """Each block (start, stop): (``prev`` not empty) the parameters kept as they were; AdamW with the
-    fp32 head (if not empty) and the bf16 frames summed in order, writing (``wire`` not empty) the bf16
-    copy in the same loop."""
-    count = len(frames)
+    """Each block (start, stop) of ``blocks``, over the threads: see ``_block_bf16``."""
     for b in prange(blocks.shape[0]):
-        lo, hi = blocks[b, 0], blocks[b, 1]
-        if prev.shape[0] > 0:  # the block is in cache for the update that follows
-            prev[lo:hi] = p[lo:hi]
-        last = frames[count - 1][lo:hi]
-        wire_block = wire[lo:hi] if wire.shape[0] > 0 else wire
-        if head.shape[0] == 0 and count == 1:
-            _single_bf16(p[lo:hi], m[lo:hi], v[lo:hi], last, wire_block, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
-        elif head.shape[0] == 0 and count == 2:
-            _pair_bf16(
-                p[lo:hi],
-                m[lo:hi],
-                v[lo:hi],
-                frames[0][lo:hi],
-                last,
-                wire_block,
-                scale,
-                decay,
-                coeff,
-                lerp_from_m,
-                beta2,
-                one_minus_beta2,
-                bias2_sqrt,
-                eps,
-                neg_step,
-            )
-        else:  # the terms before the last, summed in order, then added to the last in the loop
-            rest = np.empty(hi - lo, dtype=np.float32)
-            first = 0
-            if head.shape[0] > 0:
-                rest[:] = head[lo:hi]
-            else:
-                _widen_into(rest, frames[0][lo:hi])
-                first = 1
-            for k in range(first, count - 1):
-                _add_widened(rest, frames[k][lo:hi])
-            _pair_mixed(
-                p[lo:hi], m[lo:hi], v[lo:hi], rest, last, wire_block, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
-            )
+        _block_bf16(
+            p, m, v, head, frames, wire, prev, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+        )
+
+
+@_jit()
+def update_bf16_serial(
+    p, m, v, head, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+):  # pragma: no cover
+    """``update_bf16`` in the calling thread."""
+    for b in range(blocks.shape[0]):
+        _block_bf16(
+            p, m, v, head, frames, wire, prev, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+        )
 
 
 @_jit()

@@ -60,7 +60,12 @@ def _kernels() -> SimpleNamespace:
     from optimizer_node import _compiled_kernels
 
     return SimpleNamespace(
-        numba=numba, update_fp32=_compiled_kernels.update_fp32, update_bf16=_compiled_kernels.update_bf16, cast_bf16=_compiled_kernels.cast_bf16
+        numba=numba,
+        update_fp32=_compiled_kernels.update_fp32,
+        update_bf16=_compiled_kernels.update_bf16,
+        update_fp32_serial=_compiled_kernels.update_fp32_serial,
+        update_bf16_serial=_compiled_kernels.update_bf16_serial,
+        cast_bf16=_compiled_kernels.cast_bf16,
     )
 
 
@@ -88,9 +93,17 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+MAX_TERMS = 4
+"""Gradient terms (frames, and an fp32 head) the loop takes at most. Each count is a variant of its
+own that numba compiles ahead of use (:mod:`optimizer_node.compiled_warmup`); more terms (arrivals
+out of rank order with five or more workers) go through torch ops."""
+
+
 def supports(head: torch.Tensor | None, frames: Sequence[torch.Tensor]) -> bool:
-    """Whether the loop takes these terms: fp32 or bf16 frames of one dtype (an fp32 head first)."""
+    """Whether the loop takes these terms: fp32 or bf16 frames of one dtype (an fp32 head first), at most ``MAX_TERMS`` in all."""
     if not frames or len({frame.dtype for frame in frames}) != 1 or frames[0].dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if len(frames) + (head is not None) > MAX_TERMS:
         return False
     return head is None or head.dtype == torch.float32
 
@@ -107,11 +120,13 @@ def update(
     step: float,
     divisor: float,
     previous: torch.Tensor | None = None,
+    serial: bool | None = None,
 ) -> None:
     """Sum ``head`` (the partial sum, if any) and ``frames`` in order, divide by ``divisor`` and apply
     AdamW at ``step`` (already incremented) to the ``(start, stop)`` ranges in ``blocks``, in place;
     ``wire`` (bf16), if given, receives those ranges' new parameters as ``wire.copy_(param)`` would;
-    ``previous`` (fp32), if given, receives their parameters as they were before the update."""
+    ``previous`` (fp32), if given, receives their parameters as they were before the update.
+    ``serial`` runs the blocks in this thread (default: with one thread or one block)."""
     kernels = _kernels()
     threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
     if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
@@ -121,12 +136,14 @@ def update(
     p, m, v = param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy()
     out = _array(wire) if wire is not None else _NO_BF16
     prev = previous.numpy() if previous is not None else _NO_FP32
+    if serial is None:
+        serial = threads == 1 or len(blocks) == 1  # a thread pool's start costs more than one block
     if frames[0].dtype == torch.float32:
         terms = tuple(t.numpy() for t in ([head, *frames] if head is not None else frames))
-        kernels.update_fp32(p, m, v, terms, out, prev, blocks, *consts)
+        (kernels.update_fp32_serial if serial else kernels.update_fp32)(p, m, v, terms, out, prev, blocks, *consts)
     else:
         first = head.numpy() if head is not None else _NO_FP32
-        kernels.update_bf16(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
+        (kernels.update_bf16_serial if serial else kernels.update_bf16)(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
 
 
 def usable() -> bool:
@@ -155,6 +172,9 @@ def _checked() -> Future[bool]:
 
 def _check() -> bool:
     try:
+        from optimizer_node import compiled_warmup
+
+        compiled_warmup.fill_cache()  # numba holds the GIL while it compiles: not in this process
         mismatch = _self_check()
     except Exception as exc:  # a numba that cannot compile here: torch ops do the update
         log.warning("the compiled update is unavailable (%s: %s); updating with torch ops", type(exc).__name__, exc)
@@ -209,7 +229,8 @@ def _check_case(hyper: AdamWHyper, dtype: torch.dtype, workers: int, generator: 
         )  # fmt: skip
         before = mine[0].clone()
         previous = torch.empty(numel)
-        update(mine[0], mine[1], mine[2], head, frames, wire, blocks, hyper, float(step), float(workers), previous)
+        # the serial loop, the parallel one and the one chosen here
+        update(mine[0], mine[1], mine[2], head, frames, wire, blocks, hyper, float(step), float(workers), previous, serial=(True, False, None)[index])
         if not torch.equal(previous, before):
             return f"the kept parameters at step {int(step)}"
         for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), mine, theirs, strict=True):

@@ -272,7 +272,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             return False
         job = self._require_job()
         bucket_id = heapq.heappop(self._ready)
-        for upcoming in heapq.nsmallest(2, self._ready):  # out of core: read the next while this one updates
+        # Out of core: read the next two while this one updates. They are the heap's root and the
+        # smaller of its children (nsmallest would scan the whole heap: O(buckets) per update).
+        for upcoming in self._ready[:1] + sorted(self._ready[1:3])[:1]:
             self._store.prefetch(upcoming)
         state = self._store.get(bucket_id)
         assert state is not None, "a bucket with gradients has state"

@@ -7,6 +7,13 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from netoptim.launcher import NodeProcess
+from optimizer_node import compiled_update
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the nodes' update loop once, before any node starts (numba caches it on disk): the
+    daemons the tests start then load it instead of each waiting for a compile of its own."""
+    compiled_update.usable()  # fills numba's cache (in a child process) and checks the loop
 
 
 @pytest.fixture

@@ -52,3 +52,14 @@ def test_offload_bench_compares_with_the_disk(tmp_path):
     assert report["benchmark"] == "offload" and report["ratio"] > 0
     assert report["bytes_read_per_step"] == report["bytes_written_per_step"] == report["state_bytes"], "out of core: every byte read and written once"
     assert report["disk_read_gbs"] > 0 and report["disk_write_gbs"] > 0 and report["in_memory_mparams_per_s"] > 0
+
+
+def test_step_bench_reports_phases_and_the_cost_of_a_bucket():
+    report = bench("step", "--numel", str(1 << 20), "--buckets", "8,64", "--steps", "2", "--warmup", "1")
+    assert report["benchmark"] == "step" and report["ratio"] > 0
+    fewest, most = report["results"]
+    assert (fewest["buckets"], most["buckets"]) == (8, 64) and "ms_per_bucket" in most
+    for result in report["results"]:
+        assert result["step_s"] > 0 and result["worker"]["gather_s"] > 0 and result["worker"]["install_s"] > 0
+        assert result["node"]["update_s"] > 0 and result["node"]["wall_s"] > 0
+        assert result["send_buffers_allocated_after_warmup"] >= 0 and result["install_vs_memcpy"] > 0

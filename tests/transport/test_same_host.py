@@ -10,7 +10,7 @@ import socket
 import torch
 
 from gpu_worker import RemoteAdamW
-from gpu_worker.session import _reachable_here
+from gpu_worker.node_connections import reachable_here as _reachable_here
 from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, run_offloaded
 
 
@@ -70,7 +70,7 @@ def test_a_same_host_socket_that_does_not_answer_leaves_the_worker_on_tcp(start_
     with socket.socket(socket.AF_UNIX) as silent:  # accepts connections into its backlog, never speaks
         silent.bind(str(tmp_path / "silent.sock"))
         silent.listen()
-        reply = session._switch_to_same_host(0, f"ipc://{tmp_path / 'silent.sock'}", "test")
+        reply = session._connections._switch_to_same_host(0, f"ipc://{tmp_path / 'silent.sock'}", "test")
     assert reply.header.meta["owned"] == [0] and session.connection_addresses == [node.address]
     model(torch.ones(1, 4)).sum().backward()
     opt.step()  # the node answers this rank over TCP again

@@ -1,0 +1,122 @@
+"""``netoptim bench step``: what a bucket costs, and where a step's time goes, on the worker and on the node.
+
+One ``netoptim node`` process and one worker (this process), one torch thread each, train one fp32
+parameter of ``--numel`` elements split into buckets of several sizes (``--buckets``: how many). A
+step is one full-model step of the worker session: gather every bucket's gradient into a send
+buffer, push it, wait, install the new values as they come. The data moved is the same whatever the
+bucket count, so what grows with the count is the per-bucket work. The baseline is the same run
+with the fewest buckets, and ``ratio`` is its step time over the step time with the most (1.0: a
+bucket costs nothing).
+
+Per bucket count the report gives the median step and, from the same steps, each phase on the
+worker (gather, send, wait, install; what the worker spends outside them is "other") and on the
+node (reduce, update, send, read through its admin service), the marginal cost of one bucket against
+the fewest buckets (milliseconds per bucket per step), the send buffers allocated after warm-up
+(none is the goal), and the install rate against a ``copy_`` between two buffers of the same size
+on the same thread count (``install_vs_memcpy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from gpu_worker.liveness import WorkerTimeouts
+from gpu_worker.session import OffloadSession
+from netoptim.launcher import NodeProcess
+from optimizer_node.adamw import AdamWHyper
+from optimizer_node.job import JobSpec
+from optimizer_node.placement import ParamSpec
+from protos import admin_pb2, admin_pb2_grpc
+
+HYPER = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01)
+
+
+def memcpy_gbs(numel: int, repeats: int = 5) -> float:
+    """GB/s of ``copy_`` between two fp32 buffers of ``numel`` elements (bytes read + written)."""
+    source, target = torch.ones(numel), torch.empty(numel)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - started)
+    return 2 * numel * 4 / statistics.median(times) / 1e9
+
+
+def node_timings(stub: admin_pb2_grpc.OptimizerNodeAdminStub) -> dict[str, float]:
+    last = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).last_step
+    return {"wall_s": last.wall_seconds, "reduce_s": last.reduce_seconds, "update_s": last.update_seconds, "send_s": last.send_seconds}
+
+
+def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
+    """Median step time and phases of one worker training ``numel`` parameters in ``buckets`` buckets."""
+    bucket_numel = -(-numel // buckets)
+    job = JobSpec(
+        world_size=1, num_nodes=1, bucket_numel=bucket_numel, wire_dtype="float32", max_grad_norm=None, params=(ParamSpec("w", (numel,), "float32", 0),)
+    )
+    param = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
+    with tempfile.TemporaryDirectory(prefix="netoptim-bench-step-") as workdir, NodeProcess(workdir, threads=1, extra_args=("--admin", "127.0.0.1:0")) as node:
+        session = OffloadSession([node.address], job, 0, [param], timeouts=WorkerTimeouts())
+        channel = grpc.insecure_channel(node.admin_address)
+        stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
+        try:
+            session.connect()
+            rows = []
+            allocated_before = 0
+            for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
+                if index == warmup:
+                    allocated_before = session._send_buffers.allocated
+                session.take_timings()
+                started = time.perf_counter()
+                session.finish_step([grad], [HYPER])
+                wall = time.perf_counter() - started
+                if index >= warmup:
+                    rows.append((wall, session.take_timings(), node_timings(stub)))
+            allocated_after_warmup = session._send_buffers.allocated - allocated_before
+        finally:
+            session.close()
+            channel.close()
+    median_index = sorted(range(len(rows)), key=lambda i: rows[i][0])[len(rows) // 2]
+    wall, worker, node = rows[median_index]
+    phases = {name: round(getattr(worker, name), 4) for name in ("gather_s", "send_s", "wait_s", "install_s")}
+    phases["other_s"] = round(wall - sum(phases.values()), 4)
+    return {
+        "buckets": len(session.buckets),
+        "bucket_numel": bucket_numel,
+        "step_s": round(statistics.median(row[0] for row in rows), 4),
+        "worker": phases,
+        "node": {name: round(value, 4) for name, value in node.items()},
+        "install_gbs": round(2 * numel * 4 / worker.install_s / 1e9, 2) if worker.install_s > 0 else None,
+        "send_buffers_allocated_after_warmup": allocated_after_warmup,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    counts = sorted(set(args.buckets))
+    results = [measure(args.numel, count, args.steps, args.warmup) for count in counts]
+    fewest, most = results[0], results[-1]
+    for result in results[1:]:
+        extra = result["buckets"] - fewest["buckets"]
+        result["ms_per_bucket"] = round(1e3 * (result["step_s"] - fewest["step_s"]) / extra, 4)
+    memcpy = memcpy_gbs(args.numel)
+    for result in results:
+        result["install_vs_memcpy"] = round(result["install_gbs"] / memcpy, 3) if result["install_gbs"] else None
+    return {
+        "benchmark": "step",
+        "ratio": round(fewest["step_s"] / most["step_s"], 3),
+        "numel": args.numel,
+        "threads": args.threads,
+        "steps": args.steps,
+        "memcpy_gbs": round(memcpy, 2),
+        "max_ms_per_bucket": max((r["ms_per_bucket"] for r in results[1:]), default=None),
+        "results": results,
+    }

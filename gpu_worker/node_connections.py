@@ -1,0 +1,195 @@
+"""A worker's connections to the optimizer nodes of its job: one per node, over the address given or
+the node's same-host socket, with registration, liveness (pings, silence) and reopening after a node
+restarted. It knows what is on the wire, not what a step is: :class:`~gpu_worker.session.OffloadSession`
+decides what to send and what an answer means."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Sequence
+
+import torch
+
+from gpu_worker.diagnosis import ask_what_nodes_wait_for
+from gpu_worker.liveness import NodeLiveness, WorkerTimeouts
+from transport import backend_for, create_transport
+from transport.interface import ClientEndpoint, Message, SendHandle
+from transport.security import CurveClientConfig
+from transport.wire import ErrorCode, Header, MsgType
+
+log = logging.getLogger(__name__)
+
+
+class NodeError(RuntimeError):
+    """An optimizer node rejected a request; ``code`` says why."""
+
+    def __init__(self, node: str, code: int, message: str) -> None:
+        try:
+            name = ErrorCode(code).name
+        except ValueError:
+            name = str(code)
+        super().__init__(f"optimizer node {node} rejected the request ({name}): {message}")
+        self.node = node
+        self.code = code
+
+
+class NodeConnections:
+    """The connections of worker ``rank`` (process ``incarnation``) to ``nodes``, in node order."""
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        rank: int,
+        incarnation: int,
+        job_wire: dict,
+        timeouts: WorkerTimeouts,
+        *,
+        curve: CurveClientConfig | None = None,
+        same_host: bool = True,
+        connections_per_node: int = 1,
+    ) -> None:
+        backends = {backend_for(url) for url in nodes}
+        if len(backends) > 1:
+            raise ValueError(f"the nodes of a job use one transport; these addresses mix {sorted(backends)}: {list(nodes)}")
+        self.nodes = list(nodes)
+        self.rank = rank
+        self.incarnation = incarnation
+        self.timeouts = timeouts
+        self.liveness = NodeLiveness(len(self.nodes), timeouts)
+        self._job_wire = job_wire
+        self._curve = curve
+        self._same_host = same_host
+        lanes = {"connections_per_peer": connections_per_node} if connections_per_node != 1 else {}
+        self._transport = create_transport(self.nodes[0], curve_client=curve, **lanes)
+        self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where each connection goes: the address given, or the node's same-host socket."""
+        return [client.address for client in self._clients]
+
+    def send(self, index: int, header: Header, payload: torch.Tensor | None = None) -> SendHandle:
+        return self._clients[index].send(header, payload)
+
+    # ---------------------------------------------------------------- registration
+
+    def send_hello(self, index: int) -> None:
+        meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index}
+        self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta=meta))
+
+    def registered(self, index: int, first_answer_s: float) -> Message:
+        """The node's HELLO_OK to the HELLO just sent (moving to its same-host socket if it has one
+        here). The node must answer within ``first_answer_s`` (a NOTICE that it waits for rank 0
+        counts); its HELLO_OK may then take up to ``timeout_s``."""
+        hint = (
+            "is this worker's public key in the node's --curve-allow directory, and curve_server_key the node's key?"
+            if self._curve
+            else "if the node uses CURVE, give this worker its keys."
+        )
+        what = f"registration (is a node running at that address and reachable from this host? {hint})"
+        reply = self.expect(index, MsgType.HELLO_OK, what, first_answer_s=first_answer_s)
+        same_host = reply.header.meta.get("same_host")
+        if self._same_host and isinstance(same_host, str) and reachable_here(same_host):
+            reply = self._switch_to_same_host(index, same_host, what)
+        self.liveness.heard(index)
+        return reply
+
+    def _switch_to_same_host(self, index: int, address: str, what: str) -> Message:
+        """The node is on this host: say HELLO again over its ipc:// socket and use that connection
+        (the node then answers this rank there), closing the TCP one. If the socket does not answer
+        within 10 s, stay on TCP: say HELLO there again, so the node answers this rank there."""
+        tcp = self._clients[index]
+        self._clients[index] = self._transport.connect(address)
+        try:
+            self.send_hello(index)
+            reply = self.expect(index, MsgType.HELLO_OK, f"registration over the same-host socket {address}", first_answer_s=min(10.0, self.timeouts.timeout_s))
+        except TimeoutError as exc:
+            self._clients[index].close()
+            self._clients[index] = tcp
+            log.warning("rank %d stays on %s: %s", self.rank, self.nodes[index], exc)
+            self.send_hello(index)
+            return self.expect(index, MsgType.HELLO_OK, what, first_answer_s=self.timeouts.first_answer_s)
+        tcp.close()
+        log.info("rank %d talks to node %s over %s (same host)", self.rank, self.nodes[index], address)
+        return reply
+
+    def reopen(self, index: int) -> None:
+        """A new connection to node ``index`` at the address it was given (its same-host socket may
+        be gone with the process that made it)."""
+        self._clients[index].close()
+        self._clients[index] = self._transport.connect(self.nodes[index])
+
+    # ---------------------------------------------------------------- answers
+
+    def expect(self, index: int, msg_type: MsgType, what: str, *, first_answer_s: float | None = None) -> Message:
+        """The node's next answer, which must be ``msg_type``. The first message must come within
+        ``first_answer_s`` (default ``timeout_s``); after a NOTICE (the node is alive, e.g. waiting for
+        rank 0) the answer may take ``timeout_s`` more."""
+        timeout_s = self.timeouts.timeout_s if first_answer_s is None else first_answer_s
+        message = self._clients[index].recv(timeout_s)
+        while message is not None and message.header.msg_type in (MsgType.NOTICE, MsgType.STATUS):
+            if message.header.msg_type == MsgType.NOTICE:
+                self.log_notice(index, message.header)
+                timeout_s = self.timeouts.timeout_s
+            message = self._clients[index].recv(timeout_s)
+        if message is None:
+            raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer within {timeout_s:.0f} s while waiting for {what}")
+        header = message.header
+        if header.msg_type == MsgType.ERROR:
+            raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
+        if header.msg_type != msg_type:
+            raise RuntimeError(f"node {self.nodes[index]} answered {header.msg_type.name}, expected {msg_type.name}")
+        return message
+
+    def wait_readable(self, timeout_s: float) -> list[int]:
+        """The nodes with a message waiting, after at most ``timeout_s``."""
+        return self._transport.wait_readable(self._clients, timeout_s)
+
+    def take(self, index: int) -> Message | None:
+        """Node ``index``'s next message if one is there; it marks the node as heard from."""
+        message = self._clients[index].recv(0.0)
+        if message is not None:
+            self.liveness.heard(index)
+        return message
+
+    def ping(self, indices: Sequence[int]) -> None:
+        """Ask these nodes for their status: a STATUS back says they are alive."""
+        for index in indices:
+            self._clients[index].send(Header(msg_type=MsgType.QUERY, rank=self.rank))
+
+    def log_notice(self, index: int, header: Header) -> None:
+        if header.meta.get("waiting_for"):
+            log.info("node %s: %s", self.nodes[index], header.meta["waiting_for"])
+        elif header.meta.get("paused"):
+            log.warning("node %s paused updates: %s; this worker waits (timeout %.0f s)", self.nodes[index], header.meta.get("reason"), self.timeouts.timeout_s)
+        else:
+            log.warning("node %s resumed updates", self.nodes[index])
+
+    def accounts(self) -> list[str]:
+        """Per node, what the node says it waits for (for a timeout's message)."""
+        accounts = ask_what_nodes_wait_for(self._clients, self.rank, min(5.0, self.timeouts.timeout_s))
+        return [f"node {self.nodes[index]}: {account}" for index, account in enumerate(accounts)]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for client in self._clients:
+            client.close()
+        self._transport.close()
+
+
+def reachable_here(address: str) -> bool:
+    """An ipc:// address whose socket file exists on this host (a node elsewhere has its own)."""
+    if not address.startswith("ipc://"):
+        return False
+    try:
+        return stat.S_ISSOCK(os.stat(address[len("ipc://") :]).st_mode)
+    except OSError:
+        return False
