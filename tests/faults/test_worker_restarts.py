@@ -24,24 +24,6 @@ def death(rng: random.Random) -> str:
     return f"{phase}:{rng.randrange(STEPS)}:{rng.randint(1, EVENTS[phase])}"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Final parameters of uninterrupted runs, per mode."""
-    results = {}
-    for mode in ("full", "early", "layerwise"):
-        job = Job(tmp_path_factory.mktemp(f"reference-{mode}"), mode=mode)
-        try:
-            job.start_node()
-            for rank in range(WORLD):
-                job.start_worker(rank)
-            for rank in range(WORLD):
-                assert job.wait(rank) == 0, job.logs()
-            results[mode] = job.result()
-        finally:
-            job.close()
-    return results
-
-
 def run_trial(job: Job, deaths: dict[int, str]) -> None:
     """Start every rank (those in ``deaths`` die as planned), restart the dead ones, wait for all."""
     job.start_node()

@@ -4,7 +4,9 @@ It trains a tiny GPT from the step the nodes give it (``remote_step``) to ``--st
 is a function of the step and the rank only, the way a training script must resume. With
 ``--die-at PHASE:STEP:N`` it kills itself (SIGKILL: no cleanup, no flush) at the N-th event of PHASE
 during step STEP: ``forward`` (before the N-th block's forward), ``backward`` (at the N-th gradient),
-``push`` (before the N-th bucket push) or ``pull`` (after installing N buckets of new values). Rank 0
+``push`` (before the N-th bucket push) or ``pull`` (after installing N buckets of new values). With
+``--signal-at PHASE:STEP:N --signal STOP --to PID`` it sends another signal, or to other processes
+(``self`` names this one; it is signalled last): a node killed or stopped at a worker's phase. Rank 0
 writes the final parameters to ``--out``.
 
     python -m tests.faults.worker_program --nodes tcp://127.0.0.1:5555 --rank 0 --world 2 --steps 4 --out final.pt
@@ -37,22 +39,29 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
 
 
 class DeathPlan:
-    """Counts events of one phase during one step and kills this process at the N-th."""
+    """Counts events of one phase during one step and, at the N-th, sends ``signum`` to ``targets``
+    (default: SIGKILL to this process), once."""
 
-    def __init__(self, spec: str | None) -> None:
+    def __init__(self, spec: str | None, signum: int = signal.SIGKILL, targets: tuple[int, ...] = ()) -> None:
         self.phase, self.step, self.nth = None, -1, 0
         if spec:
             phase, step, nth = spec.split(":")
             self.phase, self.step, self.nth = phase, int(step), int(nth)
+        self.signum = signum
+        self.targets = targets or (os.getpid(),)
         self.current_step = -1
         self.count = 0
+        self.done = False
 
     def event(self, phase: str) -> None:
-        if phase != self.phase or self.current_step != self.step:
+        if self.done or phase != self.phase or self.current_step != self.step:
             return
         self.count += 1
         if self.count >= self.nth:
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.done = True
+            print(f"signal plan: sending {signal.Signals(self.signum).name} to {self.targets} at {phase}:{self.step}:{self.count}", flush=True)
+            for pid in sorted(self.targets, key=lambda pid: pid == os.getpid()):  # this process last
+                os.kill(pid, self.signum)
 
 
 def install(plan: DeathPlan, model: GPT) -> None:
@@ -94,16 +103,30 @@ def main() -> None:
     parser.add_argument("--mode", choices=["full", "early", "layerwise"], default="full", help="early: push during backward")
     parser.add_argument("--die-at", default=None, help="PHASE:STEP:N, see the module docstring")
     parser.add_argument("--out", default=None, help="rank 0: where to save the final parameters")
+    parser.add_argument("--signal-at", default=None, help="PHASE:STEP:N at which to send --signal to --to")
+    parser.add_argument("--signal", default="KILL", help="signal name without SIG (KILL, STOP)")
+    parser.add_argument("--to", default="self", help="comma-separated pids; self: this process")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--heartbeat", type=float, default=2.0)
+    parser.add_argument("--silent-after", type=float, default=10.0)
+    parser.add_argument("--reconnect", type=float, default=20.0)
+    parser.add_argument("--no-same-host", action="store_true", help="stay on the address given (through a proxy) instead of the node's ipc socket")
     args = parser.parse_args()
+    if args.die_at and args.signal_at:
+        parser.error("--die-at and --signal-at exclude each other")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(CONFIG)
-    plan = DeathPlan(args.die_at)
+    if args.signal_at:
+        targets = tuple(os.getpid() if pid == "self" else int(pid) for pid in args.to.split(","))
+        plan = DeathPlan(args.signal_at, signal.Signals[f"SIG{args.signal}"], targets)
+    else:
+        plan = DeathPlan(args.die_at)
     install(plan, model)
     options = dict(
         nodes=args.nodes.split(","), rank=args.rank, world_size=args.world, lr=3e-3, weight_decay=0.1, bucket_numel=BUCKET_NUMEL, timeout_s=args.timeout
     )
+    options |= dict(heartbeat_s=args.heartbeat, silent_after_s=args.silent_after, reconnect_s=args.reconnect, same_host_ipc=not args.no_same_host)
     if args.mode == "layerwise":
         opt = offload(model, model.blocks, prefetch=1, **options)
     else:
