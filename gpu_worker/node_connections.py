@@ -158,6 +158,10 @@ class NodeConnections:
             self.liveness.heard(index)
         return message
 
+    def dropped(self) -> list[int]:
+        """The nodes whose link dropped since the last call (what was in flight may be lost)."""
+        return [index for index, client in enumerate(self._clients) if client.connection_dropped()]
+
     def ping(self, indices: Sequence[int]) -> None:
         """Ask these nodes for their status: a STATUS back says they are alive."""
         for index in indices:

@@ -290,6 +290,9 @@ class OffloadSession:
                 raise TimeoutError(self._diagnose_timeout(missing()))
             if now >= check_at:
                 check_at = now + self.timeouts.heartbeat_s / 2
+                for index in self._connections.dropped():
+                    self._reconnect(index, "its connection dropped")
+                    deadline = time.monotonic() + self.timeout_s
                 for index in self._connections.liveness.gone():
                     self._reconnect(index)
                     deadline = time.monotonic() + self.timeout_s
@@ -343,12 +346,13 @@ class OffloadSession:
 
     # ---------------------------------------------------------------- a node that went away
 
-    def _reconnect(self, index: int) -> None:
+    def _reconnect(self, index: int, why: str | None = None) -> None:
         """Reach node ``index`` again at the address it was given (its same-host socket may be gone
         with it) and continue where it is: push again what it lost, ask again for what is awaited."""
         address = self.nodes[index]
         silent = self._connections.liveness.silent_for(index)
-        log.warning("rank %d: node %s has not answered for %.0f s; reconnecting (for up to %.0f s)", self.rank, address, silent, self.timeouts.reconnect_s)
+        why = why or f"it has not answered for {silent:.0f} s"
+        log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", self.rank, address, why, self.timeouts.reconnect_s)
         self._send_buffers.forget(index)
         self._connections.reopen(index)
         self._connections.send_hello(index)
@@ -356,7 +360,7 @@ class OffloadSession:
             reply = self._registered(index, self.timeouts.reconnect_s)
         except TimeoutError:
             raise ConnectionError(
-                f"rank {self.rank}, step {self.step}: node {address} stopped answering {silent:.0f} s ago and did not come back within "
+                f"rank {self.rank}, step {self.step}: node {address} stopped answering ({why}) and did not come back within "
                 f"{self.timeouts.reconnect_s:.0f} s: restart it with the same flags plus --resume (the workers reconnect by themselves), or check the network"
             ) from None
         self._resync(index, reply)

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -101,6 +102,11 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._last_checkpoint: dict | None = None
         if config.resume:
             self._restore()
+        elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
+            try:
+                Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # as a failing checkpoint: said, and training goes on
+                log.error("cannot create the checkpoint directory %s (%s): checkpoints will fail until it can be written", config.checkpoint_dir, exc)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -347,6 +353,13 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()
         self.clock.current.update_s += sending - started
+        done = self._buckets_done.get(state.step, 0) + 1
+        ends_step = done == len(job.owned)
+        checkpointed_first = ends_step and self._checkpoint_due(state.step)
+        if checkpointed_first:
+            # Checkpointed before the values that end the step go out: a node killed in between comes
+            # back at the step its workers are still in, never behind them.
+            self._finish_step(state.step)
         meta = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
         if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
             answered = self._answer_deferred_pulls(state, meta)
@@ -357,18 +370,21 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             self._answer_deferred_pulls(state, meta)
         self.clock.current.send_s += time.perf_counter() - sending
         self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival)
-        done = self._buckets_done.get(state.step, 0) + 1
-        if done == len(job.owned):
-            self._buckets_done.pop(state.step, None)
-            self.clock.step_completed(state.step)
-            self.metrics.step_completed(self.clock.last)
-            self._step_completed(state.step)
-        else:
+        if not ends_step:
             self._buckets_done[state.step] = done
             self._crash_points.passed("update")
+        elif not checkpointed_first:
+            self._finish_step(state.step)
         log.debug(
             "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
         )
+
+    def _finish_step(self, step: int) -> None:
+        """Every owned bucket reached ``step``: the step's timings, and its checkpoint if one is due."""
+        self._buckets_done.pop(step, None)
+        self.clock.step_completed(step)
+        self.metrics.step_completed(self.clock.last)
+        self._step_completed(step)
 
     def _rank_rejoined(self, rank: int) -> None:
         """``rank`` is on a new connection (a new process, or the same one reconnecting): what the old

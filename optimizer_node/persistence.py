@@ -120,11 +120,24 @@ class CheckpointControls:
         for waiter in waiters:
             waiter.set_result(manifest)
 
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether reaching ``step`` writes a periodic checkpoint."""
+        every = self.config.checkpoint_every
+        return bool(every) and step % every == 0
+
+    def _job_initialized(self) -> None:
+        """Every owned bucket has its initial values: with periodic checkpoints, step 0 is written
+        now, before rank 0 hears that the last bucket is in, so a node killed in step 0 can resume."""
+        if self._checkpoint_due(0):
+            try:
+                self.checkpoint()
+            except CheckpointError as exc:
+                log.error("the checkpoint of the initial values failed, training goes on: %s", exc)
+
     def _step_completed(self, step: int) -> None:
         """Called by the daemon when every owned bucket reached ``step``."""
         self._activate_pending_clip()
-        every = self.config.checkpoint_every
-        if every and step % every == 0 and not self._checkpoint_waiters:
+        if self._checkpoint_due(step) and not self._checkpoint_waiters:
             try:
                 self.checkpoint()
             except CheckpointError as exc:  # a full disk must not stop training: say so and go on

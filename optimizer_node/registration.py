@@ -46,6 +46,7 @@ class JobRegistration:
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
         def _answer_deferred_pulls(self, state: BucketState) -> None: ...
         def _rank_rejoined(self, rank: int) -> None: ...
+        def _job_initialized(self) -> None: ...
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
@@ -188,6 +189,8 @@ class JobRegistration:
         for offset, view in message.tensors:
             initial[offset : offset + view.numel()].copy_(view)
         self._store.create(bucket.bucket_id, initial)
+        if len(self._store) == len(job.owned):
+            self._job_initialized()
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))
         state = self._store.get(bucket.bucket_id)
         assert state is not None

@@ -79,6 +79,12 @@ class ClientEndpoint(ABC):
     def recv(self, timeout_s: float) -> Message | None:
         """The next message from the node, or ``None`` after ``timeout_s``."""
 
+    def connection_dropped(self) -> bool:
+        """Whether the link to the node dropped since the last call (a reset, or the node gone), so
+        that messages in flight either way may be lost; a backend that cannot tell says ``False``
+        and the worker's heartbeats find the loss instead."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Release the connection; idempotent."""

@@ -166,6 +166,7 @@ class ZmqServer(ServerEndpoint):
         if curve is not None:
             secure_server_socket(self._socket, curve)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's socket reconnected after a reset keeps its id
         tune_socket(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         # Hard cap per frame as a guard against memory exhaustion; the header check gives the clear error.
@@ -235,10 +236,14 @@ class ZmqClient(ClientEndpoint):
                 secure_client_socket(socket, curve)
             tune_socket(socket)
             socket.setsockopt(zmq.LINGER, 1000)
-            if lanes > 1:
-                socket.setsockopt(zmq.ROUTING_ID, client_id + struct.pack("BB", lane, lanes))
+            # A routing id of its own, kept when ZeroMQ reconnects the socket after a reset: the node
+            # (ROUTER_HANDOVER) then still knows who sends, while the worker resyncs what was lost.
+            socket.setsockopt(zmq.ROUTING_ID, client_id + struct.pack("BB", lane, lanes))
             socket.connect(url)
             self.sockets.append(socket)
+        # Disconnections (a reset link, a node gone): ZeroMQ reconnects by itself and drops what was
+        # in flight, which only the worker can make good.
+        self._monitors = [socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) for socket in self.sockets]
         self.address = url
         self.lanes = lanes
         self._max_message_bytes = max_message_bytes
@@ -265,8 +270,19 @@ class ZmqClient(ClientEndpoint):
             return None
         return _decode(ready[0][0].recv_multipart(copy=False), b"", self._max_message_bytes)
 
+    def connection_dropped(self) -> bool:
+        dropped = False
+        for monitor in self._monitors:
+            while monitor.poll(0):
+                monitor.recv_multipart()
+                dropped = True
+        return dropped
+
     def close(self) -> None:
-        for socket in self.sockets:
+        for socket, monitor in zip(self.sockets, self._monitors, strict=True):
+            if not socket.closed:
+                socket.disable_monitor()
+            monitor.close()
             socket.close()
 
 

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.transport.availability import requires_mooncake
 
 
@@ -38,6 +40,7 @@ def test_transport_bench_over_mooncake_moves_the_bytes_by_one_sided_writes():
     assert counted["written_bytes"] >= 8 << 20  # everything after the first message went one-sided
 
 
+@pytest.mark.slow  # three training modes in processes of their own: ~20 s
 def test_train_bench_compares_ddp_full_and_layerwise():
     report = bench("train", "--sizes", "small", "--steps", "1", "--warmup", "0", "--batch", "1", "--seq", "16")
     entry = report["sizes"]["small"]

@@ -101,7 +101,7 @@ def test_node_writes_ready_file_and_stops_on_sigterm(node):
     assert "node config:" in log and "stopped at step 0" in log
 
 
-@pytest.mark.parametrize("mode", [(), ("--layerwise",)], ids=["full-model", "layer-wise"])
+@pytest.mark.parametrize("mode", [(), pytest.param(("--layerwise",), marks=pytest.mark.slow)], ids=["full-model", "layer-wise"])
 def test_demo_trains_and_the_loss_falls(mode):
     result = netoptim("demo", "--steps", "60", *mode, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -123,6 +123,7 @@ def test_plan_memory_prints_what_a_node_needs():
     assert table.returncode == 0 and "GiB RAM per node" in table.stdout
 
 
+@pytest.mark.slow  # calibrates on this machine: ~40 s
 def test_plan_calibrates_here_and_ranks_configurations(tmp_path):
     calibration = tmp_path / "calibration.json"
     args = ("plan", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16", "--global-batch", "4", "--max-microbatches", "2")
