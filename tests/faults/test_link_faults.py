@@ -83,6 +83,7 @@ def run_through(job: Job, proxy: LinkProxy, reference: dict, *watchers: threadin
     assert difference == 0.0, f"parameters differ by {difference}\n{job.logs()}"
 
 
+@pytest.mark.slow  # every message waits 20 ms each way: ~40 s
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_a_20ms_delay_each_way_changes_nothing(proxied_job, reference, seed):
     """Latency alone (20 ms per chunk each way, so every message waits at least 40 ms for its answer)
