@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from optimizer_node import compiled_cache
 from optimizer_node.adamw import AdamWHyper
 
 log = logging.getLogger(__name__)
@@ -172,9 +173,7 @@ def _checked() -> Future[bool]:
 
 def _check() -> bool:
     try:
-        from optimizer_node import compiled_warmup
-
-        compiled_warmup.fill_cache()  # numba holds the GIL while it compiles: not in this process
+        compiled_cache.fill_cache(_kernels(), MAX_TERMS)  # numba holds the GIL while it compiles: not in this process
         mismatch = _self_check()
     except Exception as exc:  # a numba that cannot compile here: torch ops do the update
         log.warning("the compiled update is unavailable (%s: %s); updating with torch ops", type(exc).__name__, exc)

@@ -1,0 +1,61 @@
+"""When the compiled update loop is compiled: ahead of use, in a child process, once.
+
+numba compiles while holding the GIL, so a node that compiled the loop itself would answer nobody
+for as long (17 s on a loaded 2-core machine) and its workers would take it for dead. When numba's
+on-disk cache lacks some of the loop's variants, :func:`fill_cache` runs
+``python -m optimizer_node.compiled_warmup`` (which compiles them all) and waits for it; processes
+that start together compile once, behind a file lock in the cache's directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+log = logging.getLogger(__name__)
+
+WARMUP_TIMEOUT_S = 900.0
+
+
+def cache_complete(kernels: SimpleNamespace, max_terms: int) -> bool:
+    """Whether numba's cache holds every variant of ``kernels`` (as far as its index files tell)."""
+    expected = {"update_fp32": max_terms, "update_bf16": max_terms}  # one signature per tuple length
+    try:
+        for name, count in expected.items():
+            for dispatcher in (getattr(kernels, name), getattr(kernels, f"{name}_serial")):
+                index = dispatcher._cache._cache_file._load_index()  # numba's internals: any surprise means "compile"
+                if len(index) < count:
+                    return False
+    except Exception:
+        return False
+    return True
+
+
+def fill_cache(kernels: SimpleNamespace, max_terms: int) -> None:
+    """Compile the variants the cache lacks in a child process (this one keeps answering meanwhile).
+    Processes that start together compile once: the others wait for the first, on a file lock."""
+    if cache_complete(kernels, max_terms):
+        return
+    lock_dir = Path(kernels.update_fp32._cache._cache_path)
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with open(lock_dir / "netoptim-warmup.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not cache_complete(kernels, max_terms):
+                _compile_in_child()
+    except OSError:  # no lock where the cache is: compile without one
+        _compile_in_child()
+
+
+def _compile_in_child() -> None:
+    log.info("compiling the node's update loop in a child process (once per installation; about a minute)")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "optimizer_node.compiled_warmup"], capture_output=True, text=True, timeout=WARMUP_TIMEOUT_S)
+    if result.returncode != 0:
+        raise RuntimeError(f"compiling the update loop failed (exit {result.returncode}): {result.stderr[-2000:]}")
+    log.info("the update loop is compiled (%.0f s)", time.monotonic() - started)
