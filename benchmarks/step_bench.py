@@ -73,14 +73,14 @@ def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
             allocated_before = 0
             for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
                 if index == warmup:
-                    allocated_before = session._send_buffers.allocated
+                    allocated_before = session.send_buffers_allocated
                 session.take_timings()
                 started = time.perf_counter()
                 session.finish_step([grad], [HYPER])
                 wall = time.perf_counter() - started
                 if index >= warmup:
                     rows.append((wall, session.take_timings(), node_timings(stub)))
-            allocated_after_warmup = session._send_buffers.allocated - allocated_before
+            allocated_after_warmup = session.send_buffers_allocated - allocated_before
         finally:
             session.close()
             channel.close()

@@ -11,9 +11,10 @@ from transport.interface import SendHandle
 
 class SendBuffers:
     """A pool of wire-dtype buffers by size. A buffer handed out is lent to one send; it comes back
-    when that send is done. Sends on one connection finish in order, so each connection's sends wait
-    in a queue and only its head is looked at: taking a buffer costs O(1) amortized, whatever the
-    number of buckets (a scan of every send in flight made a step O(buckets^2))."""
+    when that send is done. Sends on one connection finish in order (over several lanes nearly so: a
+    buffer behind a slower lane's comes back a little later), so each connection's sends wait in a
+    queue and only its head is looked at: taking a buffer costs O(1) amortized, whatever the number
+    of buckets (a scan of every send in flight made a step O(buckets^2))."""
 
     def __init__(self, dtype: torch.dtype, pin_memory: bool = False) -> None:
         self.dtype = dtype

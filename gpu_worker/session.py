@@ -264,6 +264,11 @@ class OffloadSession:
             self._waiting = set()
             self._reconnected = False
 
+    @property
+    def send_buffers_allocated(self) -> int:
+        """Push buffers made so far (after warm-up, a step should make none)."""
+        return self._send_buffers.allocated
+
     def take_timings(self) -> WorkerStepTimings:
         """The phases' times since the last call (a step's, when called once a step), starting anew."""
         taken, self.timings = self.timings, WorkerStepTimings()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -16,9 +16,6 @@ class WorkerStepTimings:
     install_s: float = 0.0  # received values copied into the parameters
     pushes: int = 0
     installs: int = 0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 def elapsed(since: float) -> float:

@@ -25,6 +25,11 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers: ``128,1024,4096``."""
+    return [positive_int(part.strip()) for part in text.split(",")]
+
+
 def size(text: str) -> int:
     """Bytes from ``1048576``, ``4MiB``, ``64MB``, ``2GiB``."""
     units = {"": 1, "b": 1, "kb": 10**3, "kib": 1 << 10, "mb": 10**6, "mib": 1 << 20, "gb": 10**9, "gib": 1 << 30}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from netoptim.arg_types import non_negative_int, positive_int, size, size_list
+from netoptim.arg_types import non_negative_int, positive_int, positive_int_list, size, size_list
 from netoptim.plan_cli import add_model_flags
 
 
@@ -88,7 +88,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters trained, as one fp32 tensor (default: %(default)s)")
     step.add_argument(
         "--buckets",
-        type=lambda text: [positive_int(part) for part in text.split(",")],
+        type=positive_int_list,
         default=[128, 1024, 4096],
         help="comma-separated bucket counts to split the parameters into; the fewest is the baseline (default: 128,1024,4096)",
     )

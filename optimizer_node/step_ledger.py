@@ -125,27 +125,22 @@ class StepLedger:
         values are let go."""
         if step < self._complete_before:
             return None
-        previous = self._retained.pop(bucket_id, None)
-        if previous is not None:
-            self._give_back(previous.values)
+        self._let_go(bucket_id)
         return self._take(numel, dtype)
 
     def keep(self, bucket_id: int, step: int, values: torch.Tensor) -> None:
         """Keep ``values``, the bucket's values of ``step`` in the wire dtype (the ledger owns them now)."""
-        previous = self._retained.pop(bucket_id, None)
-        if previous is not None:
-            self._give_back(previous.values)
+        self._let_go(bucket_id)
         self._retained[bucket_id] = _Retained(step, values)
 
     def swap_kept(self, bucket_id: int, step: int, values: torch.Tensor) -> torch.Tensor:
         """Keep ``values`` (what the node sent of ``step``, in the wire dtype) if a rank may still need
         them, and return a buffer of the same shape and dtype to send the next values from: with a
         16-bit wire, the outgoing copy is kept as it is, without a pass of its own."""
-        if step < self._complete_before:
-            return values
         spare = self.buffer_to_keep(bucket_id, step, values.numel(), values.dtype)
-        assert spare is not None
-        self._retained[bucket_id] = _Retained(step, values)
+        if spare is None:  # no rank can still need them
+            return values
+        self.keep(bucket_id, step, values)
         return spare
 
     def retained(self, bucket_id: int, step: int) -> torch.Tensor | None:
@@ -159,7 +154,7 @@ class StepLedger:
             return
         self._complete_before = step
         for bucket_id in [b for b, kept in self._retained.items() if kept.step < step]:
-            self._give_back(self._retained.pop(bucket_id).values)
+            self._let_go(bucket_id)
 
     def retained_bytes(self) -> int:
         return sum(kept.values.numel() * kept.values.element_size() for kept in self._retained.values())
@@ -167,6 +162,11 @@ class StepLedger:
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self._pool.get((numel, dtype))
         return free.pop() if free else torch.empty(numel, dtype=dtype)
+
+    def _let_go(self, bucket_id: int) -> None:
+        kept = self._retained.pop(bucket_id, None)
+        if kept is not None:
+            self._give_back(kept.values)
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         self._pool.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)

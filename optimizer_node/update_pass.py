@@ -182,6 +182,9 @@ def reduce_and_update(
     chunks = plan_chunks(segments, chunk_numel)  # also checks that the segments tile the bucket
     if not chunks or chunks[-1].stop != param.numel():
         raise ValueError(f"segments cover {chunks[-1].stop if chunks else 0} elements, the bucket has {param.numel()}")
+    for name, out in (("wire_out", wire_out), ("previous_out", previous_out)):
+        if out is not None and out.numel() != param.numel():
+            raise ValueError(f"{name} has {out.numel()} elements, the bucket {param.numel()}")
     if previous_out is not None and previous_out.dtype != torch.float32:
         previous_out.copy_(param)  # a cast of its own (the node's wire copy usually serves instead)
         previous_out = None

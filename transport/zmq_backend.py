@@ -96,6 +96,7 @@ def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payloa
 
 _LANED = b"\x01"  # first byte of a laned client's routing ids (ZeroMQ reserves ids starting with 0)
 _LANE_ID_BYTES = 8 + 2
+_SINGLE = b"\x02"  # first byte of a one-lane client's routing id (8 bytes: the node takes it as it is)
 
 
 def _lane_of(header: Header, lanes: int) -> int:
@@ -228,7 +229,7 @@ class ZmqClient(ClientEndpoint):
     ) -> None:
         if not 1 <= lanes <= 255:
             raise ValueError(f"connections per node must be in [1, 255], not {lanes}")
-        client_id = _LANED + secrets.token_bytes(7)
+        client_id = secrets.token_bytes(7)
         self.sockets: list[zmq.Socket] = []
         for lane in range(lanes):
             socket = context.socket(zmq.DEALER)
@@ -238,7 +239,8 @@ class ZmqClient(ClientEndpoint):
             socket.setsockopt(zmq.LINGER, 1000)
             # A routing id of its own, kept when ZeroMQ reconnects the socket after a reset: the node
             # (ROUTER_HANDOVER) then still knows who sends, while the worker resyncs what was lost.
-            socket.setsockopt(zmq.ROUTING_ID, client_id + struct.pack("BB", lane, lanes))
+            routing_id = _SINGLE + client_id if lanes == 1 else _LANED + client_id + struct.pack("BB", lane, lanes)
+            socket.setsockopt(zmq.ROUTING_ID, routing_id)
             socket.connect(url)
             self.sockets.append(socket)
         # Disconnections (a reset link, a node gone): ZeroMQ reconnects by itself and drops what was
