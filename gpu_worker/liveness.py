@@ -4,8 +4,10 @@ While a worker waits for a node, it pings every node it has not heard from for `
 QUERY, answered with STATUS even while the node waits for other ranks or is paused). A node silent
 for ``silent_after_s`` despite the pings is taken for gone: the worker reconnects to the address it
 was given, for up to ``reconnect_s``, and continues where the node is (a node restarted with
-``--resume``), or fails with an error that names the address. Time spent computing does not count:
-silence is measured from when the worker started waiting.
+``--resume``), or fails with an error that names the address. A connection the transport sees drop
+(a reset, a node killed) is reconnected to at once, the same way. Both need ``timeout_s >=
+silent_after_s`` (see ``WorkerTimeouts.reconnects``). Time spent computing does not count: silence
+is measured from when the worker started waiting.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class WorkerTimeouts:
 
     reconnect_s: float = 20.0
     """How long to try to reach a gone node again (it may be restarting) before failing."""
+
+    @property
+    def reconnects(self) -> bool:
+        """Whether a worker reconnects to a node that is gone or whose connection dropped. Only when
+        ``timeout_s`` leaves room for a node to fall silent (``timeout_s >= silent_after_s``): with a
+        shorter deadline the user asked for waits that fail fast, and a wait fails at its deadline,
+        with each node's account, whatever the cause."""
+        return self.timeout_s >= self.silent_after_s
 
     def validate(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "heartbeat_s", "silent_after_s", "reconnect_s"):

@@ -295,12 +295,13 @@ class OffloadSession:
                 raise TimeoutError(self._diagnose_timeout(missing()))
             if now >= check_at:
                 check_at = now + self.timeouts.heartbeat_s / 2
-                for index in self._connections.dropped():
-                    self._reconnect(index, "its connection dropped")
-                    deadline = time.monotonic() + self.timeout_s
-                for index in self._connections.liveness.gone():
-                    self._reconnect(index)
-                    deadline = time.monotonic() + self.timeout_s
+                if self.timeouts.reconnects:
+                    for index in self._connections.dropped():
+                        self._reconnect(index, "its connection dropped")
+                        deadline = time.monotonic() + self.timeout_s
+                    for index in self._connections.liveness.gone():
+                        self._reconnect(index)
+                        deadline = time.monotonic() + self.timeout_s
                 self._connections.ping(self._connections.liveness.to_ping())
             waiting = time.perf_counter()
             ready = self._connections.wait_readable(max(min(deadline - now, self.timeouts.heartbeat_s), 0.0))
