@@ -76,6 +76,9 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 14
     DRAINING = 15  # the node finished its last step before a drain and takes no more gradients
     CANNOT_FIT = 16  # the node cannot hold its share of the job (RAM, disk or memory budget); the message says what to change
+    NON_FINITE = 17  # a gradient holds NaN or inf: refused before it touches the state
+    FORBIDDEN = 18  # the peer's key may not register as that rank (or job)
+    LIMIT = 19  # a resource limit of the node (connections, peers waiting, declared sizes); the message names the flag
 
 
 class WireError(Exception):
