@@ -7,11 +7,14 @@ One host, two workers, one optimizer node::
 
 Several hosts (two worker hosts with 4 workers each, optimizer nodes on two CPU hosts)::
 
+    # once: netoptim keygen --dir keys --name node; and per rank r: --name worker{r} --ranks r;
+    # copy the workers' .key files (public) into allowed/
     # on each CPU host (10.0.0.11 and 10.0.0.12)
-    netoptim node --listen tcp://0.0.0.0:5555
+    netoptim node --listen tcp://0.0.0.0:5555 --curve-secret-key keys/node.key_secret --curve-allow allowed
     # on worker host 0 (10.0.0.1) and worker host 1, with --node-rank 0 and 1
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 \\
-        examples/train_gpt.py --nodes tcp://10.0.0.11:5555,tcp://10.0.0.12:5555 --global-batch 64
+        examples/train_gpt.py --nodes tcp://10.0.0.11:5555,tcp://10.0.0.12:5555 --global-batch 64 \\
+        --curve-secret-key 'keys/worker{rank}.key_secret' --curve-server-key keys/node.key
 
 Every rank lists the nodes in the same order. A worker that dies is restarted with the same
 command (``torchrun --max-restarts 3`` does it): it starts at ``optimizer.remote_step``, the step the

@@ -16,8 +16,9 @@ One host, 2 stages x 1 replica, one node per stage::
     torchrun --standalone --nproc-per-node 4 examples/train_gpt_pipeline.py --nodes tcp://127.0.0.1:5555,tcp://127.0.0.1:5556 \\
         --stages 2 --microbatches 4 --schedule interleaved --cuts 3,5,7 --n-layer 8 --global-batch 16
 
-Several hosts: start the nodes on the CPU hosts (``--listen tcp://0.0.0.0:5555``) and run torchrun on
-each worker host with ``--nnodes``, ``--node-rank``, ``--master-addr`` as for any torchrun job; every
+Several hosts: start the nodes on the CPU hosts (``--listen tcp://0.0.0.0:5555`` with
+``--curve-secret-key``/``--curve-allow``, see docs/operations.md; the workers take ``--curve-secret-key
+'keys/worker{rank}.key_secret' --curve-server-key keys/node.key``) and run torchrun on each worker host with ``--nnodes``, ``--node-rank``, ``--master-addr`` as for any torchrun job; every
 rank lists the nodes in the same order. ``--cuts auto`` (the default) balances the stages on a short
 calibration that rank 0 runs and broadcasts.
 """

@@ -31,7 +31,12 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Call the admin service of a running node (netoptim node --admin HOST:PORT). Exit status 0 on success, 1 when the call fails.",
     )
     admin.add_argument("--target", required=True, metavar="HOST:PORT", help='the node\'s admin address (the "admin" field of its ready file)')
-    admin.add_argument("--token", default=None, help=f"bearer token if the node requires one (default: ${TOKEN_ENV})")
+    admin.add_argument("--token-file", default=None, metavar="FILE", help="read the node's bearer token from FILE (mode 600)")
+    admin.add_argument(
+        "--token",
+        default=None,
+        help=f"bearer token if the node requires one (default: ${TOKEN_ENV}); visible to every user of the host in ps: prefer --token-file",
+    )
     admin.add_argument("--tls-ca", default=None, metavar="PEM", help="connect with TLS, trusting this CA certificate (the node's --tls-cert when self-signed)")
     admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
@@ -96,7 +101,16 @@ def run_admin(args: argparse.Namespace) -> int:
 
     from protos import admin_pb2, admin_pb2_grpc
 
-    token = args.token or os.environ.get(TOKEN_ENV)
+    if args.token_file:
+        from transport.secret_files import read_token_file
+
+        try:
+            token = read_token_file(args.token_file)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    else:
+        token = args.token or os.environ.get(TOKEN_ENV)
     metadata = [("authorization", f"Bearer {token}")] if token else []
     if args.tls_ca:
         with open(args.tls_ca, "rb") as handle:

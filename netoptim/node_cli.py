@@ -88,6 +88,11 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--curve-allow", default=None, metavar="DIR", help="directory of the .key files of the workers allowed to connect (with --curve-secret-key)"
     )
     node.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow --listen on an address reachable from other hosts without CURVE (only on a trusted, isolated network: anyone who reaches the port can read and change the model); without it such a node refuses to start",
+    )
+    node.add_argument(
         "--state-dir",
         default=None,
         metavar="DIR",
@@ -120,7 +125,15 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument("--tls-cert", default=None, help="PEM certificate for the admin service; with --tls-key it speaks TLS only")
     node.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     node.add_argument(
-        "--admin-token", default=None, help=f"require 'authorization: Bearer TOKEN' on admin calls (health checks excepted); default: ${TOKEN_ENV} if set"
+        "--admin-token-file",
+        default=None,
+        metavar="FILE",
+        help=f"require 'authorization: Bearer TOKEN' on admin calls (health checks excepted), the token read from FILE (mode 600); or set ${TOKEN_ENV}",
+    )
+    node.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"the admin token on the command line: works, but every user of the host sees it in ps; prefer --admin-token-file or ${TOKEN_ENV}",
     )
 
 
@@ -140,6 +153,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         crash_at=args.crash_at,
         curve_secret_key=args.curve_secret_key,
         curve_allow=args.curve_allow,
+        insecure=args.insecure,
         state_dir=args.state_dir,
         memory_budget=args.memory_budget,
         sync_state_writes=args.sync_state_writes,
@@ -157,11 +171,33 @@ def admin_config_from_args(args: argparse.Namespace) -> AdminConfig | None:
     if args.admin is None:
         return None
     from optimizer_node.admin import AdminConfig, split_host_port
+    from transport.exposure import reachable_from_network
 
-    split_host_port(args.admin)
+    host, _port = split_host_port(args.admin)
+    token = admin_token(args)
+    if not token and not args.insecure and reachable_from_network(f"tcp://{host}:0"):
+        raise ValueError(
+            f"--admin {args.admin} is reachable from the network and has no token: anyone who reaches it could pause, reconfigure or stop the node. "
+            f"Give --admin-token-file (and --tls-cert/--tls-key), bind it to 127.0.0.1, or pass --insecure on a trusted network"
+        )
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    return AdminConfig(address=args.admin, token=args.admin_token or os.environ.get(TOKEN_ENV) or None, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    return AdminConfig(address=args.admin, token=token, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token from --admin-token-file, --admin-token (with a warning: argv is public on a
+    host) or the environment; ``ValueError`` for more than one of the flags or an unsafe file."""
+    from transport.secret_files import read_token_file
+
+    if args.admin_token_file and args.admin_token:
+        raise ValueError("give the admin token once: --admin-token-file or --admin-token")
+    if args.admin_token_file:
+        return read_token_file(args.admin_token_file)
+    if args.admin_token:
+        log.warning("--admin-token on the command line is visible to every user of this host (ps); use --admin-token-file or $%s", TOKEN_ENV)
+        return args.admin_token
+    return os.environ.get(TOKEN_ENV) or None
 
 
 class NodeStartError(Exception):

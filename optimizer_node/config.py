@@ -6,6 +6,7 @@ import errno
 import os
 from dataclasses import dataclass
 
+from transport.exposure import reachable_from_network
 from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -58,6 +59,10 @@ class NodeConfig:
     curve_allow: str | None = None
     """Directory of the ``.key`` files of the workers allowed to connect (with curve_secret_key)."""
 
+    insecure: bool = False
+    """Allow a data plane reachable from the network without CURVE (a trusted, isolated network only):
+    anyone who reaches the port can then register as a rank, read the parameters and push gradients."""
+
     state_dir: str | None = None
     """Out-of-core mode: keep the buckets' state in files here (scratch: cleared at start)."""
 
@@ -69,6 +74,11 @@ class NodeConfig:
 
     crash_at: str | None = None
     """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
+
+    @property
+    def exposed_without_curve(self) -> bool:
+        """Whether the data plane is reachable from other hosts with no CURVE authentication."""
+        return not self.curve_secret_key and reachable_from_network(self.listen)
 
     def validate(self) -> None:
         """``ValueError`` for settings that cannot work together; ``FileNotFoundError`` (or
@@ -94,6 +104,16 @@ class NodeConfig:
             raise ValueError("checkpoint_every must be >= 0 and keep >= 1")
         if bool(self.curve_secret_key) != bool(self.curve_allow):
             raise ValueError("curve_secret_key and curve_allow go together")
+        if self.exposed_without_curve and not self.insecure:
+            how = (
+                "the Mooncake transport has no encryption: run it on an isolated fabric and pass --insecure"
+                if self.listen.startswith("mooncake")
+                else "make keys with `netoptim keygen` and pass --curve-secret-key and --curve-allow (see docs/operations.md, Security)"
+            )
+            raise ValueError(
+                f"{self.listen} is reachable from the network and the data plane is not authenticated: anyone who reaches it could read and "
+                f"change the model. Secure it ({how}), listen on 127.0.0.1, or pass --insecure on a trusted network"
+            )
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every and resume need checkpoint_dir")
         if bool(self.state_dir) != (self.memory_budget is not None):

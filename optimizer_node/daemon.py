@@ -131,6 +131,12 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         log.info(
             "node %s serving on %s%s", self.node_id, self.address, f" (and {self.same_host_address} for workers on this host)" if self.same_host_address else ""
         )
+        if self.config.exposed_without_curve:  # allowed by --insecure; said at every start
+            log.warning(
+                "INSECURE: the data plane %s is reachable from the network without authentication (--insecure): anyone who reaches it can "
+                "read and change the model; use --curve-secret-key/--curve-allow off a trusted network",
+                self.address,
+            )
         self._stop = stop
         self.write_ready_file()
         try:

@@ -14,6 +14,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from transport.secret_files import check_private
+
 
 @dataclass(frozen=True, slots=True)
 class CurveServerConfig:
@@ -55,6 +57,8 @@ def load_keypair(path: str, *, need_secret: bool) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read the CURVE key file {path}: {exc}") from None
     if need_secret and not secret:
         raise ValueError(f"{path} holds no secret key: give the .key_secret file made by netoptim keygen")
+    if secret:
+        check_private(path, "the CURVE secret key file")
     return public, secret
 
 

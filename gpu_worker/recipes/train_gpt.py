@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--layerwise", action="store_true", help="stream the blocks from the nodes (layer-wise mode): the model is never whole on a worker")
     parser.add_argument("--prefetch", type=int, default=1, help="layer-wise: blocks fetched ahead of the one computing")
+    add_security_flags(parser)
     return parser
 
 
@@ -50,6 +51,26 @@ def add_model_flags(parser: argparse.ArgumentParser, *, block_size: int) -> None
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
     parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """CURVE keys for nodes that require them (``netoptim node --curve-secret-key``)."""
+    parser.add_argument(
+        "--curve-secret-key",
+        default=None,
+        metavar="FILE",
+        help="this worker's .key_secret file (netoptim keygen); {rank} is replaced by the rank, e.g. keys/worker{rank}.key_secret",
+    )
+    parser.add_argument("--curve-server-key", default=None, metavar="FILE", help="the nodes' public .key file (with --curve-secret-key)")
+
+
+def security_options(args: argparse.Namespace, rank: int) -> dict:
+    """RemoteAdamW's CURVE options from the flags of :func:`add_security_flags`."""
+    if bool(args.curve_secret_key) != bool(args.curve_server_key):
+        raise SystemExit("--curve-secret-key and --curve-server-key go together")
+    if not args.curve_secret_key:
+        return {}
+    return {"curve_secret_key": args.curve_secret_key.replace("{rank}", str(rank)), "curve_server_key": args.curve_server_key}
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -92,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = model_config(args)
     options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=args.nodes.split(","), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
+    options.update(security_options(args, rank))
     if args.layerwise:
         with torch.device("meta"):  # rank 0 initializes one block at a time, straight to the nodes
             model = GPT(config)

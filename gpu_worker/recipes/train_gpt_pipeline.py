@@ -25,7 +25,7 @@ from tqdm import tqdm
 from gpu_worker.models import GPT
 from gpu_worker.pipeline import SCHEDULES, PipelineConfig, PipelineError, PipelineTrainer
 from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
-from gpu_worker.recipes.train_gpt import WIRE_DTYPES, add_model_flags, decay_groups, lr_lambda, model_config
+from gpu_worker.recipes.train_gpt import WIRE_DTYPES, add_model_flags, add_security_flags, decay_groups, lr_lambda, model_config, security_options
 
 __all__ = ["decay_groups", "main", "token_loss"]
 
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all replicas (default: 2 per micro-batch and replica)")
     add_model_flags(parser, block_size=64)  # the model has n_layer + 2 pipeline blocks
+    add_security_flags(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait for a peer rank or a node may take before the rank stops with an error")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary (for launchers that collect --report)")
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sample_x, _ = batch_for_step(tokens, 0, global_batch=global_batch, block_size=args.block_size, rank=0, world_size=micro_batches, seed=args.seed)
     trainer = PipelineTrainer(
         model, token_loss, config, nodes=args.nodes.split(","), calibration_input=sample_x, device=device, param_groups=decay_groups,
-        lr=args.lr, betas=(0.9, 0.95), wire_dtype=WIRE_DTYPES[args.wire_dtype], timeout_s=args.timeout,
+        lr=args.lr, betas=(0.9, 0.95), wire_dtype=WIRE_DTYPES[args.wire_dtype], timeout_s=args.timeout, **security_options(args, rank),
     )  # fmt: skip
     del model  # the blocks of other stages go; this rank keeps its own
     start_step = trainer.optimizer.remote_step
