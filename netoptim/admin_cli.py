@@ -81,7 +81,7 @@ def _render_status(status: dict) -> str:
 
 
 def _render_worker(worker: dict) -> str:
-    seen = datetime.datetime.fromtimestamp(float(worker["last_seen_unix"]), tz=datetime.timezone.utc)
+    seen = datetime.datetime.fromtimestamp(float(worker["last_seen_unix"]), tz=datetime.UTC)
     return f"  rank {worker['rank']}: last seen {seen:%Y-%m-%d %H:%M:%S} UTC"
 
 

@@ -152,10 +152,48 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("netoptim")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def parse_command_line(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (default: ``sys.argv[1:]``); for ``node``, fill what its flags leave unset from
+    ``--config FILE`` (exit 2 naming the key and line when the file is wrong)."""
+    from netoptim.config_file import ConfigFileError, apply_config_file
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    node_parser = _subparser(parser, "node")
+    sources = None
+    if "node" in argv:
+        try:
+            sources = apply_config_file(node_parser, argv[argv.index("node") + 1 :], "node")
+        except ConfigFileError as exc:
+            node_parser.error(str(exc))
+    args = parser.parse_args(argv)
+    if args.command == "node":
+        args.config_sources = sources
+        args.node_parser = node_parser
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise AssertionError(name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
+    parser.add_argument("--version", action="version", version=f"netoptim {_version()}", help="print netoptim's version and exit")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,plan,plan-memory,admin,export,keygen}")
     add_node_parser(subparsers)
@@ -171,12 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``netoptim`` command; returns its exit status."""
-    return _run_command(build_parser().parse_args(argv))
+    return _run_command(parse_command_line(argv))
 
 
 def console() -> NoReturn:
     """The ``netoptim`` command and ``python -m netoptim``."""
-    args = build_parser().parse_args()
+    args = parse_command_line()
     code = _run_command(args)
     if args.command != "node":
         sys.exit(code)

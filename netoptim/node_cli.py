@@ -38,6 +38,15 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run an optimizer node: it holds the fp32 master parameters and AdamW state of the buckets it owns, sums the workers' gradients, applies the update and sends the new parameters back. Stops cleanly on SIGTERM or SIGINT.",
     )
     node.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="read flags from the [node] table of this TOML file (keys are the flags' long names, e.g. checkpoint-every = 500); flags given here override it",
+    )
+    node.add_argument(
+        "--print-config", action="store_true", help="print every setting with where it came from (default, config file line, command line) and exit"
+    )
+    node.add_argument(
         "--listen",
         type=address,
         default="tcp://127.0.0.1:0",
@@ -281,6 +290,11 @@ def run_node(args: argparse.Namespace) -> int:
 
     from optimizer_node.faults import CrashPoints
 
+    if getattr(args, "print_config", False):
+        from netoptim.config_file import ConfigSources, describe
+
+        print(describe(args, args.node_parser, getattr(args, "config_sources", None) or ConfigSources(), secret_dests=frozenset({"admin_token"})))
+        return 0
     config = node_config_from_args(args)
     try:
         config.validate()

@@ -12,6 +12,7 @@ import argparse
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -51,6 +52,21 @@ def add_model_flags(parser: argparse.ArgumentParser, *, block_size: int) -> None
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay)")
     parser.add_argument("--wire-dtype", choices=sorted(WIRE_DTYPES), default="float32", help="dtype on the wire")
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
+
+
+def parse_recipe_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse a recipe's flags, taking what they leave unset from the ``[worker]`` table of ``--config``."""
+    from netoptim.config_file import ConfigFileError, apply_config_file
+
+    parser.add_argument(
+        "--config", default=None, metavar="FILE", help="read flags from the [worker] table of this TOML file (keys: the flags' long names); flags override it"
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        apply_config_file(parser, argv, "worker")
+    except ConfigFileError as exc:
+        parser.error(str(exc))
+    return parser.parse_args(argv)
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +118,7 @@ def lr_lambda(steps: int) -> Callable[[int], float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_recipe_args(build_parser(), argv)
     logging.basicConfig(level=os.environ.get("NETOPTIM_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,7 +25,16 @@ from tqdm import tqdm
 from gpu_worker.models import GPT
 from gpu_worker.pipeline import SCHEDULES, PipelineConfig, PipelineError, PipelineTrainer
 from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
-from gpu_worker.recipes.train_gpt import WIRE_DTYPES, add_model_flags, add_security_flags, decay_groups, lr_lambda, model_config, security_options
+from gpu_worker.recipes.train_gpt import (
+    WIRE_DTYPES,
+    add_model_flags,
+    add_security_flags,
+    decay_groups,
+    lr_lambda,
+    model_config,
+    parse_recipe_args,
+    security_options,
+)
 
 __all__ = ["decay_groups", "main", "token_loss"]
 
@@ -59,7 +68,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_recipe_args(build_parser(), argv)
     logging.basicConfig(level=os.environ.get("NETOPTIM_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, args.threads))
     stages_per_rank = args.stages_per_rank or (2 if args.schedule == "interleaved" else 1)
