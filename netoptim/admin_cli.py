@@ -159,6 +159,9 @@ def run_admin(args: argparse.Namespace) -> int:
                     if args.count and count >= args.count:
                         stream.cancel()
                         break
+                else:  # the stream ended without being asked to: the node stopped or drained away
+                    print("netoptim admin watch: the node ended the stream (it stopped or is shutting down)", file=sys.stderr)
+                    return 1
             elif args.call == "health":
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
                 _print(args, reply, lambda r: r["status"])

@@ -215,7 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console() -> NoReturn:
     """The ``netoptim`` command and ``python -m netoptim``."""
     args = parse_command_line()
-    code = _run_command(args)
+    try:
+        code = _run_command(args)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the conventional status
+        print(f"netoptim {args.command}: interrupted", file=sys.stderr)
+        os._exit(130)
+    except BrokenPipeError:  # `netoptim ... | head`: the reader left; nothing more to say
+        os._exit(0)
     if args.command != "node":
         sys.exit(code)
     # A stopped node has closed its sockets, its store and its last checkpoint by now; what is left

@@ -1,0 +1,27 @@
+"""What an operator sees at the edges: a watch that loses its node says so, Ctrl-C is quiet."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+
+def test_watch_exits_non_zero_when_the_node_goes_away(start_node):
+    node = start_node(extra_args=("--admin", "127.0.0.1:0"))
+    watch = subprocess.Popen([sys.executable, "-m", "netoptim", "admin", "--target", node.admin_address, "watch"], stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # the watch is connected and waiting for steps
+    assert node.stop() == 0
+    _, stderr = watch.communicate(timeout=30)
+    assert watch.returncode == 1, stderr
+    assert "Traceback" not in stderr and stderr.strip()
+
+
+def test_ctrl_c_is_quiet(start_node):
+    node = start_node(extra_args=("--admin", "127.0.0.1:0"))
+    watch = subprocess.Popen([sys.executable, "-m", "netoptim", "admin", "--target", node.admin_address, "watch"], stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    watch.send_signal(signal.SIGINT)
+    _, stderr = watch.communicate(timeout=30)
+    assert watch.returncode == 130 and "Traceback" not in stderr, stderr
