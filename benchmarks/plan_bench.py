@@ -14,9 +14,9 @@ import statistics
 
 from tqdm import tqdm
 
-from gpu_worker.pipeline.planner import Prediction, plan
 from netoptim.launcher import run_pipeline_job
 from netoptim.plan_cli import calibration_for, validate_model_flags
+from planning.planner import Prediction, plan
 
 
 def measure(args: argparse.Namespace, prediction: Prediction) -> dict:

@@ -70,11 +70,11 @@ def validate_model_flags(args: argparse.Namespace) -> None:
 
 
 def calibration_for(args: argparse.Namespace):  # -> PlanCalibration
-    """Measure (or load) what :func:`~gpu_worker.pipeline.planner.plan` needs for every candidate."""
+    """Measure (or load) what :func:`~planning.planner.plan` needs for every candidate."""
     from gpu_worker.models import GPTConfig
     from gpu_worker.pipeline.calibration import calibrate_gpt
-    from gpu_worker.pipeline.planner import PlanCalibration, candidates
     from gpu_worker.recipes.train_gpt_pipeline import decay_groups
+    from planning.planner import PlanCalibration, candidates
 
     config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
     path = Path(args.calibration) if getattr(args, "calibration", "") else None
@@ -117,7 +117,7 @@ def measure_runtime_overhead(calibration, args: argparse.Namespace) -> None:
 
     from gpu_worker.models import GPT, GPTConfig
     from gpu_worker.pipeline import calibrate, pipeline_blocks
-    from gpu_worker.pipeline.planner import Candidate, fit_action_overhead, fit_compute_scale, predict
+    from planning.planner import Candidate, fit_action_overhead, fit_compute_scale, predict
 
     tiny = {"n_layer": 2, "n_embd": 16, "n_head": 2, "block_size": 16}
     torch.manual_seed(0)
@@ -160,7 +160,7 @@ def _calibration_run(candidate, cuts: list[int], *, global_batch: int, model: di
 
 def run_plan(args: argparse.Namespace) -> int:
     validate_model_flags(args)  # before the imports: a bad flag answers at once
-    from gpu_worker.pipeline.planner import plan
+    from planning.planner import plan
 
     calibration = calibration_for(args)
     predictions = plan(calibration, args.workers, args.global_batch, args.nodes, memory_limit=args.memory_limit or None)

@@ -19,9 +19,10 @@ import torch
 
 from gpu_worker.models.gpt import GPT, GPTConfig
 from gpu_worker.pipeline.blocks import pipeline_blocks
-from gpu_worker.pipeline.partition import BlockCost, calibrate
-from gpu_worker.pipeline.planner import OptimizerCost, PlanCalibration
+from gpu_worker.pipeline.partition import calibrate
 from gpu_worker.remote_adamw import RemoteAdamW
+from planning.partition import BlockCost
+from planning.planner import OptimizerCost, PlanCalibration
 
 
 def measure_blocks(
@@ -180,7 +181,7 @@ def calibrate_gpt(
     cores: float | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> PlanCalibration:
-    """Measure a GPT of ``config`` for :func:`~gpu_worker.pipeline.planner.plan`: its blocks at every
+    """Measure a GPT of ``config`` for :func:`~planning.planner.plan`: its blocks at every
     micro-batch size, the loopback link, and a node group's update for every replica count (on nodes
     from ``start_node``, a context manager yielding a fresh node's address)."""
     with torch_threads(threads_per_rank):

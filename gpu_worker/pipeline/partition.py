@@ -1,4 +1,5 @@
-"""Where to cut: per-block costs from a short calibration, and stages balanced on them.
+"""Per-block costs from a short calibration on this worker; :mod:`planning.partition` balances
+stages on them.
 
 The calibration runs each block's forward and backward on a sample micro-batch, alone and in order
 (each block's input is the previous block's output), and records the median time of each, the bytes
@@ -12,26 +13,11 @@ import contextlib
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.pipeline.blocks import PipelineBlock
-
-
-@dataclass(frozen=True)
-class BlockCost:
-    """What one block costs for one micro-batch."""
-
-    forward_s: float
-    backward_s: float
-    output_bytes: int
-    param_bytes: int
-    saved_bytes: int
-
-    @property
-    def compute_s(self) -> float:
-        return self.forward_s + self.backward_s
+from planning.partition import BlockCost
 
 
 def calibrate(blocks: Sequence[PipelineBlock], sample: torch.Tensor, *, repeats: int = 3) -> list[BlockCost]:
@@ -77,48 +63,3 @@ def calibrate(blocks: Sequence[PipelineBlock], sample: torch.Tensor, *, repeats:
         for param, grad in zip(block.module.parameters(), before, strict=True):
             param.grad = grad
     return costs
-
-
-def balance(costs: Sequence[BlockCost], num_stages: int, *, max_stage_bytes: int | None = None, in_flight: int = 1) -> list[int]:
-    """Cut points (first block of stages 1..P-1) minimizing the slowest stage's compute time.
-
-    With ``max_stage_bytes``, a stage's parameters plus ``in_flight`` micro-batches of saved
-    activations must fit in it; ``ValueError`` when no split does.
-    """
-    n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} blocks into {num_stages} stages: each stage needs at least one block")
-    prefix_time = [0.0]
-    prefix_bytes = [0]
-    for cost in costs:
-        prefix_time.append(prefix_time[-1] + cost.compute_s)
-        prefix_bytes.append(prefix_bytes[-1] + cost.param_bytes + in_flight * cost.saved_bytes)
-
-    def fits(a: int, b: int) -> bool:
-        return max_stage_bytes is None or prefix_bytes[b] - prefix_bytes[a] <= max_stage_bytes
-
-    inf = float("inf")
-    # best[s][i]: the slowest stage of the best split of blocks [0, i) into s stages; classic linear partition
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n + 1):
-            for j in range(s - 1, i):
-                if best[s - 1][j] == inf or not fits(j, i):
-                    continue
-                worst = max(best[s - 1][j], prefix_time[i] - prefix_time[j])
-                if worst < best[s][i]:
-                    best[s][i], choice[s][i] = worst, j
-    if best[num_stages][n] == inf:
-        need = max(c.param_bytes + in_flight * c.saved_bytes for c in costs)
-        raise ValueError(
-            f"no split of {n} blocks into {num_stages} stages fits {max_stage_bytes} bytes per stage "
-            f"(the largest block alone needs {need}): use more stages, smaller micro-batches, or more memory"
-        )
-    cuts = []
-    i = n
-    for s in range(num_stages, 1, -1):
-        i = choice[s][i]
-        cuts.append(i)
-    return sorted(cuts)

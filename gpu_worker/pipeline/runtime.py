@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gpu_worker.pipeline.blocks import PipelineBlock, StageModule, pipeline_blocks, split_points
-from gpu_worker.pipeline.partition import balance, calibrate
+from gpu_worker.pipeline.partition import calibrate
 from gpu_worker.remote_adamw import RemoteAdamW
+from planning.partition import balance
 
 log = logging.getLogger(__name__)
 

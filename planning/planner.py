@@ -4,7 +4,7 @@ A :class:`PlanCalibration` holds what was measured on this machine: each block's
 time at every micro-batch size the candidates use, the bytes a stage boundary sends, the loopback
 link's latency and bandwidth, and how long an optimizer node group takes to update ``n`` parameters
 for ``D`` replicas. :func:`predict` turns a :class:`Candidate` into a step time with
-:func:`~gpu_worker.pipeline.simulate.simulate` and into the memory each rank needs.
+:func:`~planning.simulate.simulate` and into the memory each rank needs.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from gpu_worker.pipeline.partition import BlockCost, balance
-from gpu_worker.pipeline.simulate import FORWARD, Simulation, StageCosts, schedule_order, simulate
+from planning.partition import BlockCost, balance
+from planning.simulate import FORWARD, Simulation, StageCosts, schedule_order, simulate
 
 log = logging.getLogger(__name__)
 
