@@ -20,6 +20,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.plan_bench import run
     elif args.bench == "step":
         from benchmarks.step_bench import run
+    elif args.bench == "cluster":
+        from benchmarks.cluster_bench import run
     else:
         raise AssertionError(args.bench)
     print(json.dumps(run(args), indent=2))

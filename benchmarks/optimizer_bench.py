@@ -14,7 +14,10 @@ waits for the others, off the path from the last gradient to the new values that
 ``ratio_with_kept_copy`` is the same pass writing that copy too, as a node with one worker does
 (4 bytes per parameter more, and a cache-line read for each line it writes).
 They arrive last rank first, so every frame is held until the pass (with two workers every arrival
-order gives the pass the same work). The baseline is ``torch.optim.AdamW(fused=True)`` stepping the
+order gives the pass the same work). Each arrival is first checked for NaN/inf, as the daemon checks
+every push (:func:`~optimizer_node.non_finite.count_non_finite`); ``finite_check_cost`` is what that
+adds, against the same pass without it, and is pessimistic: the frames here are cold in memory, where
+the daemon checks a push as it arrives, and all but the last rank's while it waits for the others. The baseline is ``torch.optim.AdamW(fused=True)`` stepping the
 same number of parameters, with the averaged gradient already in place (it sums nothing and sends
 nothing). The two take turns, and ``ratio`` is the median over rounds of their rates' ratio.
 """
@@ -29,6 +32,7 @@ import torch
 from benchmarks.common import interleaved_seconds, median_ratio, memory_bandwidth_gbs
 from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper
+from optimizer_node.non_finite import count_non_finite
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.update_pass import reduce_and_update
 
@@ -63,11 +67,14 @@ def run(args: argparse.Namespace) -> dict:
     hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
     divisor = torch.tensor(float(args.workers))
 
-    def node_update(keep_copy: bool = False) -> None:
+    def node_update(keep_copy: bool = False, check: bool = True) -> None:
         for index in range(num_buckets):
             reduction = OrderedReduction(sizes[index], args.workers, lambda index=index: scratch[index], defer=True)
             for rank in reversed(range(args.workers)):
-                reduction.add(rank, [(0, frames[index][rank])])
+                pieces = [(0, frames[index][rank])]
+                if check and count_non_finite(pieces):
+                    raise AssertionError("the benchmark's gradients are finite")
+                reduction.add(rank, pieces)
             wire = None if wire_out is None else wire_out[index]
             previous = kept[index] if keep_copy and kept is not None else None
             reduce_and_update(
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
     fused = torch.optim.AdamW(baseline_params, lr=1e-4, weight_decay=0.01, fused=True)
 
     compiled = compiled_update.usable()  # the check (and numba's compilation) before any timing
-    timed = {"node": node_update, "fused": fused.step}
+    timed = {"node": node_update, "fused": fused.step, "node_unchecked": lambda: node_update(check=False)}
     if kept is not None:
         timed["node_keeping"] = lambda: node_update(keep_copy=True)
     times = interleaved_seconds(timed, args.repeats, label="node update and torch fused AdamW")
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "optimizer",
         "ratio": round(median_ratio(times["fused"], times["node"]), 3),
         "ratio_with_kept_copy": round(median_ratio(times["fused"], times["node_keeping"]), 3) if kept is not None else None,
+        "finite_check_cost": round(median_ratio(times["node"], times["node_unchecked"]) - 1, 3),
         "numel": numel,
         "workers": args.workers,
         "wire_dtype": args.wire_dtype,

@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
+from job.placement import ParamSpec
+from job.spec import JobSpec
 from netoptim.launcher import NodeProcess
 from optimizer_node.adamw import AdamWHyper
-from optimizer_node.job import JobSpec
-from optimizer_node.placement import ParamSpec
 from protos import admin_pb2, admin_pb2_grpc
 
 HYPER = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01)

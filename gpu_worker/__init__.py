@@ -2,7 +2,7 @@
 
 from gpu_worker.offload import offload
 from gpu_worker.remote_adamw import RemoteAdamW
-from gpu_worker.session import NodeError, OffloadSession
+from gpu_worker.session import NodeError, NonFiniteGradientError, OffloadSession
 from gpu_worker.streaming import StreamStats
 
-__all__ = ["NodeError", "OffloadSession", "RemoteAdamW", "StreamStats", "offload"]
+__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession", "RemoteAdamW", "StreamStats", "offload"]

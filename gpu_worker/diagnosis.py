@@ -28,6 +28,10 @@ def ask_what_nodes_wait_for(clients: Sequence[ClientEndpoint], rank: int, answer
 def _account(status: dict | None) -> str:
     if status is None:
         return "no answer (is it running?)"
+    if status.get("rank_registered") is False:  # the node tells a connection that is not a registered rank nothing more
+        if not status.get("registered"):
+            return "it has no job: rank 0 has not registered one there (was the node restarted without --resume?)"
+        return "this connection is not registered there as this rank (the node restarted, or another process took the rank)"
     if status.get("paused"):
         return f"updates paused by its operator ({status['paused']})"
     if status.get("storage_error"):

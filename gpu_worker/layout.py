@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from optimizer_node.placement import BucketSpec, ParamSpec
+from job.placement import BucketSpec, ParamSpec
 from transport.wire import dtype_name
 
 TensorPieces = Sequence[tuple[int, torch.Tensor]]

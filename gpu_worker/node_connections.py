@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,6 +33,50 @@ class NodeError(RuntimeError):
         super().__init__(f"optimizer node {node} rejected the request ({name}): {message}")
         self.node = node
         self.code = code
+
+
+class NonFiniteGradientError(NodeError):
+    """The nodes refused this rank's gradient of one or more buckets because it held NaN or inf
+    (``netoptim node --non-finite refuse``, the default). Their parameters and moments are unchanged,
+    and they keep the other ranks' gradients of those buckets: the step is still open.
+
+    ``refusals`` lists ``(node, bucket_id, step, values)``: where, which bucket, which step, and how
+    many NaN/inf values the gradient held. ``optimizer.step()`` called again with finite gradients
+    pushes those buckets again and finishes the step; the other ranks only wait meanwhile. Where the
+    step cannot be retried in the process (``retry=False``: layer-wise workers keep no gradients to
+    push again), the message says to restart the worker, which redoes the step.
+    """
+
+    def __init__(self, rank: int, refusals: Sequence[tuple[str, int, int, int]], describe: Callable[[int], str] = str, *, retry: bool = True) -> None:
+        step = refusals[0][2]
+        where = "; ".join(
+            f"bucket {bucket_id} ({describe(bucket_id)}): {values} NaN/inf value(s), refused by node {node}" for node, bucket_id, _, values in refusals
+        )
+        go_on = (
+            "call optimizer.step() again with finite gradients (e.g. after p.grad.nan_to_num_()), or stop and restart from a checkpoint"
+            if retry
+            else f"restart this worker (it redoes step {step} and pushes only what the nodes lack), or stop and restart from a checkpoint"
+        )
+        RuntimeError.__init__(
+            self,
+            f"rank {rank}, step {step}: this rank's gradient is not finite. {where}. The nodes' parameters and moments are unchanged and they "
+            f"wait for this rank's gradient of {'that bucket' if len(refusals) == 1 else 'those buckets'} (the other ranks wait too). To go on, "
+            f"{go_on}. To avoid it: lower the learning rate, clip gradients (max_grad_norm), use a GradScaler (mixed precision), or run the "
+            "nodes with --non-finite skip (a step with NaN/inf is then skipped everywhere, as GradScaler does)",
+        )
+        self.node = refusals[0][0]
+        self.code = int(ErrorCode.NON_FINITE)
+        self.rank = rank
+        self.step = step
+        self.refusals = list(refusals)
+
+
+def node_error(node: str, header: Header) -> NodeError:
+    """The exception for an ERROR a node sent (a :class:`NonFiniteGradientError` for NON_FINITE)."""
+    code = header.meta.get("code", 0)
+    if code == ErrorCode.NON_FINITE and isinstance(header.meta.get("rank"), int):
+        return NonFiniteGradientError(header.meta["rank"], [(node, header.bucket_id, header.step, int(header.meta.get("values", 0)))])
+    return NodeError(node, code, header.meta.get("message", ""))
 
 
 class NodeConnections:
@@ -142,7 +186,7 @@ class NodeConnections:
             raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer within {timeout_s:.0f} s while waiting for {what}")
         header = message.header
         if header.msg_type == MsgType.ERROR:
-            raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
+            raise node_error(self.nodes[index], header)
         if header.msg_type != msg_type:
             raise RuntimeError(f"node {self.nodes[index]} answered {header.msg_type.name}, expected {msg_type.name}")
         return message
@@ -168,7 +212,17 @@ class NodeConnections:
             self._clients[index].send(Header(msg_type=MsgType.QUERY, rank=self.rank))
 
     def log_notice(self, index: int, header: Header) -> None:
-        if header.meta.get("waiting_for"):
+        if isinstance(header.meta.get("non_finite"), dict):
+            refused = header.meta["non_finite"]
+            log.warning(
+                "node %s refused rank %s's gradient of bucket %s at step %s (%s NaN/inf values): this worker waits until that rank pushes it again",
+                self.nodes[index],
+                refused.get("rank"),
+                refused.get("bucket"),
+                refused.get("step"),
+                refused.get("values"),
+            )
+        elif header.meta.get("waiting_for"):
             log.info("node %s: %s", self.nodes[index], header.meta["waiting_for"])
         elif header.meta.get("paused"):
             log.warning("node %s paused updates: %s; this worker waits (timeout %.0f s)", self.nodes[index], header.meta.get("reason"), self.timeouts.timeout_s)

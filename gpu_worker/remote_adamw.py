@@ -19,8 +19,8 @@ from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
-from optimizer_node.adamw import AdamWHyper
-from optimizer_node.job import JobSpec
+from job.hyper import AdamWHyper
+from job.spec import JobSpec
 from transport.security import CurveClientConfig
 from transport.wire import dtype_name
 
@@ -220,6 +220,18 @@ class RemoteAdamW(torch.optim.Optimizer):
         """With ``max_grad_norm``: the global norm of the last averaged gradient, before clipping."""
         return self._session.last_grad_norm
 
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the nodes skipped the last step (``netoptim node --non-finite skip``: a gradient held
+        NaN/inf, so nothing changed, as with GradScaler). Layer-wise mode: known once the next forward began."""
+        skipped = self._session.last_skipped_step
+        return skipped is not None and skipped == self._session.step - 1
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the nodes skipped for a non-finite gradient since this optimizer was made."""
+        return self._session.skipped_steps
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally without pushing them (as DDP's
@@ -239,7 +251,7 @@ class RemoteAdamW(torch.optim.Optimizer):
                 name = self._session.job.params[index].name
                 raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
             ready.add(index)
-            if len(ready) == len(self._bucket_params[bucket_id]):
+            if len(ready) == len(self._bucket_params[bucket_id]) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
                 self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
 
     def _group_hypers(self) -> list[AdamWHyper]:
@@ -253,7 +265,12 @@ class RemoteAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Send the gradients, wait for the nodes' update and install the new parameters."""
+        """Send the gradients, wait for the nodes' update and install the new parameters.
+
+        Raises :class:`~gpu_worker.NonFiniteGradientError` when the nodes refuse a gradient of this
+        rank that holds NaN or inf (their default, ``--non-finite refuse``): nothing was applied to
+        those buckets and the step is still open; calling ``step()`` again with finite gradients
+        finishes it (the other ranks wait meanwhile)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

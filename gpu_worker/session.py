@@ -10,6 +10,7 @@ handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -18,19 +19,19 @@ import torch
 
 from gpu_worker.layout import gather_bucket, scatter_bucket
 from gpu_worker.liveness import WorkerTimeouts
-from gpu_worker.node_connections import NodeConnections, NodeError
+from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.send_buffers import SendBuffers
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
-from optimizer_node.adamw import AdamWHyper
-from optimizer_node.job import JobSpec
-from optimizer_node.placement import BucketSpec
+from job.hyper import AdamWHyper
+from job.placement import BucketSpec
+from job.spec import JobSpec
 from transport.interface import Message
 from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, Header, MsgType, tensor_header
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NodeError", "OffloadSession"]
+__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession"]
 
 
 class OffloadSession:
@@ -96,6 +97,16 @@ class OffloadSession:
             connections_per_node=connections_per_node,
         )
         self._pushed: set[int] = set()
+        # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
+        # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
+        # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
+        self._refused: dict[int, tuple[str, int, int, int]] = {}
+        self._blocked: dict[int, tuple[int, set[int]]] = {}
+        self._collect_refusals = False  # finish_step collects refusals and raises once; elsewhere one raises at once
+        self._step_open = False  # finish_step raised NonFiniteGradientError: the next call continues the same step
+        self._non_finite_policies: dict[int, str] = {}  # node index -> its --non-finite policy, as its HELLO_OK said
+        self.last_skipped_step: int | None = None  # the last step the nodes skipped (--non-finite skip)
+        self.skipped_steps = 0
 
     # ---------------------------------------------------------------- setup
 
@@ -144,6 +155,16 @@ class OffloadSession:
         owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
         if reply.header.meta.get("owned") != owned:
             raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
+        policy = reply.header.meta.get("non_finite")
+        if isinstance(policy, str):
+            self._non_finite_policies[index] = policy
+            other = next((i for i, theirs in self._non_finite_policies.items() if theirs != policy), None)
+            if other is not None:
+                raise RuntimeError(
+                    f"node {self.nodes[index]} runs with --non-finite {policy}, node {self.nodes[other]} with --non-finite "
+                    f"{self._non_finite_policies[other]}: the nodes of a job must agree (a skipped step must be skipped on every node); "
+                    "restart them with the same --non-finite"
+                )
         return reply
 
     def _resume_at(self, resume: dict[int, tuple[int, list[int]]]) -> None:
@@ -245,7 +266,20 @@ class OffloadSession:
         self._skipped.difference_update(bucket_ids)
 
     def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
-        """Push every bucket not pushed yet, then install each bucket's new values as it comes back."""
+        """Push every bucket not pushed yet, then install each bucket's new values as it comes back.
+
+        When the nodes refuse this rank's gradient of some buckets (NaN/inf, ``--non-finite refuse``),
+        it raises :class:`NonFiniteGradientError` once every other bucket is back or blocked, and the
+        step stays open: the next call pushes the refused buckets again, from the gradients it is
+        given, and waits for the rest."""
+        if self._step_open:  # a retry: the refused buckets go again
+            for bucket_id in self._refused:
+                self._blocked.get(bucket_id, (0, set()))[1].discard(self.rank)
+            self._refused.clear()
+            self._step_open = False
+        else:
+            self._waiting = set(range(len(self.buckets)))
+            self._blocked.clear()
         self._step_grads = (grads, hypers)  # a node that restarts mid-step gets them again
         for bucket in self.buckets:
             if bucket.bucket_id not in self._pushed:
@@ -253,16 +287,42 @@ class OffloadSession:
         for bucket_id in sorted(self._skipped):  # their new values went to the process this one replaces
             self.request(bucket_id, self.bucket_steps[bucket_id] + 1)
         self._skipped.clear()
-        waiting = self._waiting = set(range(len(self.buckets)))
+        waiting = self._waiting
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
+        self._collect_refusals = True
         try:
-            self.receive_until(lambda: not waiting, lambda: f"no parameters for {len(waiting)} bucket(s)")
+            # Done when every bucket is back, or, after a refusal of this rank's gradient, when each one
+            # still missing waits for a refused gradient (this rank's, or another's it was told about).
+            self.receive_until(
+                lambda: not waiting or (bool(self._refused) and all(self._is_blocked(b) for b in waiting)),
+                lambda: f"no parameters for {len(waiting)} bucket(s)",
+            )
+            if waiting:
+                self._step_open = True
+                raise NonFiniteGradientError(self.rank, [self._refused[b] for b in sorted(self._refused)], self.describe_bucket)
         finally:
             self.on_params = None
-            self._pushed.clear()
-            self._step_grads = None
-            self._waiting = set()
-            self._reconnected = False
+            self._collect_refusals = False
+            if not self._step_open:
+                self._pushed.clear()
+                self._step_grads = None
+                self._waiting = set()
+                self._reconnected = False
+                self._refused.clear()
+                self._blocked.clear()
+
+    def has_pushed(self, bucket_id: int) -> bool:
+        """Whether the nodes hold (or are being sent) this rank's gradient of the bucket for the step in progress."""
+        return bucket_id in self._pushed
+
+    def describe_bucket(self, bucket_id: int) -> str:
+        """The parameters a bucket holds, for messages (``w[0:128], b``)."""
+        parts = []
+        for segment in self.buckets[bucket_id].segments:
+            spec = self.job.params[segment.param_index]
+            whole = segment.numel == math.prod(spec.shape)
+            parts.append(spec.name if whole else f"{spec.name}[{segment.param_offset}:{segment.param_offset + segment.numel}]")
+        return "parameters " + ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
 
     @property
     def send_buffers_allocated(self) -> int:
@@ -317,9 +377,17 @@ class OffloadSession:
     def _dispatch(self, index: int, message: Message) -> None:
         header = message.header
         if header.msg_type == MsgType.ERROR:
-            raise NodeError(self.nodes[index], header.meta.get("code", 0), header.meta.get("message", ""))
+            error = node_error(self.nodes[index], header)
+            if isinstance(error, NonFiniteGradientError):
+                if self._refusal_collected(error):
+                    return
+                error = NonFiniteGradientError(self.rank, error.refusals, self.describe_bucket, retry=False)
+            raise error
         if header.msg_type == MsgType.NOTICE:
             self._connections.log_notice(index, header)
+            refused = header.meta.get("non_finite")
+            if isinstance(refused, dict) and all(isinstance(refused.get(key), int) for key in ("bucket", "step", "rank")):
+                self._note_blocked(refused["bucket"], refused["step"], refused["rank"])
             return
         if header.msg_type == MsgType.CONSUMED:
             self._unconsumed_bytes -= self._unconsumed.pop(header.bucket_id, 0)
@@ -331,9 +399,39 @@ class OffloadSession:
             raise RuntimeError(f"unexpected {header.msg_type.name} from node {self.nodes[index]}")
         if "grad_norm" in header.meta:
             self.last_grad_norm = float(header.meta["grad_norm"])
+        if header.meta.get("skipped") and self.last_skipped_step != header.step - 1:
+            self.last_skipped_step = header.step - 1
+            self.skipped_steps += 1
+            log.warning(
+                "rank %d: the nodes skipped step %d (a gradient held NaN/inf; --non-finite skip): the parameters did not change", self.rank, header.step - 1
+            )
         if self._requests.get(header.bucket_id) == header.step:
             del self._requests[header.bucket_id]
         self.on_params(index, message)
+
+    def _refusal_collected(self, error: NonFiniteGradientError) -> bool:
+        """finish_step: note that a node refused this rank's gradient of a bucket it waits for (the
+        step raises once the rest is in); False where it must raise now (layer-wise, another rank's)."""
+        node, bucket_id, step, _values = error.refusals[0]
+        if not self._collect_refusals or error.rank != self.rank or bucket_id not in self._waiting or step != self.bucket_steps[bucket_id]:
+            return False
+        self._refused[bucket_id] = error.refusals[0]
+        self._note_blocked(bucket_id, step, self.rank)
+        self._pushed.discard(bucket_id)  # the node does not hold it: the retry pushes it again
+        log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", self.rank, node, bucket_id, step)
+        return True
+
+    def _note_blocked(self, bucket_id: int, step: int, rank: int) -> None:
+        """A node refused ``rank``'s gradient of the bucket for ``step``."""
+        entry = self._blocked.get(bucket_id)
+        if entry is None or entry[0] != step:
+            entry = self._blocked[bucket_id] = (step, set())
+        entry[1].add(rank)
+
+    def _is_blocked(self, bucket_id: int) -> bool:
+        """Whether the bucket's values of this step wait for a rank whose gradient was refused."""
+        entry = self._blocked.get(bucket_id)
+        return entry is not None and entry[0] == self.bucket_steps[bucket_id] and bool(entry[1])
 
     def _on_norm_partial(self, index: int, header: Header) -> None:
         """Rank 0: add the nodes' shares of the squared norm in node order and send the total to all.
@@ -441,7 +539,12 @@ class OffloadSession:
 
     def _diagnose_timeout(self, missing: str) -> str:
         """The timeout's message: what this worker misses and, per node, what the node waits for."""
-        return "; ".join([f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s", *self._connections.accounts()])
+        refused = [
+            f"bucket {b} of step {step} waits for rank(s) {sorted(ranks)} to push again the gradient the node refused (NaN/inf)"
+            for b, (step, ranks) in sorted(self._blocked.items())
+            if ranks and step >= self.step - 1  # layer-wise: pushed buckets are counted a step ahead
+        ]
+        return "; ".join([f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s", *refused, *self._connections.accounts()])
 
     def close(self) -> None:
         self._connections.close()

@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten
 from gpu_worker.device_copy import HostToDevice
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
-from optimizer_node.adamw import AdamWHyper
-from optimizer_node.host_memory import map_large_allocations, trim_host_heap
+from job.hyper import AdamWHyper
+from transport.host_memory import map_large_allocations, trim_host_heap
 from transport.interface import Message
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ consecutive buckets, hence consecutive layers, over all nodes.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,11 +121,13 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int,
             offset += take
     close_bucket()
 
-    load = [0] * num_nodes
+    # The node with the fewest elements, ties to the lower index: a heap of (load, node) pops exactly
+    # that one, in O(log nodes) per bucket rather than a scan of every node.
+    load = [(0, node) for node in range(min(num_nodes, len(raw_buckets)))]  # nodes past the bucket count get nothing
     buckets = []
     for bucket_id, (group, numel, segments) in enumerate(raw_buckets):
-        node = min(range(num_nodes), key=lambda n: (load[n], n))
-        load[node] += numel
+        total, node = load[0]
+        heapq.heapreplace(load, (total + numel, node))
         buckets.append(BucketSpec(bucket_id, group, numel, node, tuple(segments)))
     return buckets
 

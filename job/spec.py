@@ -2,7 +2,7 @@
 
 Rank 0 registers a :class:`JobSpec` with every node; every other rank sends its own and the node
 checks that it is identical. Both sides derive the bucket plan from it with
-:func:`optimizer_node.placement.plan_buckets`.
+:func:`job.placement.plan_buckets`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,62 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from optimizer_node.placement import BucketSpec, ParamSpec, first_difference, plan_buckets
+from job.placement import SPLIT_ALIGNMENT, BucketSpec, ParamSpec, first_difference, plan_buckets
 from transport.wire import WIRE_DTYPES
+
+MAX_PARAM_DIMS = 64
+"""Dimensions of one parameter's shape at most (a format limit, as torch's own)."""
+
+MAX_NAME_BYTES = 1024
+"""UTF-8 bytes of a parameter name at most."""
+
+MAX_DTYPE_CHARS = 32
+"""Characters of a parameter's dtype name at most (``bfloat16`` has 8)."""
+
+# The defaults of JobLimits, and of the node flags that set them (--max-job-params, ...).
+DEFAULT_MAX_JOB_PARAMS = 1 << 17
+DEFAULT_MAX_JOB_ELEMENTS = 1 << 40
+DEFAULT_MAX_JOB_BUCKETS = 1 << 17
+DEFAULT_MAX_WORLD_SIZE = 1 << 14
+DEFAULT_MAX_JOB_NODES = 1 << 12
+
+
+class LimitError(ValueError):
+    """A job over one of a node's limits; ``flag`` is the ``netoptim node`` flag that raises it."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(f"{message}; start the node with a higher {flag} to allow it")
+        self.flag = flag
+
+
+@dataclass(frozen=True, slots=True)
+class JobLimits:
+    """The largest job a node takes: checked on what a HELLO declares, before anything proportional
+    to the declared sizes is allocated or iterated (a declared shape is only numbers; planning its
+    buckets, or even multiplying out a shape of a million dimensions, is not free)."""
+
+    max_params: int = DEFAULT_MAX_JOB_PARAMS
+    """Parameters per job (``--max-job-params``)."""
+
+    max_elements: int = DEFAULT_MAX_JOB_ELEMENTS
+    """Elements per job, all parameters together (``--max-job-elements``)."""
+
+    max_buckets: int = DEFAULT_MAX_JOB_BUCKETS
+    """Buckets per job (``--max-job-buckets``): the plan costs ~0.4 KB and ~10 us of the node per bucket."""
+
+    max_world_size: int = DEFAULT_MAX_WORLD_SIZE
+    """Workers per job (``--max-world-size``)."""
+
+    max_nodes: int = DEFAULT_MAX_JOB_NODES
+    """Optimizer nodes per job (``--max-job-nodes``)."""
+
+    def validate(self) -> None:
+        """``ValueError`` for a limit that is not a positive integer."""
+        for name in ("max_params", "max_elements", "max_buckets", "max_world_size", "max_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
 
 MODES = ("full", "layerwise")
 """``full``: every worker holds the whole model and the node sends each bucket's new values to every
@@ -49,10 +103,53 @@ class JobSpec:
             raise ValueError("a job needs at least one parameter")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {list(MODES)}")
+        if len(self.unit_starts) > len(self.params):  # said before the sort below, whose cost grows with the list
+            raise ValueError(f"unit_starts has {len(self.unit_starts)} entries for {len(self.params)} parameters")
         if list(self.unit_starts) != sorted(set(self.unit_starts)) or any(not 0 <= s < len(self.params) for s in self.unit_starts):
             raise ValueError(f"unit_starts must be increasing parameter indices in [0, {len(self.params)}), got {list(self.unit_starts)}")
         if self.unit_starts and self.mode != "layerwise":
             raise ValueError("unit_starts are for layer-wise jobs only")
+
+    def check_limits(self, limits: JobLimits) -> None:
+        """:class:`LimitError` when the job is over ``limits``, ``ValueError`` for a layout no plan
+        can have. Costs O(parameters + dimensions), whatever sizes the job declares: every count is
+        checked before it is used, and the buckets are counted from below, not planned."""
+        if self.world_size > limits.max_world_size:
+            raise LimitError(f"the job has {self.world_size} workers, this node takes at most {limits.max_world_size}", "--max-world-size")
+        if self.num_nodes > limits.max_nodes:
+            raise LimitError(f"the job has {self.num_nodes} nodes, this node takes jobs of at most {limits.max_nodes}", "--max-job-nodes")
+        if len(self.params) > limits.max_params:
+            raise LimitError(f"the job has {len(self.params)} parameters, this node takes at most {limits.max_params}", "--max-job-params")
+        if self.bucket_numel < SPLIT_ALIGNMENT:
+            raise ValueError(f"bucket_numel must be at least {SPLIT_ALIGNMENT}, got {self.bucket_numel}")
+        total = 0
+        names: set[str] = set()
+        for index, param in enumerate(self.params):
+            _check_param_format(index, param)
+            if param.name in names:
+                raise ValueError(f"duplicate parameter name {param.name!r}")
+            names.add(param.name)
+            # Each dimension is at most max_elements before they are multiplied: a product of at most
+            # MAX_PARAM_DIMS such numbers is cheap, one of a million huge ones is not.
+            if any(d > limits.max_elements for d in param.shape) or (total := total + param.numel) > limits.max_elements:
+                raise LimitError(f"the job declares more than {limits.max_elements:,} elements (at parameter {index})", "--max-job-elements")
+        at_least = -(-total // self.bucket_numel)  # the plan can only have more (a bucket ends at each group change)
+        if at_least > limits.max_buckets:
+            raise LimitError(
+                f"{total:,} elements in buckets of {self.bucket_numel:,} make at least {at_least:,} buckets, this node takes at most {limits.max_buckets:,}",
+                "--max-job-buckets",
+            )
+
+    def plan_within(self, limits: JobLimits) -> list[BucketSpec]:
+        """:meth:`plan`, for a job that passed :meth:`check_limits`; :class:`LimitError` for a plan of
+        more buckets than ``limits`` allows. The planning is bounded: with at least ``total /
+        bucket_numel`` buckets within the limit, it makes at most twice that (every bucket but one per
+        parameter and group change holds ``bucket_numel`` rounded down to a multiple of
+        ``SPLIT_ALIGNMENT``, at least half of it) plus two per parameter."""
+        plan = self.plan()
+        if len(plan) > limits.max_buckets:
+            raise LimitError(f"the job's plan has {len(plan):,} buckets, this node takes at most {limits.max_buckets:,}", "--max-job-buckets")
+        return plan
 
     def plan(self) -> list[BucketSpec]:
         return plan_buckets(self.params, self.bucket_numel, self.num_nodes, self.unit_starts)
@@ -70,8 +167,10 @@ class JobSpec:
         }
 
     @classmethod
-    def from_wire(cls, raw: object) -> JobSpec:
-        """Parse and validate; ``ValueError`` with the reason for anything malformed."""
+    def from_wire(cls, raw: object, limits: JobLimits | None = None) -> JobSpec:
+        """Parse and validate; ``ValueError`` with the reason for anything malformed. With ``limits``,
+        :class:`LimitError` for more parameters than they allow, said before any is parsed (then see
+        :meth:`check_limits` for the rest)."""
         if not isinstance(raw, dict):
             raise ValueError("job spec must be a map")
         try:
@@ -90,6 +189,8 @@ class JobSpec:
             raise ValueError("job spec field max_grad_norm must be a number or null")
         if not isinstance(params, list):
             raise ValueError("job spec field params must be a list")
+        if limits is not None and len(params) > limits.max_params:
+            raise LimitError(f"the job has {len(params)} parameters, this node takes at most {limits.max_params}", "--max-job-params")
         mode = raw.get("mode", "full")
         unit_starts = raw.get("unit_starts", [])
         if not isinstance(mode, str):
@@ -118,3 +219,13 @@ class JobSpec:
             if mine != theirs:
                 return f"{name} differs: registered {mine!r}, got {theirs!r}"
         return first_difference(self.params, other.params)
+
+
+def _check_param_format(index: int, param: ParamSpec) -> None:
+    """``ValueError`` for a parameter spec no model has: a name, dtype or shape beyond the format's limits."""
+    if len(param.shape) > MAX_PARAM_DIMS:
+        raise ValueError(f"parameter {index} has {len(param.shape)} dimensions, at most {MAX_PARAM_DIMS} are allowed")
+    if len(param.name) > MAX_NAME_BYTES or len(param.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ValueError(f"the name of parameter {index} is longer than {MAX_NAME_BYTES} bytes")
+    if len(param.dtype) > MAX_DTYPE_CHARS:
+        raise ValueError(f"the dtype of parameter {index} is longer than {MAX_DTYPE_CHARS} characters")

@@ -76,8 +76,22 @@ def _render_status(status: dict) -> str:
         f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM)",
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f})",
     ]
+    non_finite = status.get("non_finite")
+    if non_finite:
+        lines.append(_render_non_finite(non_finite))
     lines += [_render_worker(w) for w in status["workers"]]
     return "\n".join(lines)
+
+
+def _render_non_finite(non_finite: dict) -> str:
+    """The node's NaN/inf counters: policy, pushes refused, steps skipped, the last one."""
+    line = f"non-finite gradients (--non-finite {non_finite['policy']}): {non_finite['refused_pushes']} push(es) refused, {non_finite['skipped_steps']} step(s) skipped"
+    last = non_finite.get("last")
+    if last:
+        line += f"; last {last['action']} at step {last['step']}"
+        if int(last["rank"]) >= 0:
+            line += f": rank {last['rank']}, bucket {last['bucket']}, {last['values']} NaN/inf value(s)"
+    return line
 
 
 def _render_worker(worker: dict) -> str:

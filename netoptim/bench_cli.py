@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from netoptim.arg_types import non_negative_int, positive_int, positive_int_list, size, size_list
+from netoptim.cluster_cli import add_cluster_flags
 from netoptim.plan_cli import add_model_flags
 
 
@@ -14,7 +15,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,step}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,step,cluster}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -95,3 +96,5 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--threads", type=positive_int, default=1, help="torch threads of the worker (the node runs one) (default: %(default)s)")
     step.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
     step.add_argument("--steps", type=positive_int, default=5, help="timed steps per bucket count; the median is reported (default: %(default)s)")
+    cluster = which.add_parser("cluster", help="tokens/s and bytes per link on an emulated cluster (root): netoptim vs torch FSDP and DDP over gloo")
+    add_cluster_flags(cluster)

@@ -13,6 +13,7 @@ from typing import NoReturn
 from netoptim.admin_cli import add_admin_parser, run_admin
 from netoptim.arg_types import non_negative_int, positive_int, size
 from netoptim.bench_cli import add_bench_parser
+from netoptim.cluster_cli import add_cluster_parser
 from netoptim.node_cli import add_node_parser, run_node
 from netoptim.plan_cli import add_plan_parser, run_plan
 
@@ -107,17 +108,48 @@ def _add_keygen_parser(subparsers: argparse._SubParsersAction) -> None:
     keygen = subparsers.add_parser(
         "keygen",
         help="make a CURVE key pair for the data plane",
-        description="Write NAME.key (public: give it to peers; a node's allow-list is a directory of workers' .key files) and NAME.key_secret (keep it private) into DIR.",
+        description="Write NAME.key (public: give it to peers; a node's allow-list is a directory of workers' .key files) and NAME.key_secret "
+        "(keep it private) into DIR. Give a worker's key --ranks: the node then lets it register as those ranks only (FORBIDDEN otherwise); "
+        "a key without ranks may register as any rank.",
     )
-    keygen.add_argument("--dir", required=True, help="where to write the two files")
-    keygen.add_argument("--name", required=True, help="base name of the files, e.g. node0 or worker3")
+    keygen.add_argument("name", nargs="?", metavar="NAME", help="base name of the files, e.g. node0 or worker3")
+    keygen.add_argument("--name", dest="name_option", metavar="NAME", help="the same as NAME")
+    keygen.add_argument("--dir", default=".", help="where to write the two files (default: the current directory)")
+    keygen.add_argument(
+        "--ranks", type=_ranks, default=None, metavar="RANKS", help="the ranks a worker's key may register as: 3, 0,1 or 0-3 (a node's key needs none)"
+    )
+
+
+def _ranks(text: str) -> str:
+    """A rank list like 3, 0,1 or 0-3,8, checked here so that a typo is a usage error."""
+    from transport.security import format_ranks, parse_ranks
+
+    try:
+        return format_ranks(parse_ranks(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_keygen(args: argparse.Namespace) -> int:
     from transport.security import generate_keypair
 
-    public, secret = generate_keypair(args.dir, args.name)
+    if args.name and args.name_option and args.name != args.name_option:
+        log.error("keygen: give the name once, as NAME or --name")
+        return 2
+    name = args.name or args.name_option
+    if not name:
+        log.error("keygen: give the key's name, e.g. netoptim keygen worker0 --ranks 0")
+        return 2
+    try:
+        public, secret = generate_keypair(args.dir, name, ranks=args.ranks)
+    except (OSError, ValueError) as exc:
+        log.error("keygen failed: %s", exc)
+        return 1
     print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    if args.ranks is not None:
+        print(f"bound to rank(s) {args.ranks}: a node with {public.name} in its --curve-allow directory lets this key register as those ranks only")
+    else:
+        print("bound to no rank: fine for a node's key; a worker's key should be bound with --ranks, or any holder may register as any rank")
     return 0
 
 
@@ -164,7 +196,7 @@ def _version() -> str:
 def parse_command_line(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv`` (default: ``sys.argv[1:]``); for ``node``, fill what its flags leave unset from
     ``--config FILE`` (exit 2 naming the key and line when the file is wrong)."""
-    from netoptim.config_file import ConfigFileError, apply_config_file
+    from job.config_file import ConfigFileError, apply_config_file
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -195,10 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"netoptim {_version()}", help="print netoptim's version and exit")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,plan,plan-memory,admin,export,keygen}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,cluster,plan,plan-memory,admin,export,keygen}")
     add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     add_bench_parser(subparsers)
+    add_cluster_parser(subparsers)
     _add_plan_memory_parser(subparsers)
     add_plan_parser(subparsers)
     add_admin_parser(subparsers)
@@ -251,6 +284,10 @@ def _run_command(args: argparse.Namespace) -> int:
         return run_plan_memory(args)
     if args.command == "plan":
         return run_plan(args)
+    if args.command == "cluster":
+        from netoptim.cluster_cli import run_cluster_command
+
+        return run_cluster_command(args)
     if args.command == "bench":
         from benchmarks import run_benchmark
 

@@ -63,8 +63,8 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help='write {"data": ADDRESS, "pid": PID, "node_id": ID} here as JSON once the node accepts work, with "same_host", "admin" and "metrics" when it serves them',
     )
     node.add_argument("--node-id", default="", help="a name for this node in logs (default: its address)")
-    node.add_argument("--max-message-bytes", type=size, default=None, help="largest tensor payload accepted in one message, e.g. 2GiB (default: 2GiB)")
     node.add_argument("--chunk-bytes", type=size, default=None, help="size of the frames outgoing tensors are split into (default: 4MiB)")
+    add_limit_flags(node)
     node.add_argument(
         "--io-threads",
         type=positive_int,
@@ -116,6 +116,16 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="out-of-core mode: fdatasync every state write and drop it from the page cache (bounded page cache, disk-speed updates)",
     )
     node.add_argument(
+        "--non-finite",
+        choices=("refuse", "skip"),
+        default="refuse",
+        help="what to do with a gradient holding NaN or inf, found before it touches any state. refuse: answer that push with an error naming "
+        "the rank, bucket and step, keep the bucket's state and the other ranks' gradients (the worker's step() raises; it may push that bucket "
+        "again with finite values). skip: skip the whole step on every bucket of every node, as torch's GradScaler does for mixed precision "
+        "(parameters, moments and AdamW's step count unchanged, the workers get the unchanged parameters and go on; costs a global agreement "
+        "per step, as clipping does). Give every node of a job the same policy (default: %(default)s)",
+    )
+    node.add_argument(
         "--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)"
     )
     node.add_argument(
@@ -146,6 +156,95 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+LIMIT_FLAGS = (
+    "max_message_bytes",
+    "max_frame_bytes",
+    "max_header_bytes",
+    "max_peers",
+    "max_job_params",
+    "max_job_elements",
+    "max_job_buckets",
+    "max_world_size",
+    "max_job_nodes",
+    "max_waiting_hellos",
+    "max_waiting_hello_bytes",
+)
+"""The node's resource limits: flags of the same name as their NodeConfig field (docs/operations.md, Limits)."""
+
+
+def add_limit_flags(node: argparse.ArgumentParser) -> None:
+    """The flags of the limits that keep a node's memory bounded whatever its peers send (defaults in
+    :class:`~optimizer_node.NodeConfig`, repeated here: importing it would make --help slow)."""
+    limits = node.add_argument_group(
+        "limits",
+        "What any peer that reaches the data plane can make the node hold is bounded by these. A message over one is answered with ERROR "
+        "(LIMIT or TOO_LARGE, naming the flag) and logged at most once per limit every 10 s; see docs/operations.md, Limits.",
+    )
+    limits.add_argument(
+        "--max-message-bytes",
+        type=size,
+        metavar="SIZE",
+        default=None,
+        help="largest tensor payload in one message (TOO_LARGE); once a job is registered, its largest bucket as fp32 if that is less; "
+        "a job with a larger bucket is refused (default: 1GiB)",
+    )
+    limits.add_argument(
+        "--max-frame-bytes",
+        type=size,
+        metavar="SIZE",
+        default=None,
+        help="largest ZeroMQ frame: a peer that sends a larger one is disconnected by ZeroMQ before it is stored, without an answer "
+        "(default and minimum: the largest of --chunk-bytes, 4MiB and --max-header-bytes)",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=size,
+        metavar="SIZE",
+        default=None,
+        help="largest message header (TOO_LARGE); a HELLO lists every parameter, ~60-100 bytes each; decoding a header can take ~70x its size "
+        "for a moment (default: 1MiB, at most 16MiB)",
+    )
+    limits.add_argument(
+        "--max-peers",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="distinct peers (worker connections) the node keeps track of; a new one beyond is refused with LIMIT unless the least recently "
+        "heard one has been silent for 5 minutes (default: 65536)",
+    )
+    limits.add_argument("--max-job-params", type=positive_int, metavar="N", default=None, help="parameters a job may declare in its HELLO (default: 131072)")
+    limits.add_argument(
+        "--max-job-elements",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="elements a job may declare, all parameters together; its share must also fit the node's memory or --state-dir (default: 2^40)",
+    )
+    limits.add_argument(
+        "--max-job-buckets",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="buckets a job may have; planning costs every node ~0.4 KB and ~10 us per bucket (default: 131072)",
+    )
+    limits.add_argument("--max-world-size", type=positive_int, metavar="N", default=None, help="workers a job may declare (default: 16384)")
+    limits.add_argument("--max-job-nodes", type=positive_int, metavar="N", default=None, help="optimizer nodes a job may declare (default: 4096)")
+    limits.add_argument(
+        "--max-waiting-hellos",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="HELLOs of ranks other than 0 held until rank 0 registers the job; give at least the job's world size (default: 4096)",
+    )
+    limits.add_argument(
+        "--max-waiting-hello-bytes",
+        type=size,
+        metavar="SIZE",
+        default=None,
+        help="bytes those held HELLOs may take: each distinct layout once, as encoded, plus ~0.5 KB per HELLO (default: 16MiB)",
+    )
+
+
 def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported lazily to keep --help fast
     """The one place where flags become a :class:`NodeConfig`."""
     from optimizer_node import NodeConfig
@@ -166,12 +265,14 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         state_dir=args.state_dir,
         memory_budget=args.memory_budget,
         sync_state_writes=args.sync_state_writes,
+        non_finite=args.non_finite,
         io_threads=args.io_threads,
     )
-    if args.max_message_bytes is not None:
-        config.max_message_bytes = args.max_message_bytes
     if args.chunk_bytes is not None:
         config.chunk_bytes = args.chunk_bytes
+    for name in LIMIT_FLAGS:  # only those given: the rest keep NodeConfig's defaults
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
     return config
 
 
@@ -291,7 +392,7 @@ def run_node(args: argparse.Namespace) -> int:
     from optimizer_node.faults import CrashPoints
 
     if getattr(args, "print_config", False):
-        from netoptim.config_file import ConfigSources, describe
+        from job.config_file import ConfigSources, describe
 
         print(describe(args, args.node_parser, getattr(args, "config_sources", None) or ConfigSources(), secret_dests=frozenset({"admin_token"})))
         return 0

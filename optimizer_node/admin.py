@@ -8,11 +8,15 @@ messages.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import json
 import logging
+import math
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -34,6 +38,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["OptimizerNodeAdmin"].full_name
 _OVERRIDE_FIELDS = ("lr", "lr_scale", "beta1", "beta2", "eps", "weight_decay")
+
+DEFAULT_WAIT_S = 300.0
+"""How long Checkpoint and Drain wait for the step in flight when the request says 0."""
+
+MAX_WAIT_S = 24 * 3600.0
+"""The longest timeout_seconds a Checkpoint or Drain may ask for."""
+
+MAX_REASON_CHARS = 1000
+"""A pause reason goes to every worker and into logs: one line of printable text at most this long."""
+
+ADMIN_THREADS = 8
+"""Threads serving admin calls."""
+
+MAX_LONG_CALLS = ADMIN_THREADS // 2
+"""Calls that hold a thread while they wait (WatchSteps streams, Checkpoint and Drain waiting for the
+step in flight) at most at once: the other threads stay free for status calls and health checks."""
 
 
 def _version() -> str:
@@ -74,6 +94,19 @@ def _overrides_message(overrides: HyperOverrides, max_grad_norm: float | None) -
     return admin_pb2.Hyperparameters(**values)
 
 
+def _non_finite(stats: dict) -> admin_pb2.NonFiniteStatus:
+    """The node's non-finite gradient counters (:meth:`NonFiniteStats.snapshot`) as a message."""
+    message = admin_pb2.NonFiniteStatus(policy=stats["policy"], refused_pushes=stats["refused_pushes"], skipped_steps=stats["skipped_steps"])
+    last = stats["last"]
+    if last is not None:
+        message.last.CopyFrom(
+            admin_pb2.NonFiniteEvent(
+                action=last["action"], step=last["step"], rank=last["rank"], bucket=last["bucket_id"], values=last["values"], unix_time=last["unix_time"]
+            )
+        )
+    return message
+
+
 def _workers(last_seen: dict[int, float]) -> list[admin_pb2.WorkerInfo]:
     return [admin_pb2.WorkerInfo(rank=rank, last_seen_unix=seen) for rank, seen in last_seen.items()]
 
@@ -84,6 +117,20 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
     def __init__(self, daemon: NodeDaemon, config: AdminConfig) -> None:
         self._daemon = daemon
         self._config = config
+        self._long_calls = threading.BoundedSemaphore(MAX_LONG_CALLS)
+
+    @contextlib.contextmanager
+    def _long_call(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Hold one of the :data:`MAX_LONG_CALLS` slots for a call that waits; RESOURCE_EXHAUSTED when none is free."""
+        if not self._long_calls.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{MAX_LONG_CALLS} calls that wait (WatchSteps, Checkpoint, Drain) are in progress, the most this node serves at once; try again when one has ended",
+            )
+        try:
+            yield
+        finally:
+            self._long_calls.release()
 
     def _call(self, context: grpc.ServicerContext, function: Callable[[], T]) -> T:
         try:
@@ -114,6 +161,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             paused=status["paused"] is not None,
             pause_reason=status["paused"] or "",
             data_address=status["data_address"],
+            non_finite=_non_finite(status["non_finite"]),
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:
@@ -139,6 +187,8 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
                     values[name] = getattr(request.overrides, name)
             overrides = HyperOverrides(**values)
             overrides.validate()
+            if overrides.lr is not None and overrides.lr_scale is not None and not math.isfinite(overrides.lr * overrides.lr_scale):
+                raise ValueError(f"lr {overrides.lr} times lr_scale {overrides.lr_scale} is not a finite learning rate")
             clip_changes = request.overrides.HasField("max_grad_norm") or request.clear
             clip = request.overrides.max_grad_norm if request.overrides.HasField("max_grad_norm") else None
             if clip_changes:
@@ -152,21 +202,34 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         return admin_pb2.SetHyperparametersResponse(overrides=_overrides_message(*self._call(context, change)))
 
     def Pause(self, request: admin_pb2.PauseRequest, context: grpc.ServicerContext) -> admin_pb2.PauseResponse:
-        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.pause(request.reason)))
+        reason = request.reason
+        # Every worker is told the reason and the node logs it: a line break or a control character
+        # would let a caller forge log lines.
+        if len(reason) > MAX_REASON_CHARS or not reason.isprintable():
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the reason must be printable text on one line, at most {MAX_REASON_CHARS} characters")
+        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.pause(reason)))
 
     def Resume(self, request: admin_pb2.ResumeRequest, context: grpc.ServicerContext) -> admin_pb2.ResumeResponse:
         applied, step = self._call(context, lambda: (self._daemon.resume(), self._daemon.step))
         return admin_pb2.ResumeResponse(step=step, buckets_applied=applied)
 
     def _await_checkpoint(self, context: grpc.ServicerContext, start: Callable[[], futures.Future], timeout_s: float) -> dict:
-        pending = self._call(context, start)
-        try:
-            return pending.result(timeout_s or 300.0)
-        except (ValueError, CheckpointError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except futures.TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the step in flight did not finish in time; the checkpoint will still be taken when it does")
-        raise AssertionError("unreachable: abort raises")
+        # Checked before anything starts: a Drain refused here has not begun draining.
+        if not (math.isfinite(timeout_s) and 0.0 <= timeout_s <= MAX_WAIT_S):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds must be in [0, {MAX_WAIT_S:.0f}] (0: {DEFAULT_WAIT_S:.0f} s), got {timeout_s}")
+        with self._long_call(context):
+            pending = self._call(context, start)
+            deadline = time.monotonic() + (timeout_s or DEFAULT_WAIT_S)
+            while True:  # in slices: a caller that went away (cancelled, or past its own deadline) frees the thread
+                try:
+                    return pending.result(min(0.25, max(deadline - time.monotonic(), 0.0)))
+                except (ValueError, CheckpointError) as exc:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                except futures.TimeoutError:
+                    if time.monotonic() >= deadline or not context.is_active():
+                        context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED, "the step in flight did not finish in time; the checkpoint will still be taken when it does"
+                        )
 
     def Checkpoint(self, request: admin_pb2.CheckpointRequest, context: grpc.ServicerContext) -> admin_pb2.CheckpointResponse:
         manifest = self._await_checkpoint(context, self._daemon.request_checkpoint, request.timeout_seconds)
@@ -182,13 +245,14 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         return admin_pb2.ShutdownResponse()
 
     def WatchSteps(self, request: admin_pb2.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[admin_pb2.StepEvent]:
-        events = self._daemon.clock.subscribe()
-        context.add_callback(lambda: events.put(None))  # a cancelled call unblocks the loop
-        try:
-            while (event := events.get()) is not None:
-                yield admin_pb2.StepEvent(step=event.step, unix_time=event.unix_time, timings=_timings(event.timings))
-        finally:
-            self._daemon.clock.unsubscribe(events)
+        with self._long_call(context):
+            events = self._daemon.clock.subscribe()
+            context.add_callback(lambda: events.put(None))  # a cancelled call unblocks the loop
+            try:
+                while (event := events.get()) is not None:
+                    yield admin_pb2.StepEvent(step=event.step, unix_time=event.unix_time, timings=_timings(event.timings))
+            finally:
+                self._daemon.clock.unsubscribe(events)
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -252,6 +316,58 @@ def _bind_error(address: str, detail: str) -> OSError:
     return OSError(errno.EADDRNOTAVAIL, f"gRPC cannot bind it ({detail}); is the host an address of this machine?", address)
 
 
+class _Undecodable:
+    """What a request that its method's message type cannot parse is handed on as."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class RequestDecodingInterceptor(grpc.ServerInterceptor):
+    """Answers a request that is not a valid message of its method's type with INVALID_ARGUMENT, as
+    any other invalid request: gRPC's own answer is INTERNAL ("Exception deserializing request!"),
+    which says the node is broken."""
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def lenient(data: bytes) -> object:
+            try:
+                return parse(data)
+            except Exception as exc:  # protobuf's DecodeError, or whatever a deserializer raises on bytes it cannot read
+                return _Undecodable(f"{type(exc).__name__}: {exc}"[:200])
+
+        def checked(request: object, context: grpc.ServicerContext) -> object:
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message for {method} ({request.reason})")
+            return request
+
+        if handler.request_streaming:
+            inner = handler.stream_stream or handler.stream_unary
+
+            def behavior(requests, context):  # type: ignore[no-untyped-def]
+                return inner((checked(request, context) for request in requests), context)
+
+        else:
+            inner = handler.unary_stream or handler.unary_unary
+
+            def behavior(request, context):  # type: ignore[no-untyped-def]
+                return inner(checked(request, context), context)
+
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(behavior, request_deserializer=lenient, response_serializer=handler.response_serializer)
+
+
 class AdminServer:
     """The admin service of one daemon. Constructing it binds the address exclusively (no
     SO_REUSEPORT: a second node cannot share it), so a node learns that its address is taken before it
@@ -264,8 +380,9 @@ class AdminServer:
         host, _port = split_host_port(config.address)
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ValueError("TLS needs both a certificate and its key")
-        interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
-        executor = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="admin")
+        # The token is checked first; its refusal, like every handler, reads the request leniently.
+        interceptors = [*([BearerTokenInterceptor(config.token)] if config.token else []), RequestDecodingInterceptor()]
+        executor = futures.ThreadPoolExecutor(max_workers=ADMIN_THREADS, thread_name_prefix="admin")
         self._server = grpc.server(executor, interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

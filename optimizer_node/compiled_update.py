@@ -31,6 +31,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -79,7 +80,9 @@ def constants(hyper: AdamWHyper, step: float, divisor: float) -> tuple:
     weight = f32(1 - hyper.beta1)
     lerp_from_m = bool(abs(weight) < f32(0.5))
     coeff = weight if lerp_from_m else f32(weight - f32(1))
-    decay = f32(1 - hyper.lr * hyper.weight_decay) if hyper.weight_decay != 0 else f32(1)  # x * 1 is x: same bits
+    # torch's kernel computes 1 - lr * weight_decay with one rounding (its build contracts it to a fused
+    # multiply-add): exact rational arithmetic rounded once gives the same double (lr * wd == 1 tells).
+    decay = f32(float(1 - Fraction(hyper.lr) * Fraction(hyper.weight_decay))) if hyper.weight_decay != 0 else f32(1)  # x * 1 is x: same bits
     return (f32(divisor), decay, coeff, lerp_from_m, f32(hyper.beta2), f32(1 - hyper.beta2), f32(math.sqrt(bias2)), f32(hyper.eps), f32(-(hyper.lr / bias1)))
 
 
@@ -194,6 +197,8 @@ def _self_check() -> str | None:
     for hyper, dtype, workers in cases:
         if (mismatch := _check_case(hyper, dtype, workers, generator)) is not None:
             return mismatch
+    if (mismatch := _check_decay_rounding()) is not None:
+        return mismatch
     special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40, 1.00390625, 1.01171875, -1.00390625])
     values = torch.cat([special, torch.randn(1000, generator=generator) * torch.exp(20 * torch.randn(1000, generator=generator))])
     cast = torch.empty(values.numel(), dtype=torch.bfloat16)
@@ -201,6 +206,24 @@ def _self_check() -> str | None:
     if not torch.equal(cast.view(torch.int16), values.to(torch.bfloat16).view(torch.int16)):
         return "the bf16 cast"
     return None
+
+
+def _check_decay_rounding(numel: int = 64) -> str | None:
+    """lr * weight_decay == 1 with gradients whose square overflows: the update term vanishes and the
+    parameters are the decay factor times themselves, so its rounding shows in every element."""
+    hyper = AdamWHyper(10.0, 0.0, 0.999, 1e-8, 0.1)
+    generator = torch.Generator().manual_seed(1)
+    mine = [torch.randn(numel, generator=generator), torch.zeros(numel), torch.zeros(numel)]
+    theirs = [t.clone() for t in mine]
+    grad = torch.randn(numel, generator=generator) * 1e37
+    step = torch.ones(())
+    torch._fused_adamw_(
+        [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [], [step], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False, grad_scale=torch.tensor(1.0), found_inf=None,
+    )  # fmt: skip
+    blocks = np.array([[0, numel]], dtype=np.int64)
+    update(mine[0], mine[1], mine[2], None, [grad], None, blocks, hyper, 1.0, 1.0, None, serial=True)
+    return None if torch.equal(mine[0], theirs[0]) else "the decay factor at lr * weight_decay == 1"
 
 
 def _check_case(hyper: AdamWHyper, dtype: torch.dtype, workers: int, generator: torch.Generator, numel: int = 4096) -> str | None:

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from dataclasses import dataclass
 
+from job.spec import (
+    DEFAULT_MAX_JOB_BUCKETS,
+    DEFAULT_MAX_JOB_ELEMENTS,
+    DEFAULT_MAX_JOB_NODES,
+    DEFAULT_MAX_JOB_PARAMS,
+    DEFAULT_MAX_WORLD_SIZE,
+    JobLimits,
+)
 from transport.exposure import reachable_from_network
-from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from transport.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+"""A node's default payload limit: the largest bucket a job may have is a quarter of it in elements
+(rank 0 sends initial values as fp32). Lower than the wire's own default (2 GiB): a node takes
+payloads from peers it may not trust."""
+
+MIN_HEADER_BYTES = 4 << 10
+"""The lowest max_header_bytes accepted: every message but a HELLO has a header of a few hundred bytes."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,7 +44,47 @@ class NodeConfig:
     """A name for logs; defaults to the bound address."""
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest tensor payload accepted in one message; bigger ones are answered with TOO_LARGE."""
+    """Largest tensor payload accepted in one message; bigger ones are answered with TOO_LARGE. Once a
+    job is registered, the limit is its largest bucket (fp32) if that is lower; a job whose largest
+    bucket would be over it is refused at HELLO with LIMIT."""
+
+    max_frame_bytes: int | None = None
+    """Largest frame accepted (ZeroMQ's MAXMSGSIZE: a peer that sends a larger one is disconnected
+    before the frame is allocated, and gets no answer). ``None``: the largest frame the protocol
+    sends, ``max(chunk_bytes, 4 MiB, max_header_bytes)``; it cannot be set lower than that."""
+
+    max_header_bytes: int = 1 << 20
+    """Largest header frame accepted; larger ones are answered with TOO_LARGE. Decoding a header can
+    take up to ~70 times its size in memory for a moment (msgpack objects), and a HELLO names every
+    parameter (~60-100 bytes each): 1 MiB holds ~10,000 parameters."""
+
+    max_peers: int = 1 << 16
+    """Distinct peers (client connections) the node keeps track of; a new one beyond them is answered
+    with LIMIT unless the one heard from least recently has been silent for 5 minutes."""
+
+    max_job_params: int = DEFAULT_MAX_JOB_PARAMS
+    """Parameters a job may declare in its HELLO; more are answered with LIMIT."""
+
+    max_job_elements: int = DEFAULT_MAX_JOB_ELEMENTS
+    """Elements (all parameters together) a job may declare; more are answered with LIMIT. The node's
+    memory (or --state-dir disk) must hold its share too, or the HELLO gets CANNOT_FIT."""
+
+    max_job_buckets: int = DEFAULT_MAX_JOB_BUCKETS
+    """Buckets a job may have (its elements over its bucket size, at least); more are answered with
+    LIMIT. Planning costs ~0.4 KB of memory and ~10 us per bucket, on every node."""
+
+    max_world_size: int = DEFAULT_MAX_WORLD_SIZE
+    """Workers a job may declare; more are answered with LIMIT."""
+
+    max_job_nodes: int = DEFAULT_MAX_JOB_NODES
+    """Optimizer nodes a job may declare; more are answered with LIMIT."""
+
+    max_waiting_hellos: int = 4096
+    """HELLOs of ranks other than 0 held until rank 0 registers the job; more are answered with LIMIT."""
+
+    max_waiting_hello_bytes: int = 16 << 20
+    """Bytes those held HELLOs may take (their layouts as encoded, each distinct one once, plus ~0.5 KB
+    per HELLO); a HELLO beyond it is answered with LIMIT."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Size of the frames outgoing tensors are split into."""
@@ -72,6 +129,13 @@ class NodeConfig:
     sync_state_writes: bool = False
     """Out-of-core mode: fdatasync each state write and drop it from the page cache."""
 
+    non_finite: str = "refuse"
+    """What to do with a gradient that holds NaN or inf (checked before it touches any state):
+    ``refuse`` answers the push with NON_FINITE (naming rank, bucket and step) and keeps the bucket as
+    it was; ``skip`` skips the whole step on every bucket of every node, as torch's GradScaler skips
+    ``optimizer.step()`` (parameters, moments and AdamW's step count unchanged). Every node of a job
+    needs the same policy."""
+
     crash_at: str | None = None
     """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
 
@@ -79,6 +143,40 @@ class NodeConfig:
     def exposed_without_curve(self) -> bool:
         """Whether the data plane is reachable from other hosts with no CURVE authentication."""
         return not self.curve_secret_key and reachable_from_network(self.listen)
+
+    @property
+    def frame_limit_bytes(self) -> int:
+        """The frame cap in force: ``max_frame_bytes``, or the default it has when ``None``."""
+        from transport.zmq_backend import default_max_frame_bytes
+
+        return default_max_frame_bytes(self.chunk_bytes, self.max_header_bytes) if self.max_frame_bytes is None else self.max_frame_bytes
+
+    def job_limits(self) -> JobLimits:
+        """The largest job this node takes, as :meth:`JobSpec.check_limits` checks it."""
+        return JobLimits(
+            max_params=self.max_job_params,
+            max_elements=self.max_job_elements,
+            max_buckets=self.max_job_buckets,
+            max_world_size=self.max_world_size,
+            max_nodes=self.max_job_nodes,
+        )
+
+    def _validate_limits(self) -> None:
+        """``ValueError`` for a resource limit that is not a positive integer, or too small to work."""
+        for name in ("max_peers", "max_waiting_hellos", "max_waiting_hello_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.job_limits().validate()
+        if not MIN_HEADER_BYTES <= self.max_header_bytes <= MAX_HEADER_BYTES:
+            raise ValueError(f"max_header_bytes must be in [{MIN_HEADER_BYTES}, {MAX_HEADER_BYTES}] (the protocol's own limit), got {self.max_header_bytes}")
+        if self.max_frame_bytes is not None:
+            floor = dataclasses.replace(self, max_frame_bytes=None).frame_limit_bytes
+            if self.max_frame_bytes < floor:
+                raise ValueError(
+                    f"max_frame_bytes {self.max_frame_bytes} is below the largest frame workers send ({floor} bytes: a payload chunk or a header "
+                    "of max_header_bytes); peers would be disconnected"
+                )
 
     def validate(self) -> None:
         """``ValueError`` for settings that cannot work together; ``FileNotFoundError`` (or
@@ -94,6 +192,7 @@ class NodeConfig:
                 raise ValueError(f"listen address {self.listen!r}: port {int(port)} is out of range (0 to 65535; 0 lets the OS choose)")
         if self.max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
+        self._validate_limits()
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], not {self.io_threads}")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 8:
@@ -120,6 +219,8 @@ class NodeConfig:
             raise ValueError("state_dir and memory_budget go together (--state-dir DIR --memory-budget SIZE)")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("memory_budget must be positive")
+        if self.non_finite not in ("refuse", "skip"):
+            raise ValueError(f"non_finite must be 'refuse' or 'skip', not {self.non_finite!r}")
         if self.resume and self.checkpoint_dir and not os.path.isdir(self.checkpoint_dir):
             if os.path.exists(self.checkpoint_dir):
                 raise NotADirectoryError(errno.ENOTDIR, "the checkpoint directory to resume from is not a directory", self.checkpoint_dir)

@@ -18,6 +18,7 @@ import heapq
 import json
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -30,18 +31,21 @@ from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job_state import ActiveJob, BucketStep
+from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.metrics import NodeMetrics
+from optimizer_node.non_finite import NonFiniteStats, count_non_finite
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
-from optimizer_node.registration import JobRegistration
+from optimizer_node.registration import JobRegistration, load_allow_list
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
 from optimizer_node.update_pass import reduce_and_update
-from transport import create_transport
-from transport.interface import Message
+from optimizer_node.waiting_hellos import WaitingHellos
+from transport import backend_for, create_transport
+from transport.interface import Message, SendHandle
 from transport.security import CurveServerConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
@@ -49,6 +53,19 @@ log = logging.getLogger(__name__)
 
 STORAGE_RETRY_S = 1.0
 """After the store failed (disk full, a damaged state file), updates are retried this often."""
+
+ECHO_IN_FLIGHT_BYTES = 256 << 20
+"""ECHO payload bytes the node holds for sending back at once. The node sends what it received without
+a copy, so a peer that echoes without reading the answers would otherwise pin as much memory as it
+cares to send; a reading peer (the transport benchmark moves 64 MiB per round) never comes near."""
+
+
+def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
+    """The limits the ZeroMQ backend enforces on the node's endpoint (frames, headers, peers); other
+    backends have their own bounds (Mooncake: its receive windows)."""
+    if backend_for(config.listen) != "zmq":
+        return {}
+    return {"max_frame_bytes": config.max_frame_bytes, "max_header_bytes": config.max_header_bytes, "max_peers": config.max_peers}
 
 
 class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, ParameterReplies, GlobalNormClipping):
@@ -59,9 +76,21 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.config = config
         curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
         self._transport = create_transport(
-            config.listen, max_message_bytes=config.max_message_bytes, chunk_bytes=config.chunk_bytes, curve_server=curve, io_threads=config.io_threads
+            config.listen,
+            max_message_bytes=config.max_message_bytes,
+            chunk_bytes=config.chunk_bytes,
+            curve_server=curve,
+            io_threads=config.io_threads,
+            **_endpoint_limits(config),
         )
         self._endpoint = self._transport.bind(config.listen)
+        try:  # which ranks each allowed key may register as; a bad allow-list file stops the start
+            self._allow_list = load_allow_list(curve.allowed_keys_dir) if curve is not None else None
+        except Exception:
+            self._endpoint.close()
+            self._transport.close()
+            raise
+        self._echoes_in_flight: list[tuple[SendHandle, int]] = []  # ECHO payloads not yet handed to the OS, and their bytes
         self.address = self._endpoint.address
         self.same_host_address = self._endpoint.bind_same_host() if config.same_host_ipc else None
         self.node_id = config.node_id or self.address
@@ -76,7 +105,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         # The compiled update loop brings numba and LLVM, ~140 MB of RSS: not for a node held to a memory budget.
         self._compiled_update = not isinstance(self._store, OutOfCoreStore)
         self._norm_partial: Header | None = None
-        self._deferred_hellos: list[Message] = []
+        self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
+        self._payload_limit = config.max_message_bytes  # lowered to the largest bucket once a job is registered
+        self._payload_why = f"this node's limit of {config.max_message_bytes} bytes (--max-message-bytes)"
+        self.limit_log = RateLimitedLog(log)
         self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._in_flight: dict[int, BucketStep] = {}
         self._awaiting_clip: int | None = None  # step whose norm partial went out
@@ -94,7 +126,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.clock = StepClock()
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
-        self.metrics = NodeMetrics(lambda: len(self._ledger.ranks))
+        self.non_finite = NonFiniteStats(config.non_finite)
+        self.metrics = NodeMetrics(lambda: len(self._ledger.ranks), self.non_finite)
         self.started_at = time.time()
         self._crash_points = CrashPoints(config.crash_at)
         self._checkpoint_waiters: list = []
@@ -102,6 +135,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._last_checkpoint: dict | None = None
         if config.resume:
             self._restore()
+            if self._job is not None:
+                self._limit_payloads(self._job)
         elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
             try:
                 Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -149,7 +184,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 try:
                     message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
                 except WireError as exc:
-                    log.warning("rejected a malformed message: %s", exc)
+                    self._log_rejected(exc, "rejected a malformed message: %s", exc)
                     if exc.peer is not None:
                         self._send_error(exc.peer, exc.code, exc.message)
                     continue
@@ -194,13 +229,16 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         try:
             if handler is None:
                 raise WireError(ErrorCode.BAD_REQUEST, f"a node does not accept {header.msg_type.name} messages")
+            self._check_payload_size(header)
             handler(message)
         except WireError as exc:
-            log.warning("rejected %s from rank %s (bucket %s, step %s): %s", header.msg_type.name, header.rank, header.bucket_id, header.step, exc)
+            self._log_rejected(exc, "rejected %s from rank %s (bucket %s, step %s): %s", header.msg_type.name, header.rank, header.bucket_id, header.step, exc)
             self._send_error(message.peer, exc.code, exc.message, bucket_id=header.bucket_id, step=header.step)
         except Exception as exc:  # a bug must not take the node and everyone's state down
             log.exception("internal error handling %s", header.msg_type.name)
-            self._send_error(message.peer, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", bucket_id=header.bucket_id, step=header.step)
+            # The exception's text may quote the node's state: only a registered rank reads it.
+            text = f"{type(exc).__name__}: {exc}" if self._is_registered(message) else "internal error; the node's log has the details"
+            self._send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
 
     def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None:
         try:
@@ -213,6 +251,15 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             state = self._store.get(header.bucket_id)
             if state is not None:
                 state.pending_sends.append(handle)
+
+    def _log_rejected(self, exc: WireError, text: str, *args: object) -> None:
+        """Warn of a rejected message. A limit (LIMIT, TOO_LARGE), which any peer can run into as often
+        as it likes, is said at most once per limit (the flag its message names) every few seconds."""
+        if exc.code in (ErrorCode.LIMIT, ErrorCode.TOO_LARGE):
+            flag = re.search(r"--[a-z][a-z-]*", exc.message)
+            self.limit_log.log(f"{exc.code.name} {flag.group() if flag else ''}", logging.WARNING, text, *args)
+        else:
+            log.warning(text, *args)
 
     def _send_error(self, peer: bytes, code: ErrorCode, text: str, *, bucket_id: int = -1, step: int = -1) -> None:
         self.metrics.rejected_message()
@@ -236,6 +283,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             hyper = AdamWHyper.from_wire(header.meta.get("hyper"))
         except ValueError as exc:
             raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        try:  # the operator's overrides times what the worker sent (lr x lr_scale) must be usable too
+            self._overrides.apply(hyper).validate()
+        except ValueError as exc:
+            raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
             # defer: the last arrival's gradient is added in the update pass, together with AdamW
@@ -252,6 +303,22 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
         if self._drain_step is not None and header.step >= self._drain_step:
             raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {self._drain_step} and takes no gradients after it")
+        # NaN/inf, before the gradient touches any state: one vectorized sum per view, counted exactly only when a sum is not finite.
+        checking = time.perf_counter()
+        non_finite = count_non_finite(message.tensors)
+        self.clock.current.reduce_s += time.perf_counter() - checking
+        if non_finite and self.config.non_finite == "refuse":
+            self._refuse_non_finite(message.peer, header, non_finite)
+            return
+        if non_finite:  # skip policy: taken, and the step's global round will skip it everywhere
+            in_flight.non_finite[header.rank] = non_finite
+            log.warning(
+                "rank %d's gradient of bucket %d at step %d holds %d NaN/inf value(s): the step will be skipped on every node (--non-finite skip)",
+                header.rank,
+                bucket.bucket_id,
+                header.step,
+                non_finite,
+            )
         # Everything is validated: from here on the push is accepted.
         self._ledger.gradient_of_step(header.step)
         self.clock.gradient_arrived()
@@ -266,11 +333,37 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 # on their way, rather than on the path from the last gradient to the new values.
                 self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
             return
-        if self.max_grad_norm is not None:
-            self._tell_consumed(job, bucket.bucket_id, header.step)  # clipping holds every sum until the norm is known
+        if self._global_round:
+            self._tell_consumed(job, bucket.bucket_id, header.step)  # the round holds every sum until the norm is known
             self._maybe_request_norm(job)
         else:
             heapq.heappush(self._ready, bucket.bucket_id)
+
+    @property
+    def _global_round(self) -> bool:
+        """Whether a step's updates wait for the round across all buckets and nodes: for the global
+        gradient norm (clipping), or for the agreement to skip a step with a non-finite gradient."""
+        return self.max_grad_norm is not None or self.config.non_finite == "skip"
+
+    def _refuse_non_finite(self, peer: bytes, header: Header, values: int) -> None:
+        """The refuse policy: answer the push with NON_FINITE and tell the job's other ranks, which
+        wait for this bucket. Nothing of the bucket changed; the rank may push it again for this step."""
+        bucket_id, step, rank = header.bucket_id, header.step, header.rank
+        text = (
+            f"rank {rank}'s gradient of bucket {bucket_id} at step {step} holds {values} NaN/inf value(s) of {header.numel}: refused "
+            f"(--non-finite refuse). The node's state is unchanged and it keeps the other ranks' gradients of this bucket; push it again with "
+            f"finite values to go on. To avoid it: lower the learning rate, clip gradients, use a GradScaler, or run the nodes with --non-finite skip"
+        )
+        log.warning("refused %s", text.partition(": refused")[0])
+        self.non_finite.refused(step, rank, bucket_id, values)
+        self.metrics.rejected_message()
+        error = error_header(ErrorCode.NON_FINITE, text, bucket_id=bucket_id, step=step)
+        error.meta.update({"rank": rank, "values": values})
+        self._send(peer, error)
+        notice = {"non_finite": {"rank": rank, "bucket": bucket_id, "step": step, "values": values}}
+        for other in self._ledger.connections():
+            if other != peer:
+                self._send(other, Header(msg_type=MsgType.NOTICE, bucket_id=bucket_id, step=step, meta=notice))
 
     def _tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
@@ -332,28 +425,37 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, previous: torch.Tensor | None) -> None:
         started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
-        hyper = self._overrides.apply(in_flight.hyper)
-        self._last_applied[job.owned[state.bucket_id].group] = hyper
         wire = None
         if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy
-        reduce_and_update(
-            in_flight.reduction,
-            state.param,
-            state.exp_avg,
-            state.exp_avg_sq,
-            state.step_tensor,
-            hyper,
-            segments=job.segments[state.bucket_id],
-            # with clipping, the sum was divided by world_size for the norm: it is only multiplied
-            grad_divisor=job.divisor if in_flight.clip is None else None,
-            grad_multiplier=in_flight.clip,
-            wire_out=wire,
-            previous_out=previous,
-            compiled=self._compiled_update,
-        )
+        if in_flight.skip:
+            # GradScaler semantics: no update at all (parameters, moments and AdamW's step count stay);
+            # the protocol step still advances, so the workers get these values as the next step's and go on.
+            in_flight.reduction.take_pending()  # lets go of the received frames
+            if previous is not None:
+                previous.copy_(state.param)
+            if wire is not None:
+                wire.copy_(state.param)
+        else:
+            hyper = self._overrides.apply(in_flight.hyper)
+            self._last_applied[job.owned[state.bucket_id].group] = hyper
+            reduce_and_update(
+                in_flight.reduction,
+                state.param,
+                state.exp_avg,
+                state.exp_avg_sq,
+                state.step_tensor,
+                hyper,
+                segments=job.segments[state.bucket_id],
+                # with clipping, the sum was divided by world_size for the norm: it is only multiplied
+                grad_divisor=job.divisor if in_flight.clip is None else None,
+                grad_multiplier=in_flight.clip,
+                wire_out=wire,
+                previous_out=previous,
+                compiled=self._compiled_update,
+            )
         state.step += 1
         state.wire_step = state.step if wire is not None else -1
         del self._in_flight[state.bucket_id]
@@ -366,12 +468,14 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             # Checkpointed before the values that end the step go out: a node killed in between comes
             # back at the step its workers are still in, never behind them.
             self._finish_step(state.step)
-        meta = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
+        meta: dict = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
+        if in_flight.skip:
+            meta["skipped"] = True
         if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
             answered = self._answer_deferred_pulls(state, meta)
             self._send_params(state, [peer for peer in self._ledger.connections() if peer not in answered], meta)
         else:
-            if in_flight.clip is None:
+            if not in_flight.agreed:  # after a global round, CONSUMED went out when the bucket's gradients were complete
                 self._tell_consumed(job, state.bucket_id, in_flight.step)
             self._answer_deferred_pulls(state, meta)
         self.clock.current.send_s += time.perf_counter() - sending
@@ -401,6 +505,11 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     # ---------------------------------------------------------------- diagnostics
 
     def _on_query(self, message: Message) -> None:
+        if not self._is_registered(message):
+            # All a worker that is not (or no longer) registered needs for its diagnosis: is there a
+            # job, and is this connection part of it. The job's state is for its ranks only.
+            self._send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": self._job is not None, "rank_registered": False}))
+            return
         missing = [[b, s.step, s.reduction.missing()] for b, s in sorted(self._in_flight.items()) if not s.reduction.complete]
         meta = {
             "node_id": self.node_id,
@@ -416,9 +525,26 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
 
     def _on_echo(self, message: Message) -> None:
+        """The peer's own payload, step and bucket id back, and nothing of the node's; LIMIT when the
+        echoes still on their way back hold ``ECHO_IN_FLIGHT_BYTES``."""
         header = message.header
         if not message.tensors:
             self._send(message.peer, Header(msg_type=MsgType.ECHO))
             return
+        self._echoes_in_flight = [(handle, size) for handle, size in self._echoes_in_flight if not handle.done()]
+        pending = sum(size for _handle, size in self._echoes_in_flight)
+        if pending + header.payload_bytes > ECHO_IN_FLIGHT_BYTES:
+            raise WireError(
+                ErrorCode.LIMIT,
+                f"an ECHO of {header.payload_bytes} bytes would put more than {ECHO_IN_FLIGHT_BYTES} bytes of echoes on their way back at once: "
+                "read the echoes before sending more",
+            )
         payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
-        self._send(message.peer, tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step, bucket_id=header.bucket_id), payload)
+        reply = tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step, bucket_id=header.bucket_id)
+        try:
+            handle = self._endpoint.send(message.peer, reply, payload)
+        except ConnectionError as exc:
+            log.warning("could not reply ECHO: %s", exc)
+            return
+        self.metrics.sent(reply.payload_bytes)
+        self._echoes_in_flight.append((handle, reply.payload_bytes))

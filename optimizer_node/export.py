@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from job.spec import JobSpec
 from optimizer_node.checkpoint import Checkpoint, CheckpointError
-from optimizer_node.job import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -3,13 +3,13 @@ daemon and its mixins, so none of them imports the daemon)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from job.placement import BucketSpec
+from job.spec import JobSpec
 from optimizer_node.adamw import AdamWHyper
-from optimizer_node.job import JobSpec
-from optimizer_node.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
 
 
@@ -23,6 +23,9 @@ class BucketStep:
     first_arrival: float
     clip: torch.Tensor | None = None  # the clip coefficient, once the global norm is known
     grad_norm: float | None = None
+    agreed: bool = False  # the step's global round (norm, non-finite check) is done: the update is queued
+    skip: bool = False  # the round found a non-finite gradient (``--non-finite skip``): the step changes nothing
+    non_finite: dict[int, int] = field(default_factory=dict)  # rank -> NaN/inf values in its gradient (skip policy)
 
 
 @dataclass(slots=True)

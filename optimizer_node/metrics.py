@@ -12,6 +12,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from optimizer_node.control import StepTimings
+from optimizer_node.non_finite import NonFiniteStats
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,10 @@ UPDATE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class NodeMetrics:
     """Counters, gauges and one histogram of a node."""
 
-    def __init__(self, workers_connected: Callable[[], int]) -> None:
+    def __init__(self, workers_connected: Callable[[], int], non_finite: NonFiniteStats | None = None) -> None:
         self._lock = threading.Lock()
         self._workers_connected = workers_connected
+        self._non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
         self.bytes_in = 0
         self.bytes_out = 0
         self.steps = 0
@@ -98,7 +100,33 @@ class NodeMetrics:
                 label = "+Inf" if bound == float("inf") else repr(bound)
                 lines.append(f'netoptim_bucket_update_latency_seconds_bucket{{le="{label}"}} {cumulative}')
             lines += [f"netoptim_bucket_update_latency_seconds_sum {self._latency_sum:.6f}", f"netoptim_bucket_update_latency_seconds_count {cumulative}"]
+        lines += self._non_finite_lines()
         return "\n".join(lines) + "\n"
+
+    def _non_finite_lines(self) -> list[str]:
+        """Gradients with NaN/inf: refused pushes, skipped steps, and the last event (-1: none, or not seen here)."""
+        stats = self._non_finite.snapshot()
+        last = stats["last"] or {"step": -1, "rank": -1, "bucket_id": -1}
+        return [
+            "# HELP netoptim_non_finite_policy The node's --non-finite policy (1 for the one in force).",
+            "# TYPE netoptim_non_finite_policy gauge",
+            *(f'netoptim_non_finite_policy{{policy="{policy}"}} {int(policy == stats["policy"])}' for policy in ("refuse", "skip")),
+            "# HELP netoptim_non_finite_refused_total Pushes refused because the gradient held NaN or inf (--non-finite refuse).",
+            "# TYPE netoptim_non_finite_refused_total counter",
+            f"netoptim_non_finite_refused_total {stats['refused_pushes']}",
+            "# HELP netoptim_non_finite_skipped_steps_total Steps skipped on every bucket because a gradient held NaN or inf (--non-finite skip).",
+            "# TYPE netoptim_non_finite_skipped_steps_total counter",
+            f"netoptim_non_finite_skipped_steps_total {stats['skipped_steps']}",
+            "# HELP netoptim_non_finite_last_step Step of the last refused or skipped non-finite gradient (-1: none).",
+            "# TYPE netoptim_non_finite_last_step gauge",
+            f"netoptim_non_finite_last_step {last['step']}",
+            "# HELP netoptim_non_finite_last_rank Rank whose gradient was the last non-finite one (-1: none, or seen by another node).",
+            "# TYPE netoptim_non_finite_last_rank gauge",
+            f"netoptim_non_finite_last_rank {last['rank']}",
+            "# HELP netoptim_non_finite_last_bucket Bucket of the last non-finite gradient (-1: none, or seen by another node).",
+            "# TYPE netoptim_non_finite_last_bucket gauge",
+            f"netoptim_non_finite_last_bucket {last['bucket_id']}",
+        ]
 
 
 class _ExclusiveHTTPServer(ThreadingHTTPServer):

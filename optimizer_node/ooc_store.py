@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from optimizer_node.host_memory import map_large_allocations, trim_host_heap
 from optimizer_node.storage import BucketState, BucketStore, StorageError
+from transport.host_memory import map_large_allocations, trim_host_heap
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.non_finite import NonFiniteStats
     from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
 
@@ -45,11 +46,14 @@ class OperatorControls:
     _stop: threading.Event | None
     _clip_override: float | None
     _clip_override_next: tuple[float | None] | None
+    non_finite: NonFiniteStats
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
         @property
         def step(self) -> int: ...
+        @property
+        def _global_round(self) -> bool: ...
         def _maybe_request_norm(self, job: ActiveJob) -> None: ...
         def apply_all_ready(self) -> int: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
@@ -72,7 +76,7 @@ class OperatorControls:
         job = self._job
         if job is None:
             return 0
-        if self.max_grad_norm is not None and not self._ready:
+        if self._global_round and not self._ready:
             self._maybe_request_norm(job)
         return self.apply_all_ready()
 
@@ -158,6 +162,7 @@ class OperatorControls:
             "workers": self.workers(),
             "last_step": self.clock.last,
             "paused": self._pause_reason,
+            "non_finite": self.non_finite.snapshot(),
         }
 
     def request_stop(self) -> None:

@@ -13,11 +13,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from job.spec import JobSpec
 from optimizer_node.adamw import HyperOverrides
 from optimizer_node.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints
-from optimizer_node.job import JobSpec
 from optimizer_node.job_state import ActiveJob
 
 if TYPE_CHECKING:

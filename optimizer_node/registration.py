@@ -3,26 +3,93 @@ every worker describes the same job and that this node can hold its share; INIT 
 initial values. The checks every later message goes through (a registered rank on its own
 connection, a bucket this node owns, the payload's dtype and size) live here too. A mixin of
 :class:`~optimizer_node.daemon.NodeDaemon`; runs on the daemon thread only.
+
+Who may say what: with CURVE, a HELLO's key must be allowed the rank it asks for (FORBIDDEN
+otherwise), and a registered rank is its connection *and* that key. A peer that is not a registered
+rank learns nothing about the job from its errors: a HELLO that does not match says which field
+differs and the worker's own value, with a fingerprint of the registered job; the node's log has the
+rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from job.placement import BucketSpec
+from job.spec import JobSpec, LimitError
 from optimizer_node.config import NodeConfig
-from optimizer_node.job import JobSpec
 from optimizer_node.job_state import ActiveJob, BucketStep
+from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
-from optimizer_node.placement import BucketSpec
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore
-from transport.interface import Message
+from optimizer_node.waiting_hellos import WaitingHellos
+from transport.interface import Message, ServerEndpoint
+from transport.security import AllowList
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError
 
 log = logging.getLogger(__name__)
+
+STATE_BYTES_PER_FP32 = 4
+"""Bytes of an fp32 element: the widest a payload travels in (INIT is fp32)."""
+
+
+def load_allow_list(directory: str) -> AllowList:
+    """The node's ``--curve-allow`` directory, read once at start; warns about keys bound to no rank."""
+    allow_list = AllowList.load(directory)
+    unbound = allow_list.unbound
+    if unbound:
+        log.warning(
+            "%d of the %d allowed CURVE key(s) are bound to no rank: any holder may register as any rank; re-create with netoptim keygen --ranks: %s",
+            len(unbound),
+            len(allow_list),
+            ", ".join(str(grant) for grant in unbound),
+        )
+    return allow_list
+
+
+def job_fingerprint(spec: JobSpec) -> str:
+    """A short hash of a job's description: what a worker whose HELLO does not match is told about the
+    registered job (and what the node logs beside it), enough to tell two jobs apart and no more."""
+    canonical = json.dumps(spec.to_wire(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def _shown(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def public_mismatch(registered: JobSpec, theirs: JobSpec) -> str:
+    """The first field where ``theirs`` differs from ``registered``, said with the worker's own value
+    only: the registered value stays in the node's log (see :meth:`JobSpec.mismatch`)."""
+    names = [spec_field.name for spec_field in dataclasses.fields(JobSpec)]
+    for name in sorted(names, key=lambda name: name != "mode"):  # the mode first, as JobSpec.mismatch: it explains the rest
+        mine, other = getattr(registered, name), getattr(theirs, name)
+        if mine == other:
+            continue
+        if name != "params":
+            return f"{name} differs (this worker has {_shown(other)})"
+        for index, (want, have) in enumerate(zip(mine, other, strict=False)):
+            if want != have:
+                return f"parameter {index} differs (this worker has {have.name!r} shape {list(have.shape)} {have.dtype} group {have.group})"
+        return f"the number of parameters differs (this worker has {len(other)})"
+    return "the job differs"
+
+
+def _unregistered_text(rank: int) -> str:
+    """What a connection that is not ``rank`` is told: the same whatever the reason, so that it learns
+    nothing about who is registered (the node logs the reason)."""
+    return (
+        f"this connection is not registered as rank {rank}: it has not said HELLO, or another process has registered as rank {rank} since "
+        "and this one is no longer part of the job"
+    )
 
 
 class JobRegistration:
@@ -36,7 +103,12 @@ class JobRegistration:
     _job: ActiveJob | None
     _ledger: StepLedger
     _in_flight: dict[int, BucketStep]
-    _deferred_hellos: list[Message]
+    _deferred_hellos: WaitingHellos
+    _endpoint: ServerEndpoint
+    _payload_limit: int  # bytes: max_message_bytes, then the largest owned bucket as fp32
+    _payload_why: str  # what the limit is, for the TOO_LARGE reply
+    limit_log: RateLimitedLog  # rate-limited lines for what peers can repeat at will
+    _allow_list: AllowList | None  # with CURVE: the allowed keys and the ranks each may register as
 
     if TYPE_CHECKING:  # provided by NodeDaemon and its other mixins
 
@@ -53,40 +125,40 @@ class JobRegistration:
             raise WireError(ErrorCode.NOT_REGISTERED, "no job is registered yet: rank 0 must say HELLO first")
         return self._job
 
+    def _is_registered(self, message: Message) -> bool:
+        """Whether the message comes from the current connection (and key) of the rank it names."""
+        return self._ledger.is_current(message.header.rank, message.peer, message.user_id)
+
     def _require_rank(self, message: Message) -> ActiveJob:
         job = self._require_job()
         rank = message.header.rank
-        if not self._ledger.is_current(rank, message.peer):
-            raise WireError(ErrorCode.NOT_REGISTERED, self._ledger.describe(rank, message.peer))
+        if not self._is_registered(message):
+            record = self._ledger.ranks.get(rank)
+            if record is not None and record.peer == message.peer:  # another key on the rank's routing id
+                self.limit_log.log("rank-taken-over", logging.WARNING, "key %s: %s", (message.user_id or "none")[:8], self._ledger.describe(rank, message.peer))
+            else:
+                log.debug("not rank %d: %s", rank, self._ledger.describe(rank, message.peer))
+            raise WireError(ErrorCode.NOT_REGISTERED, _unregistered_text(rank))
         return job
 
     def _on_hello(self, message: Message) -> None:
         header = message.header
-        try:
-            spec = JobSpec.from_wire(header.meta.get("job"))
-            node_index = header.meta.get("node_index")
-            if not isinstance(node_index, int) or not 0 <= node_index < spec.num_nodes:
-                raise ValueError(f"node_index {node_index!r} is not in [0, {spec.num_nodes})")
-            if not 0 <= header.rank < spec.world_size:
-                raise ValueError(f"rank {header.rank} is not in [0, {spec.world_size})")
-            incarnation = header.meta.get("incarnation")
-            if not isinstance(incarnation, int) or isinstance(incarnation, bool) or not 0 < incarnation < 1 << 64:
-                raise ValueError(f"incarnation must be a positive 64-bit integer naming the worker process, got {incarnation!r}")
-            plan = spec.plan()  # duplicate names, a bucket size below the split alignment, ...
-        except ValueError as exc:
-            raise WireError(ErrorCode.BAD_REQUEST, f"bad HELLO: {exc}") from None
+        if self._allow_list is not None:  # CURVE: the key must be allowed this rank, before anything is parsed or held
+            refusal = self._allow_list.refusal(message.user_id, header.rank)
+            if refusal is not None:
+                raise WireError(ErrorCode.FORBIDDEN, refusal)
+        spec, node_index, incarnation = self._parse_hello(message)
         if self._job is None:
             if header.rank != 0:
-                log.info("rank %d said HELLO before rank 0; holding it until rank 0 registers", header.rank)
-                self._deferred_hellos.append(message)
-                notice = {"waiting_for": f"rank 0 has not registered the job on node {self.node_id} yet; rank {header.rank} waits for it"}
-                self._send(message.peer, Header(msg_type=MsgType.NOTICE, rank=header.rank, meta=notice))
+                self._hold_hello(message)
                 return
+            plan = self._plan_job(spec)
             problem = self._fit_problem(spec, node_index, plan)
             if problem is not None:
                 log.error("cannot take the job: %s", problem)
                 raise WireError(ErrorCode.CANNOT_FIT, f"node {self.node_id}: {problem}")
             self._job = ActiveJob.create(spec, node_index, plan)
+            self._limit_payloads(self._job)
             owned = self._job.owned
             total = sum(b.numel for b in owned.values())
             log.info(
@@ -101,12 +173,8 @@ class JobRegistration:
                 spec.max_grad_norm,
             )
         job = self._job
-        difference = job.spec.mismatch(spec)
-        if difference is None and node_index != job.node_index:
-            difference = f"this node is node {job.node_index} of the job, the worker addressed it as node {node_index}"
-        if difference is not None:
-            raise WireError(ErrorCode.LAYOUT_MISMATCH, f"rank {header.rank} does not match the registered job: {difference}")
-        how = self._ledger.register(header.rank, message.peer, incarnation)
+        self._check_same_job(job, spec, node_index, header.rank)
+        how = self._ledger.register(header.rank, message.peer, incarnation, message.user_id)
         resume_step, contributed = self._resume_point(job, header.rank)
         if how == "restarted":
             log.warning(
@@ -130,6 +198,7 @@ class JobRegistration:
                 "needs_init": needs_init,
                 "resume_step": resume_step,
                 "contributed": contributed,
+                "non_finite": self.config.non_finite,  # workers check that every node of the job has the same policy
                 **({"same_host": self.same_host_address} if self.same_host_address else {}),
             },
         )
@@ -137,9 +206,99 @@ class JobRegistration:
         if how in ("restarted", "moved"):
             self._rank_rejoined(header.rank)
         if header.rank == 0 and self._deferred_hellos:
-            deferred, self._deferred_hellos = self._deferred_hellos, []
-            for held in deferred:
+            for held in self._deferred_hellos.take_all():
                 self.handle(held)
+
+    def _parse_hello(self, message: Message) -> tuple[JobSpec, int, int]:
+        """The job, node index and incarnation a HELLO declares. Checked against this node's limits
+        (LIMIT, naming the flag that raises the one exceeded) before anything proportional to the
+        sizes it declares is made or iterated; BAD_REQUEST for what no job can have."""
+        header = message.header
+        if header.numel or header.num_chunks or message.tensors:
+            raise WireError(ErrorCode.BAD_REQUEST, "bad HELLO: a HELLO carries no tensor payload")
+        limits = self.config.job_limits()
+        try:
+            spec = JobSpec.from_wire(header.meta.get("job"), limits)
+            spec.check_limits(limits)  # duplicate names, a bucket size below the split alignment, sizes over the limits
+            node_index = header.meta.get("node_index")
+            if not isinstance(node_index, int) or not 0 <= node_index < spec.num_nodes:
+                raise ValueError(f"node_index {node_index!r} is not in [0, {spec.num_nodes})")
+            if not 0 <= header.rank < spec.world_size:
+                raise ValueError(f"rank {header.rank} is not in [0, {spec.world_size})")
+            incarnation = header.meta.get("incarnation")
+            if not isinstance(incarnation, int) or isinstance(incarnation, bool) or not 0 < incarnation < 1 << 64:
+                raise ValueError(f"incarnation must be a positive 64-bit integer naming the worker process, got {incarnation!r}")
+        except LimitError as exc:
+            raise WireError(ErrorCode.LIMIT, f"node {self.node_id} refuses the job: {exc}") from None
+        except ValueError as exc:
+            raise WireError(ErrorCode.BAD_REQUEST, f"bad HELLO: {exc}") from None
+        return spec, node_index, incarnation
+
+    def _plan_job(self, spec: JobSpec) -> list[BucketSpec]:
+        """The bucket plan of a job rank 0 registers (its size bounded by :meth:`_parse_hello`'s
+        checks): LIMIT for more buckets than this node takes, or a bucket larger than a message may
+        be (rank 0 could not send its initial values); BAD_REQUEST for a plan no job can have."""
+        try:
+            plan = spec.plan_within(self.config.job_limits())
+        except LimitError as exc:
+            raise WireError(ErrorCode.LIMIT, f"node {self.node_id} refuses the job: {exc}") from None
+        except ValueError as exc:
+            raise WireError(ErrorCode.BAD_REQUEST, f"bad HELLO: {exc}") from None
+        largest = STATE_BYTES_PER_FP32 * max((bucket.numel for bucket in plan), default=0)
+        if largest > self.config.max_message_bytes:
+            error = LimitError(
+                f"the job's largest bucket is {largest} bytes as fp32 (rank 0's initial values), over this node's limit of "
+                f"{self.config.max_message_bytes} bytes per message",
+                "--max-message-bytes",
+            )
+            raise WireError(ErrorCode.LIMIT, f"node {self.node_id} refuses the job: {error}")
+        return plan
+
+    def _hold_hello(self, message: Message) -> None:
+        """Hold the HELLO of a rank other than 0 until rank 0 registers the job (within
+        ``--max-waiting-hellos`` and ``--max-waiting-hello-bytes``: LIMIT beyond them)."""
+        rank = message.header.rank
+        try:
+            self._deferred_hellos.hold(message)
+        except LimitError as exc:
+            raise WireError(ErrorCode.LIMIT, f"node {self.node_id}: {exc}") from None
+        self.limit_log.log("waiting-hello", logging.INFO, "rank %d said HELLO before rank 0; holding it until rank 0 registers", rank)
+        notice = {"waiting_for": f"rank 0 has not registered the job on node {self.node_id} yet; rank {rank} waits for it"}
+        self._send(message.peer, Header(msg_type=MsgType.NOTICE, rank=rank, meta=notice))
+
+    def _limit_payloads(self, job: ActiveJob) -> None:
+        """From now on no message may carry more than this node's largest bucket as fp32: refused with
+        TOO_LARGE before its payload is viewed (by the endpoint, or by :meth:`_check_payload_size`)."""
+        largest = STATE_BYTES_PER_FP32 * max((bucket.numel for bucket in job.owned.values()), default=0)
+        why = f"this node's limit since the job was registered: its largest bucket here, {largest} bytes as fp32"
+        if largest < self._payload_limit:
+            self._payload_limit, self._payload_why = largest, why
+        self._endpoint.limit_payload(largest, why)
+
+    def _check_payload_size(self, header: Header) -> None:
+        """TOO_LARGE for a payload over the node's limit, for backends whose endpoint does not check it."""
+        if header.payload_bytes > self._payload_limit:
+            raise WireError(ErrorCode.TOO_LARGE, f"payload of {header.payload_bytes} bytes is over {self._payload_why}")
+
+    def _check_same_job(self, job: ActiveJob, spec: JobSpec, node_index: int, rank: int) -> None:
+        """LAYOUT_MISMATCH unless the HELLO describes the registered job and this node's place in it.
+        The worker is told the field and its own value; the registered layout goes to the log only."""
+        difference = job.spec.mismatch(spec)
+        if difference is None and node_index == job.node_index:
+            return
+        registered = job_fingerprint(job.spec)
+        if difference is None:
+            self.limit_log.log(
+                "layout-mismatch", logging.WARNING, "rank %d addressed this node (node %d of job %s) as node %d", rank, job.node_index, registered, node_index
+            )
+            told = f"the worker addressed this node as node {node_index}, which is not its place in the registered job: give every worker the node addresses in the same order"
+        else:
+            self.limit_log.log("layout-mismatch", logging.WARNING, "rank %d's HELLO does not match the registered job %s: %s", rank, registered, difference)
+            told = public_mismatch(job.spec, spec)
+        raise WireError(
+            ErrorCode.LAYOUT_MISMATCH,
+            f"rank {rank} does not match the job registered here (fingerprint {registered}; this worker's job: {job_fingerprint(spec)}): {told}",
+        )
 
     def _resume_point(self, job: ActiveJob, rank: int) -> tuple[int, list[int]]:
         """Where ``rank`` resumes at this node: see :meth:`StepLedger.resume_point`."""

@@ -14,8 +14,8 @@ from optimizer_node.storage import BucketState, BucketStore
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, tensor_header
 
 if TYPE_CHECKING:
+    from job.placement import BucketSpec
     from optimizer_node.job_state import ActiveJob
-    from optimizer_node.placement import BucketSpec
     from optimizer_node.step_ledger import StepLedger
     from transport.interface import Message
 
@@ -61,7 +61,10 @@ class ParameterReplies:
         if at_step is not None and at_step > current + 1:
             raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {current}; step {at_step} is more than one update ahead")
         if state is None or (at_step is not None and at_step > current):  # answered once it gets there
-            self._deferred_pulls.setdefault(bucket.bucket_id, []).append((message.peer, current if at_step is None else at_step))
+            waiting = self._deferred_pulls.setdefault(bucket.bucket_id, [])
+            entry = (message.peer, current if at_step is None else at_step)
+            if entry not in waiting:  # asked again: answered once anyway, and the list stays a few entries per rank
+                waiting.append(entry)
             return
         self._send_params(state, [message.peer])
 

@@ -34,6 +34,7 @@ class RankRecord:
     peer: bytes
     incarnation: int
     last_seen: float
+    user_id: str | None = None  # the authenticated key it registered with (CURVE), bound to the connection
 
 
 @dataclass(slots=True)
@@ -61,23 +62,26 @@ class StepLedger:
         record = self.ranks.get(rank)
         return None if record is None else record.peer
 
-    def register(self, rank: int, peer: bytes, incarnation: int) -> str:
+    def register(self, rank: int, peer: bytes, incarnation: int, user_id: str | None = None) -> str:
         """Record a HELLO; returns ``"new"``, ``"same"`` (the same connection again), ``"moved"`` (the
         same process on another connection, e.g. its same-host socket or after a node restart) or
-        ``"restarted"`` (another process: the old one's messages are refused from now on)."""
+        ``"restarted"`` (another process: the old one's messages are refused from now on).
+        ``user_id`` is the key the HELLO came with: only messages with it count as the rank's."""
         now = time.time()
         previous = self.ranks.get(rank)
-        self.ranks[rank] = RankRecord(peer, incarnation, now)
+        self.ranks[rank] = RankRecord(peer, incarnation, now, user_id)
         if previous is None:
             return "new"
         if previous.incarnation != incarnation:
             return "restarted"
         return "same" if previous.peer == peer else "moved"
 
-    def is_current(self, rank: int, peer: bytes) -> bool:
-        """Whether ``peer`` is the connection of ``rank``'s current incarnation (and note it was heard)."""
+    def is_current(self, rank: int, peer: bytes, user_id: str | None = None) -> bool:
+        """Whether ``peer`` is the connection of ``rank``'s current incarnation, with the key it
+        registered with (and note it was heard). The key matters because a client chooses its routing
+        id: another key connecting with the same id (ZeroMQ hands the id over) is not the rank."""
         record = self.ranks.get(rank)
-        if record is None or record.peer != peer:
+        if record is None or record.peer != peer or record.user_id != user_id:
             return False
         record.last_seen = time.time()
         return True
@@ -87,6 +91,8 @@ class StepLedger:
         record = self.ranks.get(rank)
         if record is None:
             return f"rank {rank} has not said HELLO"
+        if record.peer == peer and record.user_id is not None:
+            return f"rank {rank} registered with key {record.user_id[:8]}; this connection has another key (it took over the rank's routing id)"
         return f"rank {rank} has said HELLO on another connection (incarnation {record.incarnation:x}); this one is no longer part of the job"
 
     # ---------------------------------------------------------------- the step in progress

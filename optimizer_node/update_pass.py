@@ -33,9 +33,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from job.placement import SPLIT_ALIGNMENT
 from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper, fused_adamw
-from optimizer_node.placement import SPLIT_ALIGNMENT
 from optimizer_node.reduce import OrderedReduction, TensorPieces
 
 CHUNK_NUMEL = 512 << 10

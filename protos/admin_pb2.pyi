@@ -31,7 +31,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address")
+    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class GetStatusResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     PAUSE_REASON_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_seconds: float
@@ -62,7 +63,36 @@ class GetStatusResponse(_message.Message):
     paused: bool
     pause_reason: str
     data_address: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    non_finite: NonFiniteStatus
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ...) -> None: ...
+
+class NonFiniteEvent(_message.Message):
+    __slots__ = ("action", "step", "rank", "bucket", "values", "unix_time")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    step: int
+    rank: int
+    bucket: int
+    values: int
+    unix_time: float
+    def __init__(self, action: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., bucket: _Optional[int] = ..., values: _Optional[int] = ..., unix_time: _Optional[float] = ...) -> None: ...
+
+class NonFiniteStatus(_message.Message):
+    __slots__ = ("policy", "refused_pushes", "skipped_steps", "last")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    refused_pushes: int
+    skipped_steps: int
+    last: NonFiniteEvent
+    def __init__(self, policy: _Optional[str] = ..., refused_pushes: _Optional[int] = ..., skipped_steps: _Optional[int] = ..., last: _Optional[_Union[NonFiniteEvent, _Mapping]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

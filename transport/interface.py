@@ -25,6 +25,10 @@ class Message:
     peer: bytes
     header: Header
     tensors: list[tuple[int, torch.Tensor]]
+    user_id: str | None = None
+    """The sender's authenticated identity, where the backend has one: with CURVE on a ZeroMQ server
+    endpoint, the client's public key (z85) as the node's authenticator vouched for it. ``None``
+    without authentication; ``peer`` is chosen by the client and proves nothing."""
 
 
 class SendHandle(ABC):
@@ -59,6 +63,12 @@ class ServerEndpoint(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the endpoint; idempotent."""
+
+    def limit_payload(self, max_bytes: int, why: str) -> None:
+        """Refuse from now on, with ``WireError(TOO_LARGE)`` saying ``why``, messages that declare a
+        payload over ``max_bytes`` (a limit only ever lowered), before their payload is viewed. A
+        backend without this check leaves it to its caller: by default it does nothing."""
+        return None
 
     def bind_same_host(self) -> str | None:
         """Also listen on a same-host fast path (for workers on this host) and return its address,

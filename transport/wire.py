@@ -17,6 +17,7 @@ This module is the only place that knows the encoding. Anything that violates it
 from __future__ import annotations
 
 import enum
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,26 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 
 MAX_HEADER_BYTES = 16 << 20
 """Largest header frame accepted (a layout of a very large model still fits)."""
+
+MAX_HEADER_ITEMS = 1 << 21
+"""Values a header may decode to at most: every array and map counts one, plus one per element. A
+msgpack byte can become a Python object of ~60 bytes, so without a bound one header of
+``MAX_HEADER_BYTES`` took 1.2 GB and 5 s of a node (16 Mi empty arrays, measured); the layout of a
+model of 250k parameter tensors takes less than 2 Mi."""
+
+MAX_HEADER_LENGTH = 1 << 18
+"""Elements of one array or map of a header at most (a layout of more parameters is over
+``MAX_HEADER_BYTES`` anyway). Values are counted as each array completes, so this is how far a
+header can go past ``MAX_HEADER_ITEMS`` before it is stopped: ~150 MB of a node at worst."""
+
+MAX_HEADER_DEPTH = 32
+"""How deeply arrays and maps may nest in a header (the protocol needs 5): a thousand levels cost a
+few bytes on the wire and make every recursive function that meets them (``repr`` in an error
+message) fail."""
+
+MAX_ERROR_CHARS = 2000
+"""An error message is cut to this many characters: it may quote what a peer sent, which can be
+megabytes, and it goes back on the wire and into the log."""
 
 
 class MsgType(enum.IntEnum):
@@ -88,10 +109,28 @@ class WireError(Exception):
     """
 
     def __init__(self, code: ErrorCode, message: str, *, peer: bytes | None = None) -> None:
+        message = bounded_text(message)
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.peer = peer
+
+
+def bounded_text(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text``, cut to ``limit`` characters with a note of how many were left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+_SHOW.maxlevel = 3
+
+
+def shown(value: object) -> str:
+    """A short ``repr`` of a value a peer sent, for an error message: bounded in length and depth."""
+    return _SHOW.repr(value)
 
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -166,21 +205,81 @@ def encode_header(header: Header) -> bytes:
     )
 
 
+class _HeaderTooBig(Exception):
+    """Raised from inside msgpack's decoding to stop it as soon as a header is over a bound."""
+
+
+class _DecodeBudget:
+    """msgpack hooks that count the arrays and maps of one header as they are decoded (each is
+    handed over once complete) and stop the decoding once it is over ``MAX_HEADER_ITEMS``."""
+
+    __slots__ = ("containers", "items")
+
+    def __init__(self) -> None:
+        self.containers = 0
+        self.items = 0
+
+    def _count(self, value: Any) -> Any:
+        self.containers += 1
+        self.items += len(value) + 1
+        if self.items > MAX_HEADER_ITEMS:
+            raise _HeaderTooBig(f"header decodes to more than {MAX_HEADER_ITEMS} values")
+        return value
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and maps nest more than ``limit`` levels deep in ``value`` (iteratively: the
+    value may be deeper than Python's recursion limit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (list, dict)):
+                stack.append((child, depth + 1))
+    return False
+
+
 def decode_header(data: bytes | memoryview, *, peer: bytes | None = None) -> Header:
-    """Decode and validate a header frame; raises :class:`WireError` on any violation."""
+    """Decode and validate a header frame; raises :class:`WireError` on any violation.
+
+    What a header decodes to is bounded while it is built, not only its bytes: at most
+    ``MAX_HEADER_ITEMS`` values, in arrays and maps of at most ``MAX_HEADER_LENGTH`` elements (msgpack
+    reserves the length an array declares before it reads it), nested at most ``MAX_HEADER_DEPTH``
+    deep."""
     if len(data) > MAX_HEADER_BYTES:
-        raise WireError(ErrorCode.TOO_LARGE, f"header of {len(data)} bytes", peer=peer)
+        raise WireError(ErrorCode.TOO_LARGE, f"header of {len(data)} bytes is over the limit of {MAX_HEADER_BYTES}", peer=peer)
+    budget = _DecodeBudget()
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            list_hook=budget._count,
+            object_hook=budget._count,
+            max_array_len=MAX_HEADER_LENGTH,
+            max_map_len=MAX_HEADER_LENGTH,
+        )
+    except _HeaderTooBig as exc:
+        raise WireError(ErrorCode.TOO_LARGE, str(exc), peer=peer) from None
+    except msgpack.StackError:  # deeper than msgpack's own decoder goes (1024 levels)
+        raise WireError(ErrorCode.MALFORMED, f"header nests arrays and maps more than {MAX_HEADER_DEPTH} levels deep", peer=peer) from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise WireError(ErrorCode.MALFORMED, f"header is not msgpack: {exc}", peer=peer) from exc
+        # "N exceeds max_array_len(M)": an array or map longer than the header may hold
+        code = ErrorCode.TOO_LARGE if isinstance(exc, ValueError) and "exceeds max_" in str(exc) else ErrorCode.MALFORMED
+        raise WireError(code, f"header is not msgpack: {exc}" if code == ErrorCode.MALFORMED else f"header: {exc}", peer=peer) from exc
     if not isinstance(raw, dict):
         raise WireError(ErrorCode.MALFORMED, "header is not a map", peer=peer)
+    # Nesting needs a container per level: only a header with more containers than levels allowed
+    # (a layout, not the PUSH of every step) is walked.
+    if budget.containers > MAX_HEADER_DEPTH and _nested_deeper_than(raw, MAX_HEADER_DEPTH):
+        raise WireError(ErrorCode.MALFORMED, f"header nests arrays and maps more than {MAX_HEADER_DEPTH} levels deep", peer=peer)
     version = raw.get("v")
-    if version != PROTOCOL_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version != PROTOCOL_VERSION:  # 1.0 and True equal 1
         raise WireError(
             ErrorCode.VERSION,
-            f"protocol version {version!r}, this side speaks {PROTOCOL_VERSION}; run the same netoptim release on workers and nodes",
+            f"protocol version {shown(version)}, this side speaks {PROTOCOL_VERSION}; run the same netoptim release on workers and nodes",
             peer=peer,
         )
     kwargs: dict[str, Any] = {}
@@ -194,12 +293,12 @@ def decode_header(data: bytes | memoryview, *, peer: bytes | None = None) -> Hea
     try:
         kwargs["msg_type"] = MsgType(kwargs.get("msg_type", 0))
     except ValueError:
-        raise WireError(ErrorCode.MALFORMED, f"unknown message type {raw.get('t')!r}", peer=peer) from None
+        raise WireError(ErrorCode.MALFORMED, f"unknown message type {shown(raw.get('t'))}", peer=peer) from None
     header = Header(**kwargs)
     if header.numel < 0 or header.num_chunks < 0:
         raise WireError(ErrorCode.MALFORMED, "negative numel or chunk count", peer=peer)
     if header.numel > 0 and header.dtype not in WIRE_DTYPES:
-        raise WireError(ErrorCode.WRONG_DTYPE, f"payload dtype {header.dtype!r} is not one of {sorted(WIRE_DTYPES)}", peer=peer)
+        raise WireError(ErrorCode.WRONG_DTYPE, f"payload dtype {shown(header.dtype)} is not one of {sorted(WIRE_DTYPES)}", peer=peer)
     return header
 
 
@@ -290,4 +389,4 @@ def payload_views(header: Header, chunks: Sequence[memoryview], *, max_bytes: in
 
 def error_header(code: ErrorCode, message: str, *, bucket_id: int = -1, step: int = -1) -> Header:
     """An ERROR reply."""
-    return Header(msg_type=MsgType.ERROR, bucket_id=bucket_id, step=step, meta={"code": int(code), "message": message})
+    return Header(msg_type=MsgType.ERROR, bucket_id=bucket_id, step=step, meta={"code": int(code), "message": bounded_text(message)})

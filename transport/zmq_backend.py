@@ -22,6 +22,7 @@ import stat
 import struct
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from transport.security import CurveClientConfig, CurveServerConfig, secure_clie
 from transport.wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_HEADER_BYTES,
     ErrorCode,
     Header,
     Payload,
@@ -50,6 +52,22 @@ ZERO_COPY_BYTES = 64 << 10
 SOCKET_BUFFER_BYTES = 8 << 20
 """Kernel send/receive buffer per connection: measured to double loopback throughput with MB frames
 over the OS default (netoptim bench transport)."""
+
+DEFAULT_MAX_PEERS = 1 << 16
+"""Distinct peers (client ids) a server endpoint remembers at most, unless told otherwise."""
+
+PEER_IDLE_S = 300.0
+"""A server endpoint with as many peers as it remembers forgets the one heard from least recently,
+if it was silent this long, to take a new one; otherwise the new peer is refused (LIMIT). Workers
+waiting for a node ping it every few seconds, so only a peer that is gone (or computes for five
+minutes without waiting on the node) is forgotten, and a laned peer forgotten gets its lanes back
+with its next message."""
+
+
+def default_max_frame_bytes(chunk_bytes: int, max_header_bytes: int) -> int:
+    """The frame cap (ZMQ_MAXMSGSIZE) a server endpoint gets unless told otherwise: the largest frame
+    the protocol sends, one payload chunk (workers cut theirs at ``DEFAULT_CHUNK_BYTES``) or one header."""
+    return max(chunk_bytes, DEFAULT_CHUNK_BYTES, max_header_bytes)
 
 
 def tune_socket(socket: zmq.Socket) -> None:
@@ -162,7 +180,21 @@ def bind_exclusive(socket: zmq.Socket, url: str) -> str:
 class ZmqServer(ServerEndpoint):
     """A ROUTER socket; each worker connection is one peer identity."""
 
-    def __init__(self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int, curve: CurveServerConfig | None = None) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        url: str,
+        *,
+        max_message_bytes: int,
+        chunk_bytes: int,
+        curve: CurveServerConfig | None = None,
+        max_frame_bytes: int | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_peers: int = DEFAULT_MAX_PEERS,
+    ) -> None:
+        if max_peers < 1 or max_header_bytes < 1:
+            raise ValueError(f"max_peers and max_header_bytes must be positive, got {max_peers} and {max_header_bytes}")
+        self.max_frame_bytes = default_max_frame_bytes(chunk_bytes, max_header_bytes) if max_frame_bytes is None else max_frame_bytes
         self._socket = context.socket(zmq.ROUTER)
         if curve is not None:
             secure_server_socket(self._socket, curve)
@@ -170,29 +202,87 @@ class ZmqServer(ServerEndpoint):
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's socket reconnected after a reset keeps its id
         tune_socket(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Hard cap per frame as a guard against memory exhaustion; the header check gives the clear error.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_message_bytes, chunk_bytes) + (1 << 20))
+        # libzmq drops the connection of a peer that sends a larger frame, before it allocates the frame.
+        # It bounds each frame only: see docs/operations.md (Limits) for multipart messages.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         try:
             self.address = bind_exclusive(self._socket, url)
         except Exception:
             self._socket.close(linger=0)
             raise
-        self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._same_host_path: Path | None = None
-        self._lanes: dict[bytes, int] = {}  # laned client id -> its lane count
+        self._lanes: dict[bytes, int] = {}  # laned client id -> its lane count (only peers in _peers)
+        self._peers: OrderedDict[bytes, float] = OrderedDict()  # every peer heard -> when, least recent first
+        self._max_peers = max_peers
+        self._max_header_bytes = max_header_bytes
+        self._payload_limit = max_message_bytes
+        self._payload_why = f"this node's limit of {max_message_bytes} bytes (--max-message-bytes)"
+        self._authenticated = curve is not None  # CURVE: the ZAP handler tags each message with the sender's key
 
     def recv(self, timeout_s: float) -> Message | None:
         if not self._poller.poll(int(timeout_s * 1000)):
             return None
         frames = self._socket.recv_multipart(copy=False)
-        peer = frames[0].bytes
-        if len(peer) == _LANE_ID_BYTES and peer[:1] == _LANED:  # one lane of a laned client: the client is the peer
-            peer, lanes = peer[:8], peer[9]
+        peer = self._admit(frames[0].bytes)
+        message = self._decode(frames[1:], peer)
+        if self._authenticated:
+            # The routing id is the client's to choose; the User-Id is the public key its CURVE
+            # handshake proved, set by the ZAP handler on every message of that connection.
+            message.user_id = frames[-1].get("User-Id")
+        return message
+
+    def limit_payload(self, max_bytes: int, why: str) -> None:
+        """From now on refuse payloads over ``max_bytes`` (and over max_message_bytes), before they are viewed."""
+        if max_bytes < self._payload_limit:
+            self._payload_limit, self._payload_why = max_bytes, why
+
+    def _admit(self, routing_id: bytes) -> bytes:
+        """The peer ``routing_id`` belongs to (a laned client's lanes are one peer), remembered as
+        heard now; ``WireError(LIMIT)`` for a new peer when ``max_peers`` are remembered and none of
+        them has been silent for ``PEER_IDLE_S`` (answered on ``routing_id`` itself, which the
+        ROUTER can route without any bookkeeping)."""
+        peer, lanes = routing_id, 0
+        if len(routing_id) == _LANE_ID_BYTES and routing_id[:1] == _LANED:  # one lane of a laned client: the client is the peer
+            peer, lanes = routing_id[:8], routing_id[9]
+        now = time.monotonic()
+        if peer in self._peers:
+            self._peers.move_to_end(peer)
+        elif len(self._peers) >= self._max_peers and not self._forget_idle_peer(now):
+            raise WireError(
+                ErrorCode.LIMIT,
+                f"this node talks to {len(self._peers)} peers already, the most it keeps track of, and all were heard from in the last "
+                f"{PEER_IDLE_S:.0f} s; start the node with a higher --max-peers to allow more",
+                peer=routing_id,
+            )
+        self._peers[peer] = now
+        if lanes:
             self._lanes[peer] = lanes
-        return _decode(frames[1:], peer, self._max_message_bytes)
+        return peer
+
+    def _forget_idle_peer(self, now: float) -> bool:
+        oldest, heard = next(iter(self._peers.items()))
+        if now - heard < PEER_IDLE_S:
+            return False
+        del self._peers[oldest]
+        self._lanes.pop(oldest, None)
+        return True
+
+    def _decode(self, frames: list[zmq.Frame], peer: bytes) -> Message:
+        """A received message, with this endpoint's limits checked before the payload is viewed."""
+        if not frames:
+            raise WireError(ErrorCode.MALFORMED, "empty message", peer=peer)
+        if len(frames[0]) > self._max_header_bytes:
+            raise WireError(
+                ErrorCode.TOO_LARGE, f"header of {len(frames[0])} bytes is over this node's limit of {self._max_header_bytes} (--max-header-bytes)", peer=peer
+            )
+        header = decode_header(frames[0].buffer, peer=peer)
+        if header.payload_bytes > self._payload_limit:
+            raise WireError(ErrorCode.TOO_LARGE, f"payload of {header.payload_bytes} bytes is over {self._payload_why}", peer=peer)
+        tensors = payload_views(header, [frame.buffer for frame in frames[1:]], max_bytes=self._payload_limit, peer=peer)
+        return Message(peer=peer, header=header, tensors=tensors)
 
     def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
         lanes = self._lanes.get(peer)
@@ -300,7 +390,12 @@ class ZmqTransport(Transport):
         curve_server: CurveServerConfig | None = None,
         curve_client: CurveClientConfig | None = None,
         connections_per_peer: int = 1,
+        max_frame_bytes: int | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_peers: int = DEFAULT_MAX_PEERS,
     ) -> None:
+        """``max_frame_bytes`` (``None``: :func:`default_max_frame_bytes`), ``max_header_bytes`` and
+        ``max_peers`` are the limits of the server endpoints it binds (see :class:`ZmqServer`)."""
         if not 1 <= connections_per_peer <= 255:
             raise ValueError(f"connections per node must be in [1, 255], not {connections_per_peer}")
         self._lanes = connections_per_peer
@@ -310,6 +405,7 @@ class ZmqTransport(Transport):
         self._context = zmq.Context(io_threads=max(io_threads, connections_per_peer))  # lanes move in parallel
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
+        self._server_limits = {"max_frame_bytes": max_frame_bytes, "max_header_bytes": max_header_bytes, "max_peers": max_peers}
         self._curve_server = curve_server
         self._curve_client = curve_client
         self._authenticator: ThreadAuthenticator | None = None
@@ -321,7 +417,9 @@ class ZmqTransport(Transport):
             self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("netoptim.curve"))
             self._authenticator.start()
             self._authenticator.configure_curve(domain="*", location=self._curve_server.allowed_keys_dir)
-        return ZmqServer(self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_server)
+        return ZmqServer(
+            self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_server, **self._server_limits
+        )
 
     def connect(self, url: str) -> ZmqClient:
         return ZmqClient(

@@ -56,7 +56,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, block_size: int) -> None
 
 def parse_recipe_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse a recipe's flags, taking what they leave unset from the ``[worker]`` table of ``--config``."""
-    from netoptim.config_file import ConfigFileError, apply_config_file
+    from job.config_file import ConfigFileError, apply_config_file
 
     parser.add_argument(
         "--config", default=None, metavar="FILE", help="read flags from the [worker] table of this TOML file (keys: the flags' long names); flags override it"

@@ -93,6 +93,7 @@ def test_a_20ms_delay_each_way_changes_nothing(proxied_job, reference, seed):
     run_through(job, proxy, reference)
 
 
+@pytest.mark.slow  # 35 s: resets at random moments cover the reconnect path by default
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_a_10s_partition_mid_run_is_ridden_out(proxied_job, reference, seed):
     """Nothing crosses the link for 10 s (the workers' ``silent_after_s``): the workers ping, may take

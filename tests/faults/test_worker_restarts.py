@@ -50,7 +50,7 @@ def assert_continues_bitwise(tmp_path, reference: dict, mode: str, deaths: dict[
         job.close()
 
 
-@pytest.mark.parametrize("mode", ["full", "early", "layerwise"])
+@pytest.mark.parametrize("mode", ["full", pytest.param("early", marks=pytest.mark.slow), pytest.param("layerwise", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, mode, seed):
     rng = random.Random(f"{mode}-{seed}")

@@ -81,8 +81,10 @@ def gathered(out, world_size: int, stages: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("stages", "replicas", "microbatches", "schedule"),
-    [(2, 1, 2, "1f1b"), (2, 2, 2, "interleaved")],
-    ids=["P2-D1-1f1b", "P2-D2-interleaved"],  # GPipe: the one-stage case of test_pipeline_plan
+    [
+        pytest.param(2, 1, 2, "1f1b", id="P2-D1-1f1b"),
+        pytest.param(2, 2, 2, "interleaved", id="P2-D2-interleaved", marks=pytest.mark.slow),
+    ],  # GPipe: the one-stage case of test_pipeline_plan
 )
 def test_pipeline_matches_adamw_fed_the_same_microbatch_gradients(start_node, tmp_path, stages, replicas, microbatches, schedule):
     nodes = [start_node(f"node{i}").address for i in range(stages)]

@@ -7,9 +7,9 @@ import secrets
 
 import torch
 
+from job.placement import ParamSpec
+from job.spec import JobSpec
 from optimizer_node.adamw import AdamWHyper, adamw_update
-from optimizer_node.job import JobSpec
-from optimizer_node.placement import ParamSpec
 from transport.wire import Header, MsgType, tensor_header
 from transport.zmq_backend import ZmqClient, ZmqTransport
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
-from optimizer_node.placement import ParamSpec
+from job.placement import ParamSpec
 from tests.optimizer_node.raw_client import HYPER, JOB, Mirror, RawWorker
 from transport.wire import PROTOCOL_VERSION, ErrorCode, Header, MsgType, encode_header, tensor_header
 from transport.zmq_backend import ZmqTransport
@@ -200,7 +200,10 @@ def test_second_worker_with_a_different_layout(job):
     other = type(JOB)(
         **{**{f: getattr(JOB, f) for f in JOB.__slots__}, "params": (ParamSpec("w", (200,), "float32", 0), ParamSpec("bias", (10,), "float32", 0))}
     )
-    assert_error(job["rank1"].hello(other), ErrorCode.LAYOUT_MISMATCH, "parameter 1", "'b'", "'bias'")
+    # Which parameter and the worker's own value; the registered layout ('b') goes to the node's log only.
+    reply = job["rank1"].hello(other)
+    assert_error(reply, ErrorCode.LAYOUT_MISMATCH, "parameter 1", "'bias'", "fingerprint")
+    assert "'b'" not in reply.meta["message"] and "registered 'b'" in job["node"].log_text()
     assert_intact(job)
 
 
@@ -214,8 +217,10 @@ def test_layout_mismatch_through_remote_adamw(node):
     first = torch.nn.Linear(4, 3)
     RemoteAdamW(first.named_parameters(), nodes=[node.address], rank=0, world_size=2, timeout_s=10)
     second = torch.nn.Linear(4, 5)
-    with pytest.raises(RuntimeError, match=r"LAYOUT_MISMATCH.*parameter 0 differs.*'weight' shape \[3, 4\].*shape \[5, 4\]"):
+    with pytest.raises(RuntimeError, match=r"LAYOUT_MISMATCH.*fingerprint.*parameter 0 differs \(this worker has 'weight' shape \[5, 4\]") as raised:
         RemoteAdamW(second.named_parameters(), nodes=[node.address], rank=1, world_size=2, timeout_s=10)
+    assert "[3, 4]" not in str(raised.value)  # the registered shape is in the node's log, not in the answer
+    assert "'weight' shape [3, 4]" in node.log_text()
 
 
 def test_worker_that_never_comes(node):

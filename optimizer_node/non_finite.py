@@ -1,0 +1,103 @@
+"""Non-finite gradients (NaN, inf): how a node finds them in a push, and what it did about them.
+
+A node checks every gradient it receives before the gradient touches any state. The check is one
+``torch.sum`` per received view: a sum is finite only if every element is (NaN propagates, and an
+inf turns the sum into inf or NaN), so a finite sum proves the view clean at the cost of one read of
+memory the transport has just written. Only a sum that is not finite (a NaN or inf, or finite
+values whose sum overflows) is looked at element by element, which also counts the culprits; a
+finite gradient whose sum overflowed is accepted, as torch would apply it.
+
+What follows depends on the node's ``--non-finite`` policy (:data:`POLICIES`):
+
+* ``refuse`` (default): the push is answered with ``ERROR NON_FINITE`` naming the rank, bucket,
+  step and the number of NaN/inf values; nothing of the bucket changes, the other ranks' gradients
+  of it stay, and the rank may push that bucket again for the same step;
+* ``skip``: the gradient is taken, and the whole step is skipped on every bucket of every node, as
+  ``torch.cuda.amp.GradScaler`` skips ``optimizer.step()``: parameters, moments and AdamW's step
+  count stay as they were and the workers get the unchanged parameters (the agreement is the
+  global-norm round of :mod:`optimizer_node.clipping`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from optimizer_node.reduce import TensorPieces
+
+POLICIES = ("refuse", "skip")
+"""What a node does with a non-finite gradient: refuse the push, or skip the step everywhere."""
+
+
+def count_non_finite(pieces: TensorPieces) -> int:
+    """How many elements of a received gradient are NaN or +-inf (0 for a clean one).
+
+    One vectorized sum per piece; the exact count runs only for a piece whose sum is not finite.
+    fp16 is summed in fp32: its own sum would overflow at 65504 and send ordinary gradients down
+    the slow path. bf16 has fp32's range and is summed as it is (fp32 accumulation inside).
+    """
+    count = 0
+    for _offset, view in pieces:
+        total = torch.sum(view, dtype=torch.float32) if view.dtype == torch.float16 else torch.sum(view)
+        if not math.isfinite(float(total)):
+            count += int(view.numel() - torch.count_nonzero(torch.isfinite(view)))
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class NonFiniteEvent:
+    """One non-finite gradient the node acted on. ``rank``/``bucket_id`` are -1 when the step was
+    skipped because of a gradient another node saw."""
+
+    action: str  # "refused" or "skipped"
+    step: int
+    rank: int
+    bucket_id: int
+    values: int  # NaN/inf elements in that rank's gradient of that bucket (0 when unknown here)
+    unix_time: float
+
+
+class NonFiniteStats:
+    """Counters for status and metrics; written by the daemon thread, read by the admin and
+    metrics threads (hence the lock)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._lock = threading.Lock()
+        self.refused_pushes = 0
+        self.skipped_steps = 0
+        self.last: NonFiniteEvent | None = None
+
+    def refused(self, step: int, rank: int, bucket_id: int, values: int) -> None:
+        with self._lock:
+            self.refused_pushes += 1
+            self.last = NonFiniteEvent("refused", step, rank, bucket_id, values, time.time())
+
+    def skipped(self, step: int, rank: int, bucket_id: int, values: int) -> None:
+        with self._lock:
+            self.skipped_steps += 1
+            self.last = NonFiniteEvent("skipped", step, rank, bucket_id, values, time.time())
+
+    def snapshot(self) -> dict:
+        """A plain dict (admin status, tests)."""
+        with self._lock:
+            last = self.last
+            return {
+                "policy": self.policy,
+                "refused_pushes": self.refused_pushes,
+                "skipped_steps": self.skipped_steps,
+                "last": None
+                if last is None
+                else {
+                    "action": last.action,
+                    "step": last.step,
+                    "rank": last.rank,
+                    "bucket_id": last.bucket_id,
+                    "values": last.values,
+                    "unix_time": last.unix_time,
+                },
+            }
