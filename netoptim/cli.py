@@ -226,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="netoptim", description="netoptim: train models larger than their GPUs with the optimizer on CPU nodes in the network."
     )
     parser.add_argument("--version", action="version", version=f"netoptim {_version()}", help="print netoptim's version and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars, here or in the processes this command starts (as TQDM_DISABLE=1 does)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,cluster,plan,plan-memory,admin,export,keygen}")
     add_node_parser(subparsers)
@@ -267,6 +268,8 @@ def console() -> NoReturn:
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    if args.no_progress:  # tqdm reads it in this process and in every worker and node started from it
+        os.environ["TQDM_DISABLE"] = "1"
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "node":
         return run_node(args)

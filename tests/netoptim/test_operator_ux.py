@@ -25,3 +25,14 @@ def test_ctrl_c_is_quiet(start_node):
     watch.send_signal(signal.SIGINT)
     _, stderr = watch.communicate(timeout=30)
     assert watch.returncode == 130 and "Traceback" not in stderr, stderr
+
+
+def test_no_progress_reaches_the_processes_a_command_starts(monkeypatch):
+    import os
+
+    from netoptim.cli import _run_command, parse_command_line
+
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # restored (unset) after the test
+    args = parse_command_line(["--no-progress", "plan-memory", "--params", "1M", "--workers", "1"])
+    assert _run_command(args) == 0
+    assert os.environ["TQDM_DISABLE"] == "1"
