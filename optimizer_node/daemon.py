@@ -127,7 +127,13 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
         self.non_finite = NonFiniteStats(config.non_finite)
-        self.metrics = NodeMetrics(lambda: len(self._ledger.ranks), self.non_finite)
+        self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
+            self.non_finite,
+            workers_last_seen=lambda: [record.last_seen for record in list(self._ledger.ranks.values())],
+            paused=lambda: self._pause_reason is not None,
+            draining=lambda: self._drain_step is not None,
+            last_checkpoint_unix=lambda: (self._last_checkpoint or {}).get("created_unix"),
+        )
         self.started_at = time.time()
         self._crash_points = CrashPoints(config.crash_at)
         self._checkpoint_waiters: list = []
@@ -137,6 +143,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             self._restore()
             if self._job is not None:
                 self._limit_payloads(self._job)
+                self.metrics.step_reached(self.step)
         elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
             try:
                 Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -493,7 +500,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         """Every owned bucket reached ``step``: the step's timings, and its checkpoint if one is due."""
         self._buckets_done.pop(step, None)
         self.clock.step_completed(step)
-        self.metrics.step_completed(self.clock.last)
+        self.metrics.step_completed(self.clock.last, step)
         self._step_completed(step)
 
     def _rank_rejoined(self, rank: int) -> None:

@@ -1,132 +1,213 @@
-"""Prometheus metrics of a node, served as text on ``/metrics`` (``--metrics-port``).
+"""Prometheus metrics of a node, served on ``/metrics`` (``--metrics-port``) with prometheus_client.
 
-The daemon thread records; the HTTP thread renders. A lock keeps each scrape consistent.
+Every node has a :class:`~prometheus_client.CollectorRegistry` of its own (not the library's global
+default), so several nodes in one process (tests) never share or clash over series. The registry
+holds the standard process, platform and garbage-collector collectors and the node's own series.
+
+Cost on the daemon thread: each message increments a counter (O(1), one short lock), each bucket
+update and each step observes a histogram. Everything that needs to look at the node's state
+(workers heard from recently, paused, draining, checkpoint age, the non-finite statistics) is
+computed only when ``/metrics`` is scraped, on the HTTP thread.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
+import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 from optimizer_node.control import StepTimings
 from optimizer_node.non_finite import NonFiniteStats
 
 log = logging.getLogger(__name__)
 
+disable_created_metrics()  # no ``*_created`` series: the process start time already says when counting began
+
 UPDATE_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Seconds from a bucket's first gradient of a step to its update being sent back."""
 
+STEP_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+"""Seconds of a whole step at this node (first gradient of the step to its last bucket updated)."""
+
+WORKER_SILENT_AFTER_S = 300.0
+"""A rank not heard from for this long no longer counts in ``netoptim_workers_connected``. ZeroMQ does
+not tell the node that a worker closed its connection, so the rank table only knows when each rank
+last spoke; 300 s is the worker's own default wait (``RemoteAdamW(timeout_s=300)``): a worker silent
+for longer has given up or gone. The environment variable ``NETOPTIM_METRICS_WORKER_SILENT_S``
+overrides it (tests use a second)."""
+
+STEP_PARTS = ("wall", "reduce", "update", "send")
+
+
+def worker_silent_after_s() -> float:
+    """The threshold in force: ``NETOPTIM_METRICS_WORKER_SILENT_S`` if set to a positive number, else :data:`WORKER_SILENT_AFTER_S`."""
+    raw = os.environ.get("NETOPTIM_METRICS_WORKER_SILENT_S", "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return WORKER_SILENT_AFTER_S
+    return value if value > 0 and math.isfinite(value) else WORKER_SILENT_AFTER_S
+
+
+def _never() -> bool:
+    return False
+
+
+def _no_checkpoint() -> float | None:
+    return None
+
+
+def _no_workers() -> Iterable[float]:
+    return ()
+
+
+class _ScrapeTimeCollector(Collector):
+    """The series computed from the node's state when scraped: workers heard from recently, paused,
+    draining, checkpoint age and the non-finite statistics."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        now = time.time()
+        yield GaugeMetricFamily(
+            "netoptim_workers_connected",
+            f"Worker ranks registered with this node and heard from in the last {m.silent_after_s:g} s.",
+            value=sum(1 for seen in m.workers_last_seen() if now - seen <= m.silent_after_s),
+        )
+        yield GaugeMetricFamily("netoptim_paused", "1 while an operator has paused updates, else 0.", value=int(bool(m.paused())))
+        yield GaugeMetricFamily("netoptim_draining", "1 once a drain was asked for (no gradients after its last step), else 0.", value=int(bool(m.draining())))
+        created = m.last_checkpoint_unix()
+        if created is not None:
+            yield GaugeMetricFamily("netoptim_checkpoint_age_seconds", "Seconds since the newest checkpoint was written.", value=max(0.0, now - created))
+        yield from self._non_finite()
+
+    def _non_finite(self) -> Iterator[Metric]:
+        """Gradients with NaN/inf: refused pushes, skipped steps, and the last event (-1: none, or not seen here)."""
+        stats = self._metrics.non_finite.snapshot()
+        last = stats["last"] or {"step": -1, "rank": -1, "bucket_id": -1}
+        policy = GaugeMetricFamily("netoptim_non_finite_policy", "The node's --non-finite policy (1 for the one in force).", labels=["policy"])
+        for name in ("refuse", "skip"):
+            policy.add_metric([name], int(name == stats["policy"]))
+        yield policy
+        yield CounterMetricFamily(
+            "netoptim_non_finite_refused", "Pushes refused because the gradient held NaN or inf (--non-finite refuse).", value=stats["refused_pushes"]
+        )
+        yield CounterMetricFamily(
+            "netoptim_non_finite_skipped_steps",
+            "Steps skipped on every bucket because a gradient held NaN or inf (--non-finite skip).",
+            value=stats["skipped_steps"],
+        )
+        yield GaugeMetricFamily("netoptim_non_finite_last_step", "Step of the last refused or skipped non-finite gradient (-1: none).", value=last["step"])
+        yield GaugeMetricFamily(
+            "netoptim_non_finite_last_rank", "Rank whose gradient was the last non-finite one (-1: none, or seen by another node).", value=last["rank"]
+        )
+        yield GaugeMetricFamily(
+            "netoptim_non_finite_last_bucket", "Bucket of the last non-finite gradient (-1: none, or seen by another node).", value=last["bucket_id"]
+        )
+
 
 class NodeMetrics:
-    """Counters, gauges and one histogram of a node."""
+    """The series of one node, on a registry of its own (:attr:`registry`).
 
-    def __init__(self, workers_connected: Callable[[], int], non_finite: NonFiniteStats | None = None) -> None:
-        self._lock = threading.Lock()
-        self._workers_connected = workers_connected
-        self._non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.steps = 0
-        self.rejected = 0
-        self.last_step = StepTimings()
-        self.step_seconds_total = StepTimings()
-        self._latency_counts = [0] * (len(UPDATE_LATENCY_BUCKETS) + 1)
-        self._latency_sum = 0.0
+    The daemon thread calls :meth:`received`, :meth:`sent`, :meth:`rejected_message`,
+    :meth:`bucket_updated` and :meth:`step_completed`; the callables given here are read only at scrape
+    time, from the HTTP thread, so each must be a cheap, thread-safe read of the node's state:
+
+    - ``workers_last_seen``: unix time each registered rank was last heard from;
+    - ``paused`` / ``draining``: whether an operator paused updates / asked for a drain;
+    - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet).
+    """
+
+    def __init__(
+        self,
+        non_finite: NonFiniteStats | None = None,
+        *,
+        workers_last_seen: Callable[[], Iterable[float]] = _no_workers,
+        paused: Callable[[], bool] = _never,
+        draining: Callable[[], bool] = _never,
+        last_checkpoint_unix: Callable[[], float | None] = _no_checkpoint,
+        silent_after_s: float | None = None,
+    ) -> None:
+        self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
+        self.workers_last_seen = workers_last_seen
+        self.paused = paused
+        self.draining = draining
+        self.last_checkpoint_unix = last_checkpoint_unix
+        self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
+        self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        self._bytes_in = Counter("netoptim_bytes_received", "Tensor payload bytes received from workers.", registry=registry)
+        self._bytes_out = Counter("netoptim_bytes_sent", "Tensor payload bytes sent to workers.", registry=registry)
+        self._steps = Counter("netoptim_steps", "Steps completed (every owned bucket updated).", registry=registry)
+        self._rejected = Counter("netoptim_rejected_messages", "Messages answered with an error.", registry=registry)
+        self._step = Gauge("netoptim_step", "The step every owned bucket has reached.", registry=registry)
+        self._step_duration = Histogram("netoptim_step_duration_seconds", "Wall time of a step at this node.", buckets=STEP_DURATION_BUCKETS, registry=registry)
+        last = Gauge("netoptim_last_step_seconds", "Time of the last step, by part.", ["part"], registry=registry)
+        total = Counter("netoptim_step_seconds", "Time spent in steps, by part.", ["part"], registry=registry)
+        self._last_step = {part: last.labels(part) for part in STEP_PARTS}
+        self._step_seconds = {part: total.labels(part) for part in STEP_PARTS}
+        self._update_latency = Histogram(
+            "netoptim_bucket_update_latency_seconds",
+            "From a bucket's first gradient of a step to its new values leaving.",
+            buckets=UPDATE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_ScrapeTimeCollector(self))
+
+    # ---------------------------------------------------------------- the daemon thread
 
     def received(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_in += nbytes
+        """A message with ``nbytes`` of tensor payload arrived."""
+        self._bytes_in.inc(nbytes)
 
     def sent(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_out += nbytes
+        """A message with ``nbytes`` of tensor payload left."""
+        self._bytes_out.inc(nbytes)
 
     def rejected_message(self) -> None:
-        with self._lock:
-            self.rejected += 1
+        """A message was answered with an error."""
+        self._rejected.inc()
 
     def bucket_updated(self, latency_s: float) -> None:
-        index = next((i for i, bound in enumerate(UPDATE_LATENCY_BUCKETS) if latency_s <= bound), len(UPDATE_LATENCY_BUCKETS))
-        with self._lock:
-            self._latency_counts[index] += 1
-            self._latency_sum += latency_s
+        """A bucket's update went out ``latency_s`` after the first gradient of its step arrived."""
+        self._update_latency.observe(latency_s)
 
-    def step_completed(self, timings: StepTimings) -> None:
-        with self._lock:
-            self.steps += 1
-            self.last_step = timings
-            total = self.step_seconds_total
-            total.wall_s += timings.wall_s
-            total.reduce_s += timings.reduce_s
-            total.update_s += timings.update_s
-            total.send_s += timings.send_s
+    def step_reached(self, step: int) -> None:
+        """Every owned bucket is at ``step`` (after a step, or when a node resumes from a checkpoint)."""
+        self._step.set(step)
 
-    def render(self) -> str:
-        """The Prometheus text exposition format."""
-        with self._lock:
-            lines = [
-                "# HELP netoptim_bytes_received_total Tensor payload bytes received from workers.",
-                "# TYPE netoptim_bytes_received_total counter",
-                f"netoptim_bytes_received_total {self.bytes_in}",
-                "# HELP netoptim_bytes_sent_total Tensor payload bytes sent to workers.",
-                "# TYPE netoptim_bytes_sent_total counter",
-                f"netoptim_bytes_sent_total {self.bytes_out}",
-                "# HELP netoptim_steps_total Steps completed (every owned bucket updated).",
-                "# TYPE netoptim_steps_total counter",
-                f"netoptim_steps_total {self.steps}",
-                "# HELP netoptim_rejected_messages_total Messages answered with an error.",
-                "# TYPE netoptim_rejected_messages_total counter",
-                f"netoptim_rejected_messages_total {self.rejected}",
-                "# HELP netoptim_workers_connected Worker ranks that said HELLO.",
-                "# TYPE netoptim_workers_connected gauge",
-                f"netoptim_workers_connected {self._workers_connected()}",
-                "# HELP netoptim_last_step_seconds Time of the last step, by part.",
-                "# TYPE netoptim_last_step_seconds gauge",
-            ]
-            parts = ("wall", "reduce", "update", "send")
-            lines += [f'netoptim_last_step_seconds{{part="{part}"}} {getattr(self.last_step, part + "_s"):.6f}' for part in parts]
-            lines += ["# HELP netoptim_step_seconds_total Time spent in steps, by part.", "# TYPE netoptim_step_seconds_total counter"]
-            lines += [f'netoptim_step_seconds_total{{part="{part}"}} {getattr(self.step_seconds_total, part + "_s"):.6f}' for part in parts]
-            lines += [
-                "# HELP netoptim_bucket_update_latency_seconds From a bucket's first gradient of a step to its new values leaving.",
-                "# TYPE netoptim_bucket_update_latency_seconds histogram",
-            ]
-            cumulative = 0
-            for bound, count in zip((*UPDATE_LATENCY_BUCKETS, float("inf")), self._latency_counts, strict=True):
-                cumulative += count
-                label = "+Inf" if bound == float("inf") else repr(bound)
-                lines.append(f'netoptim_bucket_update_latency_seconds_bucket{{le="{label}"}} {cumulative}')
-            lines += [f"netoptim_bucket_update_latency_seconds_sum {self._latency_sum:.6f}", f"netoptim_bucket_update_latency_seconds_count {cumulative}"]
-        lines += self._non_finite_lines()
-        return "\n".join(lines) + "\n"
+    def step_completed(self, timings: StepTimings, step: int | None = None) -> None:
+        """A step ended (reaching ``step`` when given) and took ``timings``."""
+        self._steps.inc()
+        if step is not None:
+            self._step.set(step)
+        self._step_duration.observe(timings.wall_s)
+        for part in STEP_PARTS:
+            seconds = getattr(timings, part + "_s")
+            self._last_step[part].set(seconds)
+            self._step_seconds[part].inc(max(0.0, seconds))
 
-    def _non_finite_lines(self) -> list[str]:
-        """Gradients with NaN/inf: refused pushes, skipped steps, and the last event (-1: none, or not seen here)."""
-        stats = self._non_finite.snapshot()
-        last = stats["last"] or {"step": -1, "rank": -1, "bucket_id": -1}
-        return [
-            "# HELP netoptim_non_finite_policy The node's --non-finite policy (1 for the one in force).",
-            "# TYPE netoptim_non_finite_policy gauge",
-            *(f'netoptim_non_finite_policy{{policy="{policy}"}} {int(policy == stats["policy"])}' for policy in ("refuse", "skip")),
-            "# HELP netoptim_non_finite_refused_total Pushes refused because the gradient held NaN or inf (--non-finite refuse).",
-            "# TYPE netoptim_non_finite_refused_total counter",
-            f"netoptim_non_finite_refused_total {stats['refused_pushes']}",
-            "# HELP netoptim_non_finite_skipped_steps_total Steps skipped on every bucket because a gradient held NaN or inf (--non-finite skip).",
-            "# TYPE netoptim_non_finite_skipped_steps_total counter",
-            f"netoptim_non_finite_skipped_steps_total {stats['skipped_steps']}",
-            "# HELP netoptim_non_finite_last_step Step of the last refused or skipped non-finite gradient (-1: none).",
-            "# TYPE netoptim_non_finite_last_step gauge",
-            f"netoptim_non_finite_last_step {last['step']}",
-            "# HELP netoptim_non_finite_last_rank Rank whose gradient was the last non-finite one (-1: none, or seen by another node).",
-            "# TYPE netoptim_non_finite_last_rank gauge",
-            f"netoptim_non_finite_last_rank {last['rank']}",
-            "# HELP netoptim_non_finite_last_bucket Bucket of the last non-finite gradient (-1: none, or seen by another node).",
-            "# TYPE netoptim_non_finite_last_bucket gauge",
-            f"netoptim_non_finite_last_bucket {last['bucket_id']}",
-        ]
+    # ---------------------------------------------------------------- the HTTP thread
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition format of every series of this node."""
+        return generate_latest(self.registry)
 
 
 class _ExclusiveHTTPServer(ThreadingHTTPServer):
@@ -146,9 +227,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         metrics = self.server.metrics
         assert metrics is not None, "served only after MetricsServer.start"
-        body = metrics.render().encode()
+        body = metrics.render()
         self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
