@@ -8,6 +8,7 @@ import pytest
 
 from netoptim.launcher import NodeProcess
 from optimizer_node import compiled_update
+from tests.transport.availability import mooncake_installed  # noqa: F401 (a fixture, used by name)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
