@@ -55,7 +55,7 @@ def check_bitwise(job: Job, reference, plan: str) -> None:
     assert difference == 0.0, f"{job.mode} {plan}: parameters differ by {difference}\n{job.logs()}"
 
 
-@pytest.mark.parametrize("target", [pytest.param("worker", marks=pytest.mark.slow), "node"])
+@pytest.mark.parametrize("target", [pytest.param("worker", marks=pytest.mark.slow), pytest.param("node", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_a_process_stopped_for_5s_and_continued_changes_nothing(tmp_path, reference, target, seed):
     """SIGSTOP for 5 s, then SIGCONT, of a worker or of the node, at a seeded moment of a worker's step."""

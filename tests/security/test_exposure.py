@@ -136,10 +136,13 @@ def test_the_admin_token_comes_from_a_file_and_argv_warns(tmp_path):
     loose = tmp_path / "loose"
     loose.write_text("tok-123\n")
     loose.chmod(0o644)
-    refused = netoptim("node", "--admin", "127.0.0.1:0", "--admin-token-file", str(loose))
-    assert refused.returncode == 2 and "chmod 600" in refused.stderr
-    both = netoptim("node", "--admin", "127.0.0.1:0", "--admin-token-file", str(token), "--admin-token", "x")
-    assert both.returncode == 2 and "once" in both.stderr
+    from netoptim.cli import parse_command_line
+    from netoptim.node_cli import admin_config_from_args
+
+    with pytest.raises(ValueError, match="chmod 600"):
+        admin_config_from_args(parse_command_line(["node", "--admin", "127.0.0.1:0", "--admin-token-file", str(loose)]))
+    with pytest.raises(ValueError, match="once"):
+        admin_config_from_args(parse_command_line(["node", "--admin", "127.0.0.1:0", "--admin-token-file", str(token), "--admin-token", "x"]))
 
     ready = tmp_path / "ready.json"
     node = subprocess.Popen(
