@@ -20,6 +20,7 @@ import torch
 from gpu_worker.layout import gather_bucket, scatter_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
+from gpu_worker.refusals import RefusedGradients
 from gpu_worker.send_buffers import SendBuffers
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
 from job.hyper import AdamWHyper
@@ -100,10 +101,7 @@ class OffloadSession:
         # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
-        self._refused: dict[int, tuple[str, int, int, int]] = {}
-        self._blocked: dict[int, tuple[int, set[int]]] = {}
-        self._collect_refusals = False  # finish_step collects refusals and raises once; elsewhere one raises at once
-        self._step_open = False  # finish_step raised NonFiniteGradientError: the next call continues the same step
+        self._refusals = RefusedGradients()
         self._non_finite_policies: dict[int, str] = {}  # node index -> its --non-finite policy, as its HELLO_OK said
         self.last_skipped_step: int | None = None  # the last step the nodes skipped (--non-finite skip)
         self.skipped_steps = 0
@@ -272,14 +270,11 @@ class OffloadSession:
         it raises :class:`NonFiniteGradientError` once every other bucket is back or blocked, and the
         step stays open: the next call pushes the refused buckets again, from the gradients it is
         given, and waits for the rest."""
-        if self._step_open:  # a retry: the refused buckets go again
-            for bucket_id in self._refused:
-                self._blocked.get(bucket_id, (0, set()))[1].discard(self.rank)
-            self._refused.clear()
-            self._step_open = False
+        if self._refusals.step_open:  # a retry: the refused buckets go again
+            self._refusals.retry(self.rank)
         else:
             self._waiting = set(range(len(self.buckets)))
-            self._blocked.clear()
+            self._refusals.new_step()
         self._step_grads = (grads, hypers)  # a node that restarts mid-step gets them again
         for bucket in self.buckets:
             if bucket.bucket_id not in self._pushed:
@@ -289,27 +284,26 @@ class OffloadSession:
         self._skipped.clear()
         waiting = self._waiting
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
-        self._collect_refusals = True
+        self._refusals.collecting = True
         try:
             # Done when every bucket is back, or, after a refusal of this rank's gradient, when each one
             # still missing waits for a refused gradient (this rank's, or another's it was told about).
             self.receive_until(
-                lambda: not waiting or (bool(self._refused) and all(self._is_blocked(b) for b in waiting)),
+                lambda: not waiting or self._refusals.only_blocked_left(waiting, self.bucket_steps),
                 lambda: f"no parameters for {len(waiting)} bucket(s)",
             )
             if waiting:
-                self._step_open = True
-                raise NonFiniteGradientError(self.rank, [self._refused[b] for b in sorted(self._refused)], self.describe_bucket)
+                self._refusals.step_open = True
+                raise NonFiniteGradientError(self.rank, self._refusals.in_order(), self.describe_bucket)
         finally:
             self.on_params = None
-            self._collect_refusals = False
-            if not self._step_open:
+            self._refusals.collecting = False
+            if not self._refusals.step_open:
                 self._pushed.clear()
                 self._step_grads = None
                 self._waiting = set()
                 self._reconnected = False
-                self._refused.clear()
-                self._blocked.clear()
+                self._refusals.clear()
 
     def has_pushed(self, bucket_id: int) -> bool:
         """Whether the nodes hold (or are being sent) this rank's gradient of the bucket for the step in progress."""
@@ -387,7 +381,7 @@ class OffloadSession:
             self._connections.log_notice(index, header)
             refused = header.meta.get("non_finite")
             if isinstance(refused, dict) and all(isinstance(refused.get(key), int) for key in ("bucket", "step", "rank")):
-                self._note_blocked(refused["bucket"], refused["step"], refused["rank"])
+                self._refusals.note_blocked(refused["bucket"], refused["step"], refused["rank"])
             return
         if header.msg_type == MsgType.CONSUMED:
             self._unconsumed_bytes -= self._unconsumed.pop(header.bucket_id, 0)
@@ -413,25 +407,12 @@ class OffloadSession:
         """finish_step: note that a node refused this rank's gradient of a bucket it waits for (the
         step raises once the rest is in); False where it must raise now (layer-wise, another rank's)."""
         node, bucket_id, step, _values = error.refusals[0]
-        if not self._collect_refusals or error.rank != self.rank or bucket_id not in self._waiting or step != self.bucket_steps[bucket_id]:
+        if not self._refusals.collecting or error.rank != self.rank or bucket_id not in self._waiting or step != self.bucket_steps[bucket_id]:
             return False
-        self._refused[bucket_id] = error.refusals[0]
-        self._note_blocked(bucket_id, step, self.rank)
+        self._refusals.record(bucket_id, error.refusals[0], self.rank)
         self._pushed.discard(bucket_id)  # the node does not hold it: the retry pushes it again
         log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", self.rank, node, bucket_id, step)
         return True
-
-    def _note_blocked(self, bucket_id: int, step: int, rank: int) -> None:
-        """A node refused ``rank``'s gradient of the bucket for ``step``."""
-        entry = self._blocked.get(bucket_id)
-        if entry is None or entry[0] != step:
-            entry = self._blocked[bucket_id] = (step, set())
-        entry[1].add(rank)
-
-    def _is_blocked(self, bucket_id: int) -> bool:
-        """Whether the bucket's values of this step wait for a rank whose gradient was refused."""
-        entry = self._blocked.get(bucket_id)
-        return entry is not None and entry[0] == self.bucket_steps[bucket_id] and bool(entry[1])
 
     def _on_norm_partial(self, index: int, header: Header) -> None:
         """Rank 0: add the nodes' shares of the squared norm in node order and send the total to all.
@@ -539,11 +520,7 @@ class OffloadSession:
 
     def _diagnose_timeout(self, missing: str) -> str:
         """The timeout's message: what this worker misses and, per node, what the node waits for."""
-        refused = [
-            f"bucket {b} of step {step} waits for rank(s) {sorted(ranks)} to push again the gradient the node refused (NaN/inf)"
-            for b, (step, ranks) in sorted(self._blocked.items())
-            if ranks and step >= self.step - 1  # layer-wise: pushed buckets are counted a step ahead
-        ]
+        refused = self._refusals.accounts(since_step=self.step - 1)  # layer-wise: pushed buckets are counted a step ahead
         return "; ".join([f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s", *refused, *self._connections.accounts()])
 
     def close(self) -> None:

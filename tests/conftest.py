@@ -8,13 +8,18 @@ import pytest
 
 from netoptim.launcher import NodeProcess
 from optimizer_node import compiled_update
-from tests.transport.availability import mooncake_installed  # noqa: F401 (a fixture, used by name)
+from tests.transport.availability import check_mooncake
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the nodes' update loop once, before any node starts (numba caches it on disk): the
     daemons the tests start then load it instead of each waiting for a compile of its own."""
     compiled_update.usable()  # fills numba's cache (in a child process) and checks the loop
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("mooncake") is not None:
+        check_mooncake()
 
 
 @pytest.fixture

@@ -21,10 +21,9 @@ def mooncake_importable() -> bool:
     return True
 
 
-@pytest.fixture
-def mooncake_installed() -> None:
-    """Fails a Mooncake test with the install hint where the transport cannot run (or skips it under
-    ``NETOPTIM_SKIP_MOONCAKE=1``); registered in tests/conftest.py."""
+def check_mooncake() -> None:
+    """Fail a Mooncake test with the install hint where the transport cannot run (or skip it under
+    ``NETOPTIM_SKIP_MOONCAKE=1``); called for tests marked ``mooncake`` (tests/conftest.py)."""
     if mooncake_importable():
         return
     if os.environ.get("NETOPTIM_SKIP_MOONCAKE") == "1":
@@ -32,4 +31,4 @@ def mooncake_installed() -> None:
     pytest.fail(f"{INSTALL_HINT} (or set NETOPTIM_SKIP_MOONCAKE=1 to skip these tests on purpose)")
 
 
-requires_mooncake = pytest.mark.usefixtures("mooncake_installed")
+requires_mooncake = pytest.mark.mooncake
