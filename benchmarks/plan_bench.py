@@ -14,7 +14,7 @@ import statistics
 
 from tqdm import tqdm
 
-from netoptim.launcher import run_pipeline_job
+from launch.processes import run_pipeline_job
 from netoptim.plan_cli import calibration_for, validate_model_flags
 from planning.planner import Prediction, plan
 

@@ -82,8 +82,8 @@ def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, r
 
 
 def main(argv: list[str] | None = None) -> int:
+    from launch.processes import NodeProcess
     from netoptim.arg_types import size as _size
-    from netoptim.launcher import NodeProcess
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-dir", required=True, help="where the node keeps its ~36 GB of state (a local disk)")

@@ -31,7 +31,7 @@ from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
 from job.placement import ParamSpec
 from job.spec import JobSpec
-from netoptim.launcher import NodeProcess
+from launch.processes import NodeProcess
 from optimizer_node.adamw import AdamWHyper
 from protos import admin_pb2, admin_pb2_grpc
 

@@ -159,7 +159,7 @@ def _free_port() -> int:
 
 
 def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
-    from netoptim.launcher import NodeProcess
+    from launch.processes import NodeProcess
 
     settings = {
         "threads": args.threads,

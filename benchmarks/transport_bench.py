@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import median_seconds
-from netoptim.launcher import NodeProcess
+from launch.processes import NodeProcess
 from transport import create_transport
 from transport.security import CurveClientConfig, generate_keypair
 from transport.wire import MsgType, tensor_header

@@ -23,7 +23,7 @@ from pathlib import Path
 from cluster.counters import LinkBytes, difference, read_counters
 from cluster.netns import in_namespace
 from cluster.topology import HOST_IFACE, Topology
-from netoptim.launcher import NodeProcess, free_port
+from launch.processes import NodeProcess, free_port
 
 log = logging.getLogger(__name__)
 

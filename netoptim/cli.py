@@ -274,7 +274,7 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "node":
         return run_node(args)
     if args.command == "demo":
-        from netoptim.launcher import run_demo
+        from netoptim.demo import run_demo
 
         return run_demo(args)
     if args.command == "keygen":

@@ -50,7 +50,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 @contextlib.contextmanager
 def local_node() -> Iterator[tuple[str, int]]:
     """A fresh ``netoptim node`` on loopback for the calibration (its address and process id); stopped afterwards."""
-    from netoptim.launcher import NodeProcess
+    from launch.processes import NodeProcess
 
     with tempfile.TemporaryDirectory(prefix="netoptim-plan-") as workdir, NodeProcess(workdir, log_level="WARNING") as node:
         assert node.process is not None
@@ -148,7 +148,7 @@ def _calibration_run(candidate, cuts: list[int], *, global_batch: int, model: di
     medians over the timed steps."""
     import statistics
 
-    from netoptim.launcher import run_pipeline_job
+    from launch.processes import run_pipeline_job
 
     c = candidate
     reports = run_pipeline_job(c.stages, c.replicas, c.microbatches, c.schedule, cuts, global_batch=global_batch, model=model, steps=warmup + steps)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from netoptim.launcher import NodeProcess
+from launch.processes import NodeProcess
 from optimizer_node import compiled_update
 from tests.transport.availability import check_mooncake
 

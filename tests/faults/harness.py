@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from netoptim.launcher import NodeProcess
+from launch.processes import NodeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4

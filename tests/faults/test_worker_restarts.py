@@ -57,7 +57,7 @@ def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, 
     assert_continues_bitwise(tmp_path, reference, mode, {rng.randrange(WORLD): death(rng)})
 
 
-@pytest.mark.parametrize("mode", ["full", pytest.param("layerwise", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow), pytest.param("layerwise", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("seed", range(max(1, TRIALS // 2)))
 def test_both_workers_killed_and_restarted_continue_bitwise(tmp_path, reference, mode, seed):
     rng = random.Random(f"both-{mode}-{seed}")

@@ -16,7 +16,7 @@ from gpu_worker.models import GPT, GPTConfig
 from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 from gpu_worker.recipes.train_gpt import lr_lambda
 from gpu_worker.recipes.train_gpt_pipeline import decay_groups, token_loss
-from netoptim.launcher import free_port, run_workers
+from launch.processes import free_port, run_workers
 
 STEPS = 4
 MODEL = {"block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 2}

@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from launch.processes import NodeProcess
 from netoptim.cli import build_parser
-from netoptim.launcher import NodeProcess
 from transport.wire import Header, MsgType
 from transport.zmq_backend import ZmqTransport
 

@@ -53,7 +53,7 @@ def train(address: str, steps: int = STEPS, **options) -> tuple[list[torch.Tenso
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    from netoptim.launcher import NodeProcess
+    from launch.processes import NodeProcess
 
     with NodeProcess(tmp_path_factory.mktemp("reference")) as node:
         params, errors = train(node.address)

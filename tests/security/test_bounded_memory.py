@@ -25,7 +25,7 @@ from gpu_worker import RemoteAdamW
 from gpu_worker.node_connections import NodeError
 from job.placement import ParamSpec
 from job.spec import JobLimits, JobSpec, LimitError
-from netoptim.launcher import NodeProcess
+from launch.processes import NodeProcess
 from optimizer_node.config import NodeConfig
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.waiting_hellos import WaitingHellos

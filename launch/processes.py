@@ -1,8 +1,8 @@
-"""Starting nodes and workers on this machine: for ``netoptim demo`` and for tests."""
+"""Starting nodes and workers on this machine, as child processes: for ``netoptim demo``, the benchmarks,
+the planner's calibration, the emulated cluster and the tests."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -187,24 +187,3 @@ def run_pipeline_job(
         finally:
             for node in nodes:
                 node.stop()
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    """``netoptim demo``: local node(s) and worker processes training a small GPT."""
-    with tempfile.TemporaryDirectory(prefix="netoptim-demo-") as workdir:
-        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING") for i in range(args.nodes)]
-        try:
-            for node in nodes:
-                node.start()
-            addresses = ",".join(node.address for node in nodes)
-            mode = "layer-wise" if args.layerwise else "full-model"
-            print(f"netoptim demo: {args.nodes} optimizer node(s) at {addresses}, {args.workers} {mode} worker process(es), {args.steps} steps", flush=True)
-            script = ["--nodes", addresses, "--steps", str(args.steps), "--wire-dtype", args.wire_dtype, "--seed", str(args.seed)]
-            status = run_workers([*script, "--layerwise"] if args.layerwise else script, args.workers)
-        finally:
-            for node in nodes:
-                node.stop()
-        if status != 0:
-            for node in nodes:
-                sys.stderr.write(node.log_text()[-4000:])
-        return status
