@@ -122,6 +122,15 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
         self._storage_retry_at = 0.0  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self._stop: threading.Event | None = None
+        self._handlers = {  # built once: handle() runs for every message
+            MsgType.HELLO: self._on_hello,
+            MsgType.INIT: self._on_init,
+            MsgType.PUSH: self._on_push,
+            MsgType.PULL: self._on_pull,
+            MsgType.CLIP: self._on_clip,
+            MsgType.QUERY: self._on_query,
+            MsgType.ECHO: self._on_echo,
+        }
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.clock = StepClock()
         self.admin_address: str | None = None
@@ -223,16 +232,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         """Handle one validated message; protocol violations are answered with ERROR."""
         header = message.header
         self.metrics.received(header.payload_bytes)
-        handlers = {
-            MsgType.HELLO: self._on_hello,
-            MsgType.INIT: self._on_init,
-            MsgType.PUSH: self._on_push,
-            MsgType.PULL: self._on_pull,
-            MsgType.CLIP: self._on_clip,
-            MsgType.QUERY: self._on_query,
-            MsgType.ECHO: self._on_echo,
-        }
-        handler = handlers.get(header.msg_type)
+        handler = self._handlers.get(header.msg_type)
         try:
             if handler is None:
                 raise WireError(ErrorCode.BAD_REQUEST, f"a node does not accept {header.msg_type.name} messages")
@@ -290,12 +290,12 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             hyper = AdamWHyper.from_wire(header.meta.get("hyper"))
         except ValueError as exc:
             raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
-        try:  # the operator's overrides times what the worker sent (lr x lr_scale) must be usable too
-            self._overrides.apply(hyper).validate()
-        except ValueError as exc:
-            raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
+            try:  # once per bucket and step (later pushes must send the same): with the overrides (lr x lr_scale) too
+                self._overrides.apply(hyper).validate()
+            except ValueError as exc:
+                raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
             # defer: the last arrival's gradient is added in the update pass, together with AdamW
             reduction = OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer, defer=True)
             in_flight = BucketStep(header.step, hyper, reduction, time.perf_counter())
