@@ -25,16 +25,14 @@ def layout_from_groups(param_groups: Sequence[dict]) -> tuple[list[ParamSpec], l
     """The job layout of an optimizer's param groups and the matching parameter tensors, in order.
 
     Names come from ``param_names`` (when the optimizer was given ``named_parameters()``), else they
-    are ``group{g}.param{i}``. Parameters that do not require grad are left out, as torch's own
-    optimizers never update them.
+    are ``group{g}.param{i}``. Parameters that do not require grad are in it too: as in torch's
+    optimizers, they are not stepped while their gradient is None, and train once unfrozen.
     """
     specs: list[ParamSpec] = []
     tensors: list[torch.Tensor] = []
     for group_index, group in enumerate(param_groups):
         names: Iterable[str] = group.get("param_names") or (f"group{group_index}.param{i}" for i in range(len(group["params"])))
         for name, param in zip(names, group["params"], strict=True):
-            if not param.requires_grad:
-                continue
             if not param.is_contiguous():
                 raise ValueError(f"parameter {name!r} is not contiguous; call .contiguous() on it before building the optimizer")
             specs.append(ParamSpec(name, tuple(param.shape), _param_dtype_name(param), group_index))

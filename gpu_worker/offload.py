@@ -61,4 +61,5 @@ def offload(
         params = model.named_parameters()
     elif callable(params):
         params = params(model)
+    optimizer_options.setdefault("module", model)  # for its buffers (see RemoteAdamW's broadcast_buffers)
     return RemoteAdamW(params, nodes=nodes, units=plan, **optimizer_options)

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpu_worker.buffers import BufferBroadcast
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
+from gpu_worker.optimizer_state import gather_state, load_state
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
@@ -25,6 +27,18 @@ from transport.security import CurveClientConfig
 from transport.wire import dtype_name
 
 log = logging.getLogger(__name__)
+
+TORCH_ADAMW_GROUP_KEYS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": True,
+    "decoupled_weight_decay": True,
+}
+"""What ``torch.optim.AdamW`` keeps in each param group besides the hyperparameters, as RemoteAdamW
+computes it (the fused kernel); its state dicts carry them so torch resumes with the same math."""
 
 DEFAULT_BUCKET_NUMEL = 1 << 20
 """Elements per bucket: 4 MiB of fp32, one ZeroMQ frame at the default chunk size."""
@@ -54,7 +68,11 @@ class RemoteAdamW(torch.optim.Optimizer):
 
     Args:
         params: parameters, ``named_parameters()``, or param groups (each may set its own ``lr``,
-            ``betas``, ``eps``, ``weight_decay``). Parameters with ``requires_grad=False`` are left out.
+            ``betas``, ``eps``, ``weight_decay``). As with ``torch.optim.AdamW``, a parameter whose
+            ``grad`` is None on every rank (frozen, or unused this step) is not stepped; one whose
+            gradient is None on some ranks only counts as zeros from those (DDP's
+            ``find_unused_parameters=True``). Frozen parameters are registered once, so they can be
+            unfrozen later; leave out the ones that never train (they would take node memory).
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``. The current values of each group
             travel with every step, so ``torch.optim.lr_scheduler`` works unchanged.
         nodes: data-plane addresses of the job's optimizer nodes, like ``["tcp://10.0.0.5:5555"]``.
@@ -95,6 +113,12 @@ class RemoteAdamW(torch.optim.Optimizer):
             the address given.
         connections_per_node: TCP connections to each node (ZeroMQ addresses), for links one TCP
             stream cannot fill: bucket ``b`` travels on connection ``b % connections_per_node``.
+        module: the model the parameters belong to, for its buffers (BatchNorm statistics): with
+            ``broadcast_buffers`` (the default, as DDP's), rank 0's buffers reach every rank at the
+            start of each forward that follows a training forward, over ``torch.distributed``
+            (initialize a process group; gloo is enough). Without ``module`` each rank keeps its own
+            buffers. :func:`gpu_worker.offload` passes its model. See :mod:`gpu_worker.buffers`.
+        broadcast_buffers: ``False`` leaves each rank's buffers its own (e.g. with SyncBatchNorm).
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then
@@ -130,6 +154,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         push_window_bytes: int = 1 << 30,
         same_host_ipc: bool = True,
         connections_per_node: int = 1,
+        module: torch.nn.Module | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
@@ -180,6 +206,13 @@ class RemoteAdamW(torch.optim.Optimizer):
         except BaseException:
             self._session.close()
             raise
+        self._buffers: BufferBroadcast | None = None
+        if module is not None and broadcast_buffers and world_size > 1 and any(True for _ in module.buffers()):
+            try:
+                self._buffers = BufferBroadcast(module, lambda: self._sync_enabled)
+            except BaseException:
+                self._session.close()
+                raise
         buckets = self._session.buckets
         self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
         self._param_buckets: list[list[int]] = [[] for _ in tensors]
@@ -187,11 +220,9 @@ class RemoteAdamW(torch.optim.Optimizer):
             for seg in bucket.segments:
                 self._param_buckets[seg.param_index].append(bucket.bucket_id)
         self._ready: list[set[int]] = [set() for _ in buckets]
-        self._hook_handles = (
-            [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i, p in enumerate(tensors)]
-            if push_during_backward and units is None
-            else []
-        )
+        # Frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready.
+        self._hooked = {i for i, p in enumerate(tensors) if p.requires_grad} if push_during_backward and units is None else set()
+        self._hook_handles = [tensors[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i in sorted(self._hooked)]
 
     @property
     def remote_step(self) -> int:
@@ -251,8 +282,14 @@ class RemoteAdamW(torch.optim.Optimizer):
                 name = self._session.job.params[index].name
                 raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
             ready.add(index)
-            if len(ready) == len(self._bucket_params[bucket_id]) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
+            if self._bucket_ready(bucket_id) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
                 self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
+
+    def _bucket_ready(self, bucket_id: int) -> bool:
+        """Every parameter of the bucket that trains now has its gradient. One unfrozen after the
+        optimizer was made has no hook, so its bucket waits for ``step()``; frozen ones have none."""
+        ready = self._ready[bucket_id]
+        return all(i in ready and i in self._hooked for i in self._bucket_params[bucket_id] if self._params[i].requires_grad)
 
     def _group_hypers(self) -> list[AdamWHyper]:
         hypers = []
@@ -293,9 +330,24 @@ class RemoteAdamW(torch.optim.Optimizer):
                 ready.clear()
         return loss
 
+    def _torch_indices(self) -> dict[int, int]:
+        """Each parameter's index in torch's state dict: its place over the param groups, in order."""
+        return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict, plus where the real state lives and at which step."""
+        """torch's AdamW state dict, gathered from the nodes: per parameter ``step``, ``exp_avg`` and
+        ``exp_avg_sq`` (none for a parameter never stepped) and the param groups, so
+        ``torch.optim.AdamW.load_state_dict`` takes it and continues bit for bit. Under ``"netoptim"``:
+        the nodes, their step and the world size. Call it between steps (layer-wise mode waits for the
+        last update first). Every rank gets the same dict, its moments on each parameter's device and
+        in its dtype, as torch keeps them."""
+        if self._streamer is not None:
+            self._streamer.gather()  # waits until every bucket applied the last step
         state = super().state_dict()
+        for group in state["param_groups"]:  # torch AdamW's own keys; the nodes run its fused kernel, so a torch run resumed from here uses it too
+            for key, value in TORCH_ADAMW_GROUP_KEYS.items():
+                group.setdefault(key, value)
+        state["state"] = gather_state(self._session, self._params, self._torch_indices())
         state["netoptim"] = {
             "state_location": "optimizer_nodes",
             "nodes": list(self._session.nodes),
@@ -305,12 +357,32 @@ class RemoteAdamW(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load hyperparameters (param groups); the moments stay on the nodes, which keep their own step."""
+        """Load a torch AdamW state dict (from ``torch.optim.AdamW`` or from :meth:`state_dict`): the
+        param groups here, the moments and step counts onto the nodes, so training continues as torch
+        would from it. Every rank calls it with the same dict, between steps, after loading the model's
+        parameters; rank 0 sends the state, and in full mode the parameters' current values as the
+        nodes' fp32 masters (fp32 parameters only: lower-precision ones leave the masters as they are)."""
         state_dict = dict(state_dict)
-        remote = state_dict.pop("netoptim", None)
-        super().load_state_dict(state_dict)
-        if remote is not None and remote.get("step") != self.remote_step:
-            log.warning("state dict saved at step %s, the nodes are at step %s; the nodes' state wins", remote.get("step"), self.remote_step)
+        state_dict.pop("netoptim", None)
+        for group in state_dict.get("param_groups", []):
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError("the state dict's param groups use amsgrad or maximize, which RemoteAdamW does not support")
+        moments = state_dict.get("state", {})
+        super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker
+        if self._session.rank == 0:
+            with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
+            load_state(self._session, self._params, self._torch_indices(), moments, with_params=with_params)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Used while the optimizer is built. The nodes' layout is fixed once it is made: to unfreeze
+        layers mid-run, give every parameter at construction with ``requires_grad=False`` (not stepped
+        while frozen, as in torch) and set ``requires_grad_(True)`` later."""
+        if getattr(self, "_session", None) is not None:
+            raise NotImplementedError(
+                "RemoteAdamW cannot add a param group after it is made (the nodes hold a fixed layout): pass every parameter at construction, "
+                "the ones to train later with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
+            )
+        super().add_param_group(param_group)
 
     def close(self) -> None:
         """Close the connections to the nodes (also done at garbage collection)."""
@@ -319,6 +391,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         self._hook_handles = []
         if self._streamer is not None:
             self._streamer.remove_hooks()
+        if self._buffers is not None:
+            self._buffers.remove()
         self._session.close()
 
     def __del__(self) -> None:

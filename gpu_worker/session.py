@@ -203,6 +203,28 @@ class OffloadSession:
         self._connections.send(bucket.node, tensor_header(MsgType.INIT, values, rank=self.rank, bucket_id=bucket_id), values)
         self._connections.expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}")
 
+    def read_state(self, bucket_id: int, part: str) -> tuple[torch.Tensor, list[float]]:
+        """One part of a bucket's optimizer state (``param``, ``exp_avg``, ``exp_avg_sq``; fp32, flat)
+        and its segments' AdamW step counts, as the node holds them now (call between steps)."""
+        bucket = self.buckets[bucket_id]
+        self._connections.send(bucket.node, Header(msg_type=MsgType.READ_STATE, rank=self.rank, bucket_id=bucket_id, meta={"part": part}))
+        reply = self._connections.expect(bucket.node, MsgType.STATE, f"the {part} of bucket {bucket_id}")
+        values = torch.empty(bucket.numel, dtype=torch.float32)
+        for offset, view in reply.tensors:
+            values[offset : offset + view.numel()].copy_(view)
+        return values, [float(s) for s in reply.header.meta["segment_steps"]]
+
+    def load_state(self, bucket_id: int, part: str, values: torch.Tensor, segment_steps: list[float] | None = None) -> None:
+        """Rank 0: replace one part of a bucket's optimizer state (fp32, flat) and, when given, its
+        segments' step counts; waits for the ACK."""
+        meta: dict = {"part": part}
+        if segment_steps is not None:
+            meta["segment_steps"] = segment_steps
+        bucket = self.buckets[bucket_id]
+        header = tensor_header(MsgType.LOAD_STATE, values, rank=self.rank, step=self.bucket_steps[bucket_id], bucket_id=bucket_id, meta=meta)
+        self._connections.send(bucket.node, header, values)
+        self._connections.expect(bucket.node, MsgType.ACK, f"the {part} of bucket {bucket_id} to load")
+
     def request(self, bucket_id: int, at_step: int) -> None:
         """Layer-wise: ask for a bucket's values of ``at_step``; the node answers once the bucket is there."""
         bucket = self.buckets[bucket_id]
@@ -226,7 +248,7 @@ class OffloadSession:
             self._pushed.add(bucket_id)
             return
         if self.push_window_bytes is not None:
-            nbytes = bucket.numel * self._wire_dtype.itemsize
+            nbytes = bucket.numel * self._wire_dtype.itemsize if any(grads[seg.param_index] is not None for seg in bucket.segments) else 0
             window = self.push_window_bytes
             self.receive_until(
                 lambda: not self._unconsumed or self._unconsumed_bytes + nbytes <= window,
@@ -234,20 +256,29 @@ class OffloadSession:
             )
             self._unconsumed[bucket_id] = nbytes
             self._unconsumed_bytes += nbytes
-        started = time.perf_counter()
-        buffer = self._send_buffers.take(bucket.numel)
-        gather_bucket(bucket, grads, buffer)
-        if buffer.is_pinned():
-            torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
-        sending = time.perf_counter()
-        self.timings.gather_s += sending - started
         hyper = hypers[bucket.group]
         cached = self._hyper_wire.get(bucket.group)
         if cached is None or cached[0] != hyper:
             cached = self._hyper_wire[bucket.group] = (hyper, hyper.to_wire())
-        hyper_wire = cached[1]
-        header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=self.bucket_steps[bucket_id], bucket_id=bucket_id, meta={"hyper": hyper_wire})
-        self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
+        meta: dict = {"hyper": cached[1]}
+        # Parameters without a gradient on this rank: zeros in the sum, as with DDP; not stepped if no rank has one.
+        absent = [index for index, seg in enumerate(bucket.segments) if grads[seg.param_index] is None]
+        if absent:
+            meta["absent"] = absent
+        step = self.bucket_steps[bucket_id]
+        if len(absent) == len(bucket.segments):  # no gradient for any of its parameters (a frozen layer): no payload
+            sending = time.perf_counter()
+            self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta))
+        else:
+            started = time.perf_counter()
+            buffer = self._send_buffers.take(bucket.numel)
+            gather_bucket(bucket, grads, buffer)
+            if buffer.is_pinned():
+                torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
+            sending = time.perf_counter()
+            self.timings.gather_s += sending - started
+            header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta)
+            self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
         self._pushed.add(bucket_id)
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
@@ -502,17 +533,19 @@ class OffloadSession:
         if bucket_id not in waiting or self.buckets[bucket_id].node != node_index:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id}, which this worker did not ask it for")
         bucket = self.buckets[bucket_id]
-        if header.numel != bucket.numel or header.dtype != self.job.wire_dtype:
+        unchanged = header.meta.get("unchanged") is True and header.numel == 0  # no rank had a gradient for it: the values stay
+        if not unchanged and (header.numel != bucket.numel or header.dtype != self.job.wire_dtype):
             raise RuntimeError(
                 f"node {self.nodes[node_index]} sent bucket {bucket_id} as {header.numel} x {header.dtype}, expected {bucket.numel} x {self.job.wire_dtype}"
             )
         expected = self.bucket_steps[bucket_id] + (1 if expect_next_step else 0)
         if header.step != expected:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
-        started = time.perf_counter()
-        scatter_bucket(bucket, message.tensors, self.params)
-        self.timings.install_s += elapsed(started)
-        self.timings.installs += 1
+        if not unchanged:
+            started = time.perf_counter()
+            scatter_bucket(bucket, message.tensors, self.params)
+            self.timings.install_s += elapsed(started)
+            self.timings.installs += 1
         self.bucket_steps[bucket_id] = header.step
         waiting.discard(bucket_id)
 

@@ -121,6 +121,7 @@ class LayerStreamer:
         self._grads = _Grads(self.params)
         self.step = 0
         self._handles: list = []
+        self._hooked: set[int] = set()  # layout indices with a gradient hook
         # Parameters, frames and activations come and go every step. Below 32 MiB (glibc's largest
         # threshold) they come from the heap, where the next unit reuses what the last one freed
         # without faulting its pages in again; the heap is trimmed once a step, which keeps the RSS
@@ -179,7 +180,9 @@ class LayerStreamer:
             self._handles.append(module.register_forward_pre_hook(lambda _m, _a, unit=unit: self._before_forward(unit)))
             self._handles.append(module.register_forward_hook(lambda _m, _a, output, unit=unit: self._after_forward(unit, output)))
         for layout_index, param in enumerate(self.params):
-            self._handles.append(param.register_post_accumulate_grad_hook(lambda _p, i=layout_index: self._on_grad(i)))
+            if param.requires_grad:  # a frozen parameter gets no gradient (torch refuses hooks on it)
+                self._hooked.add(layout_index)
+                self._handles.append(param.register_post_accumulate_grad_hook(lambda _p, i=layout_index: self._on_grad(i)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -299,7 +302,9 @@ class LayerStreamer:
     def _on_grad(self, layout_index: int) -> None:
         unit = self._unit_of_param[layout_index]
         unit.grads_ready.add(layout_index)
-        if len(unit.grads_ready) < len(unit.params):
+        # Ready once every parameter of the unit that trains now has its gradient; a parameter unfrozen
+        # after the hooks were made has no hook, so its unit waits for step().
+        if not all(i in unit.grads_ready and i in self._hooked for i in unit.params if self.params[i].requires_grad):
             return
         unit.grads_ready.clear()
         if self._sync_enabled():  # else gradients accumulate locally (no_sync); the unit is freed all the same

@@ -49,6 +49,7 @@ class BucketSnapshot:
     step_tensor: float
     numel: int
     path: Path
+    segment_steps: list[float] | None = None  # per segment, when they differ (see BucketState)
 
     def values(self) -> torch.Tensor:
         """param, exp_avg and exp_avg_sq back to back (3 x numel fp32)."""
@@ -122,6 +123,8 @@ def write_checkpoint(
             name = f"bucket-{state.bucket_id:06d}.bin"
             written = write_file(state, temporary / name)
             files[name] = {"bucket_id": state.bucket_id, "numel": state.numel, "step": state.step, "step_tensor": float(state.step_tensor), **written}
+            if state.segment_steps is not None:
+                files[name]["segment_steps"] = list(state.segment_steps)
             after_file()
         manifest = {"format_version": FORMAT_VERSION, "step": step, "created_unix": time.time(), **meta, "files": files}
         _write_synced(temporary / MANIFEST, [json.dumps(manifest, indent=1).encode()])
@@ -177,7 +180,12 @@ def read_checkpoint(path: Path) -> Checkpoint:
         numel = entry["numel"]
         if size != 12 * numel:
             raise CheckpointError(f"{path / name} holds {size // 4} values, {3 * numel} expected")
-        buckets[entry["bucket_id"]] = BucketSnapshot(entry["bucket_id"], entry["step"], entry["step_tensor"], numel, path / name)
+        segment_steps = entry.get("segment_steps")
+        if segment_steps is not None and not (isinstance(segment_steps, list) and all(isinstance(s, (int, float)) and s >= 0 for s in segment_steps)):
+            raise CheckpointError(f"{path / MANIFEST}: segment_steps of {name} must be a list of non-negative numbers, got {segment_steps!r}")
+        buckets[entry["bucket_id"]] = BucketSnapshot(
+            entry["bucket_id"], entry["step"], entry["step_tensor"], numel, path / name, None if segment_steps is None else [float(s) for s in segment_steps]
+        )
     return Checkpoint(path, manifest, buckets)
 
 

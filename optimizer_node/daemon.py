@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
+from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.clipping import GlobalNormClipping
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
@@ -40,9 +41,9 @@ from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistration, load_allow_list
 from optimizer_node.replies import ParameterReplies
+from optimizer_node.state_transfer import load_part, read_part
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
-from optimizer_node.update_pass import reduce_and_update
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import backend_for, create_transport
 from transport.interface import Message, SendHandle
@@ -130,6 +131,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             MsgType.CLIP: self._on_clip,
             MsgType.QUERY: self._on_query,
             MsgType.ECHO: self._on_echo,
+            MsgType.READ_STATE: self._on_read_state,
+            MsgType.LOAD_STATE: self._on_load_state,
         }
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.clock = StepClock()
@@ -278,7 +281,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         job = self._require_rank(message)
         header = message.header
         bucket = self._owned_bucket(job, header)
-        self._check_payload(header, bucket, job.spec.wire_dtype)
+        absent = absent_segments(header.meta, bucket, header.numel)
+        if header.numel or not absent:  # an empty push (no gradient for any segment) has no payload to check
+            self._check_payload(header, bucket, job.spec.wire_dtype)
         state = self._store.get(bucket.bucket_id)
         if state is None:
             raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
@@ -330,6 +335,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._ledger.gradient_of_step(header.step)
         self.clock.gradient_arrived()
         self._in_flight[bucket.bucket_id] = in_flight
+        in_flight.absent = absent if in_flight.absent is None else in_flight.absent & absent
         started = time.perf_counter()
         in_flight.reduction.add(header.rank, message.tensors)
         self.clock.current.reduce_s += time.perf_counter() - started
@@ -437,6 +443,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy
+        segments = job.segments[state.bucket_id]
+        absent = in_flight.absent or frozenset()
+        # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
+        unchanged = len(absent) == len(segments) and not in_flight.skip
         if in_flight.skip:
             # GradScaler semantics: no update at all (parameters, moments and AdamW's step count stay);
             # the protocol step still advances, so the workers get these values as the next step's and go on.
@@ -448,18 +458,16 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         else:
             hyper = self._overrides.apply(in_flight.hyper)
             self._last_applied[job.owned[state.bucket_id].group] = hyper
-            reduce_and_update(
+            update_bucket(
+                state,
                 in_flight.reduction,
-                state.param,
-                state.exp_avg,
-                state.exp_avg_sq,
-                state.step_tensor,
                 hyper,
-                segments=job.segments[state.bucket_id],
+                segments=segments,
+                absent_everywhere=absent,
                 # with clipping, the sum was divided by world_size for the norm: it is only multiplied
                 grad_divisor=job.divisor if in_flight.clip is None else None,
                 grad_multiplier=in_flight.clip,
-                wire_out=wire,
+                wire_out=wire if not unchanged or state.wire_step != state.step else None,
                 previous_out=previous,
                 compiled=self._compiled_update,
             )
@@ -480,7 +488,12 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             meta["skipped"] = True
         if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
             answered = self._answer_deferred_pulls(state, meta)
-            self._send_params(state, [peer for peer in self._ledger.connections() if peer not in answered], meta)
+            others = [peer for peer in self._ledger.connections() if peer not in answered]
+            if unchanged:  # the workers hold these values already: only the step goes out
+                for peer in others:
+                    self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta={**meta, "unchanged": True}))
+            else:
+                self._send_params(state, others, meta)
         else:
             if not in_flight.agreed:  # after a global round, CONSUMED went out when the bucket's gradients were complete
                 self._tell_consumed(job, state.bucket_id, in_flight.step)
@@ -530,6 +543,38 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             "storage_error": self.storage_error,
         }
         self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
+
+    # ---------------------------------------------------------------- optimizer state in and out
+
+    def _state_of(self, message: Message) -> tuple[ActiveJob, BucketState]:
+        job = self._require_rank(message)
+        bucket = self._owned_bucket(job, message.header)
+        state = self._store.get(bucket.bucket_id)
+        if state is None:
+            raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
+        return job, state
+
+    def _on_read_state(self, message: Message) -> None:
+        """STATE: one part of a bucket's state as it is now (fp32), with its segments' step counts."""
+        job, state = self._state_of(message)
+        values, meta = read_part(self._store, state, message.header.meta, len(job.segments[state.bucket_id]))
+        self._send(message.peer, tensor_header(MsgType.STATE, values, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta), values)
+
+    def _on_load_state(self, message: Message) -> None:
+        """Rank 0 replaces one part of a bucket's state between steps (``load_state_dict``); ACK."""
+        job, state = self._state_of(message)
+        header = message.header
+        if header.rank != 0:
+            raise WireError(ErrorCode.BAD_REQUEST, "only rank 0 loads optimizer state")
+        self._check_payload(header, job.owned[state.bucket_id], "float32")
+        in_flight = self._in_flight.get(state.bucket_id)
+        if in_flight is not None and 0 in in_flight.reduction.received:
+            raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")
+        for handle in state.pending_sends:  # values on their way out are read from the tensors replaced here
+            handle.wait(self.config.send_timeout_s)
+        state.pending_sends.clear()
+        load_part(self._store, state, message, len(job.segments[state.bucket_id]))
+        self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))
 
     def _on_echo(self, message: Message) -> None:
         """The peer's own payload, step and bucket id back, and nothing of the node's; LIMIT when the

@@ -26,6 +26,9 @@ class BucketStep:
     agreed: bool = False  # the step's global round (norm, non-finite check) is done: the update is queued
     skip: bool = False  # the round found a non-finite gradient (``--non-finite skip``): the step changes nothing
     non_finite: dict[int, int] = field(default_factory=dict)  # rank -> NaN/inf values in its gradient (skip policy)
+    # segments with no gradient on any rank that pushed so far (None: no push taken yet); once complete,
+    # those whose parameter had no gradient on every rank: they are not stepped
+    absent: frozenset[int] | None = None
 
 
 @dataclass(slots=True)

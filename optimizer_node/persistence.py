@@ -173,7 +173,13 @@ class CheckpointControls:
             raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")
         self._job = job
         for bucket_id, snapshot in sorted(checkpoint.buckets.items()):
-            self._store.restore(bucket_id, snapshot.step, snapshot.step_tensor, snapshot.path, snapshot.numel)
+            state = self._store.restore(bucket_id, snapshot.step, snapshot.step_tensor, snapshot.path, snapshot.numel)
+            if snapshot.segment_steps is not None:
+                if len(snapshot.segment_steps) != len(job.segments[bucket_id]):
+                    raise CheckpointError(
+                        f"{checkpoint.path}: bucket {bucket_id} has {len(job.segments[bucket_id])} segments, its step counts {len(snapshot.segment_steps)}"
+                    )
+                state.segment_steps = list(snapshot.segment_steps)
         self._overrides = HyperOverrides(**manifest.get("overrides", {}))
         self._clip_override = manifest.get("max_grad_norm_override")
         self._last_checkpoint = manifest

@@ -60,7 +60,8 @@ class OrderedReduction:
         return self._sum
 
     def add(self, rank: int, pieces: TensorPieces) -> None:
-        """Take rank ``rank``'s gradient; the caller has checked rank range, size and duplicates."""
+        """Take rank ``rank``'s gradient; the caller has checked rank range, size and duplicates.
+        No pieces: the rank had no gradient for any parameter of the bucket; it adds zeros."""
         assert 0 <= rank < self.world_size and rank not in self.received
         self.received.add(rank)
         self._held[rank] = pieces
@@ -99,6 +100,8 @@ class OrderedReduction:
         if self._sum is None:
             self._sum = self._buffer()
             assert self._sum.dtype == torch.float32 and self._sum.numel() == self.numel
+            if not pieces:
+                self._sum.zero_()  # a first rank without a gradient: the sum starts at zero, as DDP's zeros
         for offset, view in pieces:
             target = self._sum[offset : offset + view.numel()]
             if first:

@@ -43,6 +43,9 @@ class BucketState:
     wire_copy: torch.Tensor | None = None  # reused cast buffer when the wire dtype is not fp32
     wire_step: int = -1  # the step whose parameters wire_copy holds (the update pass casts them); -1: none
     numel: int = -1  # set from param at creation; known while the tensors are on disk
+    # AdamW's step count per segment (parameter piece), once the segments' counts differ (a parameter
+    # with no gradient on any rank is not stepped, as in torch); None: every segment at ``step_tensor``.
+    segment_steps: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -121,7 +124,7 @@ class BucketStore(ABC):
             self.release(state, dirty=False)
 
     def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
-        """Create a bucket from a verified checkpoint file."""
+        """Create a bucket from a verified checkpoint file (the caller restores ``segment_steps``)."""
         values = torch.from_file(str(path), shared=False, size=3 * numel, dtype=torch.float32)
         state = self.create(bucket_id, values[:numel])
         self.acquire(state)

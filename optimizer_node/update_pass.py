@@ -141,6 +141,9 @@ def add_in_rank_order(terms: Sequence[_Term], start: int, stop: int, out: torch.
     if len(views) >= 2 and len(views[0]) == len(views[1]) == 1 and views[0][0][1].dtype == views[1][0][1].dtype == torch.float32:
         torch.add(views[0][0][1], views[1][0][1], out=out)  # the same fp32 addition as copy then add, one op fewer
         first = 2
+    elif views and not views[0]:  # the first rank sent no gradient (none of the bucket's parameters had one): zeros
+        out.zero_()
+        first = 1
     for index, pieces in enumerate(views[first:], first):
         for offset, view in pieces:
             target = out[offset : offset + view.numel()]
@@ -200,6 +203,49 @@ def reduce_and_update(
         _update_pieces(terms, chunk.start, chunk.stop, chunk.pieces, param, exp_avg, exp_avg_sq, step, hyper, grad_divisor, grad_multiplier)
         if wire_out is not None:  # while the chunk's parameters are in cache
             wire_out[chunk.start : chunk.stop].copy_(param[chunk.start : chunk.stop])
+
+
+def reduce_and_update_segments(
+    reduction: OrderedReduction,
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    steps: Sequence[torch.Tensor],
+    hyper: AdamWHyper,
+    *,
+    segments: Sequence[tuple[int, int]],
+    stepped: Sequence[bool],
+    grad_divisor: torch.Tensor | None = None,
+    grad_multiplier: torch.Tensor | None = None,
+    wire_out: torch.Tensor | None = None,
+    previous_out: torch.Tensor | None = None,
+) -> None:
+    """Like :func:`reduce_and_update`, for a bucket whose segments keep step counts of their own.
+
+    ``steps[i]`` is segment ``i``'s AdamW step count (0-d fp32), incremented here when ``stepped[i]``;
+    a segment not stepped (its parameter had no gradient on any rank) is left exactly as it is:
+    parameters, moments and step count, as ``torch.optim.AdamW`` leaves a parameter whose ``grad`` is
+    None. Each stepped segment is one tensor of torch's kernel, as in the reference."""
+    if not (len(steps) == len(stepped) == len(segments)):
+        raise ValueError(f"{len(segments)} segments, {len(steps)} step counts and {len(stepped)} flags")
+    for name, out in (("wire_out", wire_out), ("previous_out", previous_out)):
+        if out is not None and out.numel() != param.numel():
+            raise ValueError(f"{name} has {out.numel()} elements, the bucket {param.numel()}")
+    if previous_out is not None:
+        previous_out.copy_(param)
+    terms = [_Term(pieces) for pieces in reduction.take_pending()]
+    for (offset, numel), step, stepping in zip(segments, steps, stepped, strict=True):
+        if not stepping:
+            continue
+        grad = _scratch.get(numel)
+        add_in_rank_order(terms, offset, offset + numel, grad)
+        if grad_multiplier is not None:
+            grad.mul_(grad_multiplier)
+        step.add_(1)
+        window = slice(offset, offset + numel)
+        fused_adamw([param[window]], [grad], [exp_avg[window]], [exp_avg_sq[window]], step, hyper, grad_divisor=grad_divisor)
+    if wire_out is not None:
+        wire_out.copy_(param)
 
 
 def _compiled_pass(

@@ -76,6 +76,9 @@ class MsgType(enum.IntEnum):
     ECHO = 13  # transport benchmark and liveness: the payload comes straight back
     NOTICE = 14  # node -> workers: an operator paused or resumed updates (meta: paused, reason)
     CONSUMED = 15  # node -> worker (layer-wise): its gradient of this bucket and step is used up; flow control
+    READ_STATE = 16  # worker -> node: one part of a bucket's optimizer state (meta: part); reply STATE
+    STATE = 17
+    LOAD_STATE = 18  # rank 0 -> node: replace one part of a bucket's state (meta: part, segment_steps); reply ACK
 
 
 class ErrorCode(enum.IntEnum):

@@ -109,6 +109,7 @@ def test_pipeline_matches_adamw_fed_the_same_microbatch_gradients(start_node, tm
     assert diff_whole <= max(2 * diff_ddp, 1e-6)
 
 
+@pytest.mark.slow  # ~30 s; tests/faults/test_no_hang.py keeps a killed rank stopping the others in the default run
 def test_a_rank_that_dies_stops_every_other_rank(start_node, tmp_path):
     """Rank 1 (position 1 of replica 0) exits abruptly at step 2. Nothing stops the others for it (no
     torchrun here): its pipeline peer must fail on the broken link and the other replica's ranks on the

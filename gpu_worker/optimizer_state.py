@@ -1,0 +1,74 @@
+"""``RemoteAdamW``'s optimizer state in torch's AdamW format, gathered from the nodes and pushed back.
+
+torch's ``AdamW.state_dict()`` holds, per parameter index (over the param groups, in order), ``step``
+(a 0-d fp32 tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped like the parameter), and no entry for a
+parameter never stepped. The nodes hold the same per bucket segment, fp32; these functions cut and
+join them, so a run moves from torch to netoptim and back and continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gpu_worker.session import OffloadSession
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """torch's per-parameter state (keyed by ``index_of[id(param)]``) from the nodes' buckets."""
+    flat = {part: [torch.zeros(p.numel(), dtype=torch.float32) for p in params] for part in MOMENTS}
+    steps: list[float | None] = [None] * len(params)
+    for bucket in session.buckets:
+        for part in MOMENTS:
+            values, segment_steps = session.read_state(bucket.bucket_id, part)
+            for seg, count in zip(bucket.segments, segment_steps, strict=True):
+                flat[part][seg.param_index][seg.param_offset : seg.param_offset + seg.numel] = values[seg.bucket_offset : seg.bucket_offset + seg.numel]
+                if steps[seg.param_index] not in (None, count):
+                    raise RuntimeError(
+                        f"the nodes hold parameter {session.job.params[seg.param_index].name!r} at two step counts ({steps[seg.param_index]}, {count})"
+                    )
+                steps[seg.param_index] = count
+    state: dict[int, dict[str, Any]] = {}
+    for i, param in enumerate(params):
+        if not steps[i]:
+            continue  # never stepped: torch has no state for it either
+        state[index_of[id(param)]] = {
+            "step": torch.tensor(steps[i], dtype=torch.float32),
+            **{part: flat[part][i].view(param.shape).to(device=param.device, dtype=param.dtype) for part in MOMENTS},
+        }
+    return state
+
+
+def load_state(
+    session: OffloadSession, params: Sequence[torch.Tensor], index_of: dict[int, int], state: dict[Any, dict[str, Any]], *, with_params: bool
+) -> None:
+    """Rank 0: every bucket's moments and step counts from torch's per-parameter ``state`` (a parameter
+    without an entry starts at zero, as in torch); with ``with_params``, the parameters' current values
+    become the nodes' fp32 masters too."""
+    entries: list[dict[str, Any] | None] = []
+    for param in params:
+        entry = state.get(index_of[id(param)])
+        if entry is not None:
+            missing = [key for key in ("step", *MOMENTS) if key not in entry]
+            if missing:
+                raise ValueError(f"the state of parameter {index_of[id(param)]} has no {missing}: is it an AdamW state dict?")
+            for part in MOMENTS:
+                if tuple(entry[part].shape) != tuple(param.shape):
+                    raise ValueError(f"{part} of parameter {index_of[id(param)]} has shape {tuple(entry[part].shape)}, the parameter {tuple(param.shape)}")
+        entries.append(entry)
+    for bucket in session.buckets:
+        segment_steps = [float(entries[seg.param_index]["step"]) if entries[seg.param_index] is not None else 0.0 for seg in bucket.segments]  # type: ignore[index]
+        parts = [*MOMENTS, "param"] if with_params else list(MOMENTS)
+        for part in parts:
+            values = torch.zeros(bucket.numel, dtype=torch.float32)
+            for seg in bucket.segments:
+                entry = entries[seg.param_index]
+                source = params[seg.param_index] if part == "param" else (None if entry is None else entry[part])
+                if source is not None:
+                    flat = source.detach().reshape(-1)[seg.param_offset : seg.param_offset + seg.numel]
+                    values[seg.bucket_offset : seg.bucket_offset + seg.numel] = flat.to(device="cpu", dtype=torch.float32)
+            session.load_state(bucket.bucket_id, part, values, segment_steps if part == "exp_avg" else None)

@@ -1,0 +1,107 @@
+"""Which update one bucket gets at one step, as ``torch.optim.AdamW`` + DDP would give its parameters.
+
+A worker's PUSH names the bucket's segments whose parameter had no gradient on that rank (``grad``
+None: an unused head, an expert no token chose, a frozen layer). As with DDP, such a parameter counts
+as zeros from that rank; a parameter with no gradient on *every* rank is not stepped at all, as
+torch's optimizers skip a parameter whose ``grad`` is None: its values, moments and step count stay.
+So each segment may come to have a step count of its own; a bucket keeps one count for all its
+segments (the fast path) until they differ, and goes back to one count when they agree again.
+
+A push with no gradient for any of the bucket's segments carries no payload at all: frozen layers
+cost no gradient bytes on the wire, and when every rank's push is empty the workers get no values
+back either (``unchanged``), since nothing changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from job.hyper import AdamWHyper
+from job.placement import BucketSpec
+from optimizer_node.reduce import OrderedReduction
+from optimizer_node.storage import BucketState
+from optimizer_node.update_pass import reduce_and_update, reduce_and_update_segments
+from transport.wire import ErrorCode, WireError
+
+
+def absent_segments(meta: dict, bucket: BucketSpec, numel: int) -> frozenset[int]:
+    """The segments a PUSH says it has no gradient for (``meta["absent"]``: ascending segment
+    indices); ``WireError`` for a malformed list, or for a push without payload that does not name
+    every segment."""
+    raw = meta.get("absent", [])
+    count = len(bucket.segments)
+    if not isinstance(raw, list) or len(raw) > count or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
+        raise WireError(ErrorCode.BAD_REQUEST, f"absent must be a list of at most {count} segment indices of bucket {bucket.bucket_id}")
+    if any(not 0 <= i < count for i in raw) or any(a >= b for a, b in itertools.pairwise(raw)):
+        raise WireError(ErrorCode.BAD_REQUEST, f"absent must hold ascending segment indices below {count} (bucket {bucket.bucket_id}), got {raw}")
+    absent = frozenset(raw)
+    if numel == 0 and len(absent) != count:
+        raise WireError(ErrorCode.WRONG_SHAPE, f"a push without payload must name all {count} segments of bucket {bucket.bucket_id} as absent")
+    return absent
+
+
+def update_bucket(
+    state: BucketState,
+    reduction: OrderedReduction,
+    hyper: AdamWHyper,
+    *,
+    segments: Sequence[tuple[int, int]],
+    absent_everywhere: frozenset[int],
+    grad_divisor: torch.Tensor | None,
+    grad_multiplier: torch.Tensor | None,
+    wire_out: torch.Tensor | None,
+    previous_out: torch.Tensor | None,
+    compiled: bool,
+) -> bool:
+    """Apply the step's update to ``state``; returns False when nothing changed (no segment had a
+    gradient on any rank), having still let go of the received frames and filled the outputs."""
+    stepped = [index not in absent_everywhere for index in range(len(segments))]
+    if not any(stepped):
+        reduction.take_pending()
+        if previous_out is not None:
+            previous_out.copy_(state.param)
+        if wire_out is not None:
+            wire_out.copy_(state.param)
+        return False
+    if state.segment_steps is None and all(stepped):  # the common case: one step count, the fast pass
+        reduce_and_update(
+            reduction,
+            state.param,
+            state.exp_avg,
+            state.exp_avg_sq,
+            state.step_tensor,
+            hyper,
+            segments=segments,
+            grad_divisor=grad_divisor,
+            grad_multiplier=grad_multiplier,
+            wire_out=wire_out,
+            previous_out=previous_out,
+            compiled=compiled,
+        )
+        return True
+    counts = state.segment_steps if state.segment_steps is not None else [float(state.step_tensor)] * len(segments)
+    steps = [torch.tensor(count, dtype=torch.float32) for count in counts]
+    reduce_and_update_segments(
+        reduction,
+        state.param,
+        state.exp_avg,
+        state.exp_avg_sq,
+        steps,
+        hyper,
+        segments=segments,
+        stepped=stepped,
+        grad_divisor=grad_divisor,
+        grad_multiplier=grad_multiplier,
+        wire_out=wire_out,
+        previous_out=previous_out,
+    )
+    counts = [float(step) for step in steps]
+    if all(count == counts[0] for count in counts):
+        state.step_tensor.fill_(counts[0])
+        state.segment_steps = None
+    else:
+        state.segment_steps = counts
+    return True

@@ -1,0 +1,98 @@
+"""Optimizer state dicts both ways: a run moves from torch AdamW to RemoteAdamW and back at any step
+and continues bit for bit, as if it had never moved."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gpu_worker import RemoteAdamW
+from tests.gpu_worker.harness import batch, loss_fn, make_model
+
+SAVED_AT, STEPS = 4, 8
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.unused = nn.Linear(4, 4)  # never called: no gradient, no state in torch either
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def model_with_unused() -> nn.Module:
+    return WithUnused()
+
+
+def groups(model: nn.Module) -> list[dict]:
+    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 2e-2}]
+
+
+def torch_adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([{**g, "params": [p for _, p in g["params"]]} for g in groups(model)], lr=1e-2, fused=True)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        loss_fn(model, *batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def torch_all_the_way() -> list[torch.Tensor]:
+    model = model_with_unused()
+    train(model, torch_adamw(model), range(STEPS))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_torch_to_netoptim_continues_bitwise(node):
+    model = model_with_unused()
+    opt = torch_adamw(model)
+    train(model, opt, range(SAVED_AT))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+
+    resumed = model_with_unused()
+    resumed.load_state_dict(saved["model"])
+    remote = RemoteAdamW(groups(resumed), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=256)
+    remote.load_state_dict(saved["opt"])
+    train(resumed, remote, range(SAVED_AT, STEPS))
+    for expected, actual in zip(torch_all_the_way(), resumed.parameters(), strict=True):
+        assert torch.equal(expected, actual)
+    remote.close()
+
+
+def test_netoptim_to_torch_continues_bitwise(node):
+    model = model_with_unused()
+    remote = RemoteAdamW(groups(model), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=256)
+    train(model, remote, range(SAVED_AT))
+    saved = remote.state_dict()
+    remote.close()
+    order = [name for group in groups(model) for name, _ in group["params"]]  # torch's indices: over the groups
+    assert sorted(saved["state"]) == [i for i, name in enumerate(order) if not name.startswith("unused.")]  # never stepped: no state
+    assert all(float(entry["step"]) == SAVED_AT for entry in saved["state"].values())
+    assert saved["netoptim"]["step"] == SAVED_AT
+
+    opt = torch_adamw(model)
+    opt.load_state_dict(saved)
+    train(model, opt, range(SAVED_AT, STEPS))
+    for expected, actual in zip(torch_all_the_way(), model.parameters(), strict=True):
+        assert torch.equal(expected, actual)
+
+
+def test_a_state_dict_of_another_optimizer_is_refused(node):
+    model = model_with_unused()
+    remote = RemoteAdamW(groups(model), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=256)
+    sgd = torch.optim.SGD([{**g, "params": [p for _, p in g["params"]]} for g in groups(model)], lr=0.1, momentum=0.9)
+    train(model, sgd, range(1))
+    with pytest.raises(ValueError, match="AdamW state dict"):
+        remote.load_state_dict(sgd.state_dict())
+    with pytest.raises(NotImplementedError, match="requires_grad=False"):
+        remote.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    remote.close()
