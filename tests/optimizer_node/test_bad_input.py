@@ -240,3 +240,31 @@ def test_hello_with_an_impossible_plan(node):
     assert worker.hello().msg_type == MsgType.HELLO_OK  # and the node still registers a good job
     worker.client.close()
     transport.close()
+
+
+def test_bad_absent_lists_and_state_requests(job):
+    """The per-segment ``absent`` list of a PUSH and the optimizer-state messages are checked like the rest."""
+    rank0, rank1 = job["rank0"], job["rank1"]
+    bucket = job["mirror"].buckets[0]
+    grad = torch.zeros(bucket.numel)
+    for absent, code, words in (
+        ("all", ErrorCode.BAD_REQUEST, ("absent",)),
+        ([0, 0], ErrorCode.BAD_REQUEST, ("at most",)),
+        ([3], ErrorCode.BAD_REQUEST, ("below",)),
+        ([1 << 40], ErrorCode.BAD_REQUEST, ("ascending",)),
+    ):
+        header = tensor_header(MsgType.PUSH, grad, rank=0, step=0, bucket_id=0, meta={"hyper": HYPER.to_wire(), "absent": absent})
+        assert_error(rank0.request(header, grad), code, *words)
+    empty = Header(msg_type=MsgType.PUSH, rank=0, step=0, bucket_id=0, meta={"hyper": HYPER.to_wire()})  # no payload, nothing named absent
+    assert_error(rank0.request(empty), ErrorCode.WRONG_SHAPE, "absent")
+    assert_error(rank0.request(Header(msg_type=MsgType.READ_STATE, rank=0, bucket_id=0, meta={"part": "grad"})), ErrorCode.BAD_REQUEST, "part")
+    values = torch.zeros(bucket.numel)
+    load = tensor_header(MsgType.LOAD_STATE, values, rank=1, bucket_id=0, meta={"part": "exp_avg"})
+    assert_error(rank1.request(load, values), ErrorCode.BAD_REQUEST, "only rank 0")
+    load = tensor_header(MsgType.LOAD_STATE, values, rank=0, bucket_id=0, meta={"part": "exp_avg", "segment_steps": [-1.0] * len(bucket.segments)})
+    assert_error(rank0.request(load, values), ErrorCode.BAD_REQUEST, "segment_steps")
+    assert_intact(job)
+    # A state read returns what the node holds: the parameters the mirror computed, at their step count.
+    reply, values = rank0.request(Header(msg_type=MsgType.READ_STATE, rank=0, bucket_id=0, meta={"part": "param"}))
+    assert reply.msg_type == MsgType.STATE and reply.meta["segment_steps"] == [float(job["step"])] * len(bucket.segments)
+    assert torch.equal(values, job["mirror"].param[0])
