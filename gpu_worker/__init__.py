@@ -2,7 +2,8 @@
 
 from gpu_worker.offload import offload
 from gpu_worker.remote_adamw import RemoteAdamW
+from gpu_worker.remote_rules import RemoteAdam, RemoteLion, RemoteSGD
 from gpu_worker.session import NodeError, NonFiniteGradientError, OffloadSession
 from gpu_worker.streaming import StreamStats
 
-__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession", "RemoteAdamW", "StreamStats", "offload"]
+__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession", "RemoteAdam", "RemoteAdamW", "RemoteLion", "RemoteSGD", "StreamStats", "offload"]

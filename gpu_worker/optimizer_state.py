@@ -1,4 +1,5 @@
-"""``RemoteAdamW``'s optimizer state in torch's AdamW format, gathered from the nodes and pushed back.
+"""A remote optimizer's state in the format of torch's optimizer of the same rule (AdamW, Adam, SGD;
+Lion as its reference keeps it), gathered from the nodes and pushed back.
 
 torch's ``AdamW.state_dict()`` holds, per parameter index (over the param groups, in order), ``step``
 (a 0-d fp32 tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped like the parameter), and no entry for a
@@ -15,15 +16,25 @@ import torch
 
 from gpu_worker.session import OffloadSession
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS: dict[str, tuple[tuple[tuple[str, str], ...], bool]] = {
+    "adamw": ((("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")), True),
+    "adam": ((("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")), True),
+    "sgd": ((("momentum_buffer", "exp_avg"),), False),
+    "sgd-nesterov": ((("momentum_buffer", "exp_avg"),), False),
+    "lion": ((("exp_avg", "exp_avg"),), False),
+}
+"""Per rule: (torch's state key, the node's part) for each moment, and whether torch keeps ``step``.
+A rule without ``step`` in torch still has one on the node (SGD's first step starts its buffer)."""
 
 
 def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
     """torch's per-parameter state (keyed by ``index_of[id(param)]``) from the nodes' buckets."""
-    flat = {part: [torch.zeros(p.numel(), dtype=torch.float32) for p in params] for part in MOMENTS}
+    keys, with_step = STATE_KEYS[session.job.rule]
+    parts = [part for _, part in keys]
+    flat = {part: [torch.zeros(p.numel(), dtype=torch.float32) for p in params] for part in parts}
     steps: list[float | None] = [None] * len(params)
     for bucket in session.buckets:
-        for part in MOMENTS:
+        for part in parts:
             values, segment_steps = session.read_state(bucket.bucket_id, part)
             for seg, count in zip(bucket.segments, segment_steps, strict=True):
                 flat[part][seg.param_index][seg.param_offset : seg.param_offset + seg.numel] = values[seg.bucket_offset : seg.bucket_offset + seg.numel]
@@ -36,10 +47,9 @@ def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_
     for i, param in enumerate(params):
         if not steps[i]:
             continue  # never stepped: torch has no state for it either
-        state[index_of[id(param)]] = {
-            "step": torch.tensor(steps[i], dtype=torch.float32),
-            **{part: flat[part][i].view(param.shape).to(device=param.device, dtype=param.dtype) for part in MOMENTS},
-        }
+        entry: dict[str, Any] = {"step": torch.tensor(steps[i], dtype=torch.float32)} if with_step else {}
+        entry.update({key: flat[part][i].view(param.shape).to(device=param.device, dtype=param.dtype) for key, part in keys})
+        state[index_of[id(param)]] = entry
     return state
 
 
@@ -49,26 +59,34 @@ def load_state(
     """Rank 0: every bucket's moments and step counts from torch's per-parameter ``state`` (a parameter
     without an entry starts at zero, as in torch); with ``with_params``, the parameters' current values
     become the nodes' fp32 masters too."""
+    keys, with_step = STATE_KEYS[session.job.rule]
+    part_key = {part: key for key, part in keys}
     entries: list[dict[str, Any] | None] = []
     for param in params:
         entry = state.get(index_of[id(param)])
         if entry is not None:
-            missing = [key for key in ("step", *MOMENTS) if key not in entry]
+            missing = [key for key in (("step",) if with_step else ()) + tuple(key for key, _ in keys) if key not in entry]
             if missing:
-                raise ValueError(f"the state of parameter {index_of[id(param)]} has no {missing}: is it an AdamW state dict?")
-            for part in MOMENTS:
-                if tuple(entry[part].shape) != tuple(param.shape):
-                    raise ValueError(f"{part} of parameter {index_of[id(param)]} has shape {tuple(entry[part].shape)}, the parameter {tuple(param.shape)}")
+                raise ValueError(f"the state of parameter {index_of[id(param)]} has no {missing}: is it a state dict of torch's {session.job.rule} optimizer?")
+            for key, _ in keys:
+                if tuple(entry[key].shape) != tuple(param.shape):
+                    raise ValueError(f"{key} of parameter {index_of[id(param)]} has shape {tuple(entry[key].shape)}, the parameter {tuple(param.shape)}")
         entries.append(entry)
+
+    def step_of(entry: dict[str, Any] | None) -> float:
+        if entry is None:
+            return 0.0  # as torch: no state yet, the first step starts it
+        return float(entry["step"]) if with_step else 1.0  # a rule torch keeps no step for: past its first step
+
     for bucket in session.buckets:
-        segment_steps = [float(entries[seg.param_index]["step"]) if entries[seg.param_index] is not None else 0.0 for seg in bucket.segments]  # type: ignore[index]
-        parts = [*MOMENTS, "param"] if with_params else list(MOMENTS)
+        segment_steps = [step_of(entries[seg.param_index]) for seg in bucket.segments]
+        parts = [*part_key, "param"] if with_params else list(part_key)
         for part in parts:
             values = torch.zeros(bucket.numel, dtype=torch.float32)
             for seg in bucket.segments:
                 entry = entries[seg.param_index]
-                source = params[seg.param_index] if part == "param" else (None if entry is None else entry[part])
+                source = params[seg.param_index] if part == "param" else (None if entry is None else entry[part_key[part]])
                 if source is not None:
                     flat = source.detach().reshape(-1)[seg.param_offset : seg.param_offset + seg.numel]
                     values[seg.bucket_offset : seg.bucket_offset + seg.numel] = flat.to(device="cpu", dtype=torch.float32)
-            session.load_state(bucket.bucket_id, part, values, segment_steps if part == "exp_avg" else None)
+            session.load_state(bucket.bucket_id, part, values, segment_steps if part == "exp_avg" else None)  # every rule has exp_avg

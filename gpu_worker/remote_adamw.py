@@ -9,7 +9,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from gpu_worker.optimizer_state import gather_state, load_state
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
-from job.hyper import AdamWHyper
+from job.hyper import AdamWHyper, validate_for_rule
 from job.spec import JobSpec
 from transport.security import CurveClientConfig
 from transport.wire import dtype_name
@@ -126,6 +126,11 @@ class RemoteAdamW(torch.optim.Optimizer):
     nodes are at, for resuming the data at the right place.
     """
 
+    rule = "adamw"
+    """The update rule the nodes apply (:data:`job.hyper.RULES`); subclasses run the others."""
+    torch_group_keys: ClassVar[dict[str, Any]] = TORCH_ADAMW_GROUP_KEYS
+    """What torch's optimizer of the same rule keeps in each param group besides the hyperparameters."""
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -160,13 +165,65 @@ class RemoteAdamW(torch.optim.Optimizer):
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
         AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay).validate()
+        self._setup(
+            params,
+            {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+            nodes=nodes,
+            rank=rank,
+            world_size=world_size,
+            wire_dtype=wire_dtype,
+            max_grad_norm=max_grad_norm,
+            bucket_numel=bucket_numel,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            heartbeat_s=heartbeat_s,
+            silent_after_s=silent_after_s,
+            reconnect_s=reconnect_s,
+            push_during_backward=push_during_backward,
+            curve_secret_key=curve_secret_key,
+            curve_server_key=curve_server_key,
+            units=units,
+            push_window_bytes=push_window_bytes,
+            same_host_ipc=same_host_ipc,
+            connections_per_node=connections_per_node,
+            module=module,
+            broadcast_buffers=broadcast_buffers,
+        )
+
+    def _setup(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        nodes: Sequence[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+        wire_dtype: torch.dtype = torch.float32,
+        max_grad_norm: float | None = None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 30.0,
+        heartbeat_s: float = 2.0,
+        silent_after_s: float = 10.0,
+        reconnect_s: float = 20.0,
+        push_during_backward: bool = False,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
+        units: UnitPlan | None = None,
+        push_window_bytes: int = 1 << 30,
+        same_host_ipc: bool = True,
+        connections_per_node: int = 1,
+        module: torch.nn.Module | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        """Register the job with the nodes and start; the optimizer's options are documented on the class."""
         if isinstance(nodes, str) or not nodes or not all(isinstance(n, str) for n in nodes):
             raise ValueError(f"nodes must be a non-empty list of addresses like ['tcp://127.0.0.1:5555'], got {nodes!r}")
         timeouts = WorkerTimeouts(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
         )
         wire = dtype_name(wire_dtype)
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        torch.optim.Optimizer.__init__(self, params, defaults)
         rank, world_size = _default_rank_and_world(rank, world_size)
         specs, tensors = layout_from_groups(self.param_groups)
         unit_starts: list[int] = []
@@ -182,6 +239,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             params=tuple(specs),
             mode="full" if units is None else "layerwise",
             unit_starts=tuple(unit_starts),
+            rule=self.rule,
         )
         self._params = tensors
         if bool(curve_secret_key) != bool(curve_server_key):
@@ -291,12 +349,16 @@ class RemoteAdamW(torch.optim.Optimizer):
         ready = self._ready[bucket_id]
         return all(i in ready and i in self._hooked for i in self._bucket_params[bucket_id] if self._params[i].requires_grad)
 
+    def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
+        """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`)."""
+        beta1, beta2 = group["betas"]
+        return AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+
     def _group_hypers(self) -> list[AdamWHyper]:
         hypers = []
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            hyper = AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
-            hyper.validate()
+            hyper = self._group_hyper(group)
+            validate_for_rule(self.rule, hyper)
             hypers.append(hyper)
         return hypers
 
@@ -345,7 +407,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._streamer.gather()  # waits until every bucket applied the last step
         state = super().state_dict()
         for group in state["param_groups"]:  # torch AdamW's own keys; the nodes run its fused kernel, so a torch run resumed from here uses it too
-            for key, value in TORCH_ADAMW_GROUP_KEYS.items():
+            for key, value in self.torch_group_keys.items():
                 group.setdefault(key, value)
         state["state"] = gather_state(self._session, self._params, self._torch_indices())
         state["netoptim"] = {

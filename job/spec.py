@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from job.hyper import RULES
 from job.placement import SPLIT_ALIGNMENT, BucketSpec, ParamSpec, first_difference, plan_buckets
 from transport.wire import WIRE_DTYPES
 
@@ -86,6 +87,7 @@ class JobSpec:
     params: tuple[ParamSpec, ...]
     mode: str = "full"
     unit_starts: tuple[int, ...] = ()  # layer-wise: index of each unit's first parameter
+    rule: str = "adamw"  # the update rule the nodes apply (job.hyper.RULES)
 
     def validate(self) -> None:
         """``ValueError`` for values no job can have."""
@@ -109,6 +111,8 @@ class JobSpec:
             raise ValueError(f"unit_starts must be increasing parameter indices in [0, {len(self.params)}), got {list(self.unit_starts)}")
         if self.unit_starts and self.mode != "layerwise":
             raise ValueError("unit_starts are for layer-wise jobs only")
+        if self.rule not in RULES:
+            raise ValueError(f"rule {self.rule!r} is not one of {list(RULES)}")
 
     def check_limits(self, limits: JobLimits) -> None:
         """:class:`LimitError` when the job is over ``limits``, ``ValueError`` for a layout no plan
@@ -164,6 +168,7 @@ class JobSpec:
             "params": [spec.to_wire() for spec in self.params],
             "mode": self.mode,
             "unit_starts": list(self.unit_starts),
+            "rule": self.rule,
         }
 
     @classmethod
@@ -193,8 +198,11 @@ class JobSpec:
             raise LimitError(f"the job has {len(params)} parameters, this node takes at most {limits.max_params}", "--max-job-params")
         mode = raw.get("mode", "full")
         unit_starts = raw.get("unit_starts", [])
+        rule = raw.get("rule", "adamw")
         if not isinstance(mode, str):
             raise ValueError("job spec field mode must be a string")
+        if not isinstance(rule, str):
+            raise ValueError("job spec field rule must be a string")
         if not isinstance(unit_starts, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in unit_starts):
             raise ValueError("job spec field unit_starts must be a list of integers")
         spec = cls(
@@ -206,6 +214,7 @@ class JobSpec:
             params=tuple(ParamSpec.from_wire(p) for p in params),
             mode=mode,
             unit_starts=tuple(unit_starts),
+            rule=rule,
         )
         spec.validate()
         return spec
@@ -214,7 +223,7 @@ class JobSpec:
         """A sentence describing the first difference from ``other``, or ``None``."""
         if self.mode != other.mode:
             return f"the job was registered in {self.mode} mode, this worker runs in {other.mode} mode; every rank of a job must use the same mode"
-        for name in ("world_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
+        for name in ("rule", "world_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs: registered {mine!r}, got {theirs!r}"

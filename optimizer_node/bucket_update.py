@@ -50,14 +50,16 @@ def update_bucket(
     *,
     segments: Sequence[tuple[int, int]],
     absent_everywhere: frozenset[int],
+    rule: str = "adamw",
     grad_divisor: torch.Tensor | None,
     grad_multiplier: torch.Tensor | None,
     wire_out: torch.Tensor | None,
     previous_out: torch.Tensor | None,
     compiled: bool,
 ) -> bool:
-    """Apply the step's update to ``state``; returns False when nothing changed (no segment had a
-    gradient on any rank), having still let go of the received frames and filled the outputs."""
+    """Apply the step's update (``rule``, see :mod:`optimizer_node.rules`) to ``state``; returns False
+    when nothing changed (no segment had a gradient on any rank), having still let go of the received
+    frames and filled the outputs. Rules other than AdamW take the per-segment pass."""
     stepped = [index not in absent_everywhere for index in range(len(segments))]
     if not any(stepped):
         reduction.take_pending()
@@ -66,7 +68,7 @@ def update_bucket(
         if wire_out is not None:
             wire_out.copy_(state.param)
         return False
-    if state.segment_steps is None and all(stepped):  # the common case: one step count, the fast pass
+    if rule == "adamw" and state.segment_steps is None and all(stepped):  # the common case: one step count, the fast pass
         reduce_and_update(
             reduction,
             state.param,
@@ -93,6 +95,7 @@ def update_bucket(
         hyper,
         segments=segments,
         stepped=stepped,
+        rule=rule,
         grad_divisor=grad_divisor,
         grad_multiplier=grad_multiplier,
         wire_out=wire_out,

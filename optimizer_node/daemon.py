@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from job.hyper import validate_for_rule
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.clipping import GlobalNormClipping
@@ -298,7 +299,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
             try:  # once per bucket and step (later pushes must send the same): with the overrides (lr x lr_scale) too
-                self._overrides.apply(hyper).validate()
+                validate_for_rule(job.spec.rule, self._overrides.apply(hyper))
             except ValueError as exc:
                 raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
             # defer: the last arrival's gradient is added in the update pass, together with AdamW
@@ -464,6 +465,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 hyper,
                 segments=segments,
                 absent_everywhere=absent,
+                rule=job.spec.rule,
                 # with clipping, the sum was divided by world_size for the norm: it is only multiplied
                 grad_divisor=job.divisor if in_flight.clip is None else None,
                 grad_multiplier=in_flight.clip,

@@ -37,6 +37,7 @@ from job.placement import SPLIT_ALIGNMENT
 from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper, fused_adamw
 from optimizer_node.reduce import OrderedReduction, TensorPieces
+from optimizer_node.rules import apply_rule
 
 CHUNK_NUMEL = 512 << 10
 """Elements per chunk of the torch-ops path: 2 MiB of fp32 sum, kept in L2/L3 until the kernel reads
@@ -215,6 +216,7 @@ def reduce_and_update_segments(
     *,
     segments: Sequence[tuple[int, int]],
     stepped: Sequence[bool],
+    rule: str = "adamw",
     grad_divisor: torch.Tensor | None = None,
     grad_multiplier: torch.Tensor | None = None,
     wire_out: torch.Tensor | None = None,
@@ -225,7 +227,8 @@ def reduce_and_update_segments(
     ``steps[i]`` is segment ``i``'s AdamW step count (0-d fp32), incremented here when ``stepped[i]``;
     a segment not stepped (its parameter had no gradient on any rank) is left exactly as it is:
     parameters, moments and step count, as ``torch.optim.AdamW`` leaves a parameter whose ``grad`` is
-    None. Each stepped segment is one tensor of torch's kernel, as in the reference."""
+    None. Each stepped segment is one tensor of torch's kernel, as in the reference. ``rule``: any
+    of :data:`job.hyper.RULES` (see :mod:`optimizer_node.rules`)."""
     if not (len(steps) == len(stepped) == len(segments)):
         raise ValueError(f"{len(segments)} segments, {len(steps)} step counts and {len(stepped)} flags")
     for name, out in (("wire_out", wire_out), ("previous_out", previous_out)):
@@ -243,7 +246,7 @@ def reduce_and_update_segments(
             grad.mul_(grad_multiplier)
         step.add_(1)
         window = slice(offset, offset + numel)
-        fused_adamw([param[window]], [grad], [exp_avg[window]], [exp_avg_sq[window]], step, hyper, grad_divisor=grad_divisor)
+        apply_rule(rule, param[window], grad, exp_avg[window], exp_avg_sq[window], step, hyper, grad_divisor)
     if wire_out is not None:
         wire_out.copy_(param)
 
