@@ -123,6 +123,10 @@ class NodeConnections:
 
     # ---------------------------------------------------------------- registration
 
+    def set_job(self, job_wire: dict) -> None:
+        """The job every later HELLO declares (a param group was added)."""
+        self._job_wire = job_wire
+
     def send_hello(self, index: int) -> None:
         meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index}
         self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta=meta))

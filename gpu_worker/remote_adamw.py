@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -271,16 +272,25 @@ class RemoteAdamW(torch.optim.Optimizer):
             except BaseException:
                 self._session.close()
                 raise
+        self._hooked: set[int] = set()
+        self._hook_handles: list = []
+        self._push_early = push_during_backward and units is None
+        self._index_buckets(push_during_backward=self._push_early)
+
+    def _index_buckets(self, *, push_during_backward: bool) -> None:
+        """Which parameters each bucket holds and the other way round, and the early-push hooks of
+        the parameters that have none yet (after construction, or after a param group was added)."""
         buckets = self._session.buckets
         self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
-        self._param_buckets: list[list[int]] = [[] for _ in tensors]
+        self._param_buckets: list[list[int]] = [[] for _ in self._params]
         for bucket in buckets:
             for seg in bucket.segments:
                 self._param_buckets[seg.param_index].append(bucket.bucket_id)
         self._ready: list[set[int]] = [set() for _ in buckets]
-        # Frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready.
-        self._hooked = {i for i, p in enumerate(tensors) if p.requires_grad} if push_during_backward and units is None else set()
-        self._hook_handles = [tensors[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i in sorted(self._hooked)]
+        if push_during_backward:  # frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready
+            new = [i for i, p in enumerate(self._params) if p.requires_grad and i not in self._hooked]
+            self._hooked.update(new)
+            self._hook_handles += [self._params[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i in new]
 
     @property
     def remote_step(self) -> int:
@@ -436,15 +446,34 @@ class RemoteAdamW(torch.optim.Optimizer):
             load_state(self._session, self._params, self._torch_indices(), moments, with_params=with_params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Used while the optimizer is built. The nodes' layout is fixed once it is made: to unfreeze
-        layers mid-run, give every parameter at construction with ``requires_grad=False`` (not stepped
-        while frozen, as in torch) and set ``requires_grad_(True)`` later."""
-        if getattr(self, "_session", None) is not None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (progressive unfreezing).
+
+        After construction every rank calls it at the same point between steps, with parameters
+        equal on every rank; the nodes take them in new buckets after the existing ones, with zero
+        moments and step counts, as torch starts their state. Full mode only (layer-wise mode
+        streams a fixed set of units: give every parameter at construction, with
+        ``requires_grad=False`` for those to train later)."""
+        session = getattr(self, "_session", None)
+        if session is None:  # while the optimizer is built
+            super().add_param_group(param_group)
+            return
+        if self._streamer is not None:
             raise NotImplementedError(
-                "RemoteAdamW cannot add a param group after it is made (the nodes hold a fixed layout): pass every parameter at construction, "
-                "the ones to train later with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
+                "layer-wise mode cannot add a param group after it is made: give every parameter at construction, the ones to train later "
+                "with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
             )
+        known = {id(p) for p in self._params}
         super().add_param_group(param_group)
+        specs, tensors = layout_from_groups(self.param_groups)
+        try:
+            if any(id(p) in known for p in tensors[len(self._params) :]) or [id(p) for p in tensors[: len(self._params)]] != [id(p) for p in self._params]:
+                raise ValueError("the added param group must hold only parameters new to this optimizer")
+            session.extend(dataclasses.replace(session.job, params=tuple(specs)), tensors)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        self._params = tensors
+        self._index_buckets(push_during_backward=self._push_early)
 
     def close(self) -> None:
         """Close the connections to the nodes (also done at garbage collection)."""

@@ -133,6 +133,38 @@ class OffloadSession:
             self.on_params = None
         log.info("rank %d connected to %d node(s); the job is at step %d", self.rank, len(self.nodes), self.step)
 
+    def extend(self, job: JobSpec, params: Sequence[torch.Tensor]) -> list[int]:
+        """A param group was added between steps: ``job`` is the old one with its parameters appended
+        (``params``: every layout parameter, the new ones last). Registers it with every node (rank 0
+        first, with the new buckets' values; the others wait for it), then pulls the new buckets, so
+        every rank starts them from rank 0's values. Returns the new bucket ids."""
+        if self._pushed or self._refusals.step_open:
+            raise RuntimeError("a param group can only be added between steps (after step(), before the next backward)")
+        if not self.job.extended_by(job):
+            raise ValueError("the added param group must only add parameters after the existing ones")
+        step = self.step
+        old = len(self.buckets)
+        self.job, self.params = job, list(params)
+        self.buckets = job.plan()
+        self.bucket_steps += [step] * (len(self.buckets) - old)
+        self._connections.set_job(job.to_wire())
+        needs_init = self.hello()
+        added = list(range(old, len(self.buckets)))
+        if self.rank == 0:
+            for bucket_id in needs_init:
+                values = torch.empty(self.buckets[bucket_id].numel, dtype=torch.float32)
+                gather_bucket(self.buckets[bucket_id], self.params, values)
+                self.send_initial(bucket_id, values)
+        for bucket_id in added:
+            self.request(bucket_id, step)
+        waiting = set(added)
+        self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=False)
+        try:
+            self.receive_until(lambda: not waiting, lambda: f"no values for {len(waiting)} bucket(s) of the added param group")
+        finally:
+            self.on_params = None
+        return added
+
     def hello(self) -> list[int]:
         """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
         that still need initial values (only rank 0 sends them, with :meth:`send_initial`)."""

@@ -219,6 +219,19 @@ class JobSpec:
         spec.validate()
         return spec
 
+    def extended_by(self, other: JobSpec) -> bool:
+        """Whether ``other`` is this job with parameters added after its own in new param groups (a
+        param group added mid-run), so that every bucket of this job keeps its place and node."""
+        if other.mode != "full" or self.mode != "full" or len(other.params) <= len(self.params) or other.params[: len(self.params)] != self.params:
+            return False
+        if any(getattr(self, name) != getattr(other, name) for name in ("rule", "world_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm")):
+            return False
+        groups = {param.group for param in self.params}
+        if any(param.group in groups for param in other.params[len(self.params) :]):
+            return False
+        mine = self.plan()
+        return other.plan()[: len(mine)] == mine
+
     def mismatch(self, other: JobSpec) -> str | None:
         """A sentence describing the first difference from ``other``, or ``None``."""
         if self.mode != other.mode:

@@ -172,6 +172,11 @@ class JobRegistration:
                 spec.wire_dtype,
                 spec.max_grad_norm,
             )
+        elif spec != self._job.spec and node_index == self._job.node_index and self._job.spec.extended_by(spec):
+            if header.rank != 0:  # a param group added mid-run: rank 0 extends the job first
+                self._hold_hello(message)
+                return
+            self._extend_job(spec, node_index)
         job = self._job
         self._check_same_job(job, spec, node_index, header.rank)
         how = self._ledger.register(header.rank, message.peer, incarnation, message.user_id)
@@ -208,6 +213,23 @@ class JobRegistration:
         if header.rank == 0 and self._deferred_hellos:
             for held in self._deferred_hellos.take_all():
                 self.handle(held)
+
+    def _extend_job(self, spec: JobSpec, node_index: int) -> None:
+        """Rank 0 added a param group between steps (``add_param_group``): the job takes its
+        parameters in buckets after the existing ones, which keep their places and state; the new
+        buckets start at the job's current step with zero moments, once rank 0 sends their values."""
+        assert self._job is not None
+        if self._in_flight:
+            raise WireError(ErrorCode.BAD_REQUEST, "a param group can only be added between steps: this node holds gradients of the step in progress")
+        plan = self._plan_job(spec)
+        problem = self._fit_problem(spec, node_index, plan)
+        if problem is not None:
+            raise WireError(ErrorCode.CANNOT_FIT, f"node {self.node_id} cannot take the added param group: {problem}")
+        base = self.step
+        added = len(spec.params) - len(self._job.spec.params)
+        self._job = ActiveJob.create(spec, node_index, plan, base_step=base)
+        self._limit_payloads(self._job)
+        log.info("rank 0 added %d parameter(s) in a new param group at step %d: this node now owns %d buckets", added, base, len(self._job.owned))
 
     def _parse_hello(self, message: Message) -> tuple[JobSpec, int, int]:
         """The job, node index and incarnation a HELLO declares. Checked against this node's limits
@@ -303,8 +325,8 @@ class JobRegistration:
     def _resume_point(self, job: ActiveJob, rank: int) -> tuple[int, list[int]]:
         """Where ``rank`` resumes at this node: see :meth:`StepLedger.resume_point`."""
         steps = {b: state.step for b in job.owned if (state := self._store.get(b)) is not None}
-        if len(steps) < len(job.owned):  # rank 0 is still registering initial values
-            return 0, []
+        if not steps:  # rank 0 has not registered initial values yet (of a new job, or of an added param group)
+            return job.base_step, []
 
         def has_gradient(bucket_id: int, rank: int) -> bool:
             in_flight = self._in_flight.get(bucket_id)
@@ -347,7 +369,7 @@ class JobRegistration:
         initial = torch.empty(bucket.numel, dtype=torch.float32)
         for offset, view in message.tensors:
             initial[offset : offset + view.numel()].copy_(view)
-        self._store.create(bucket.bucket_id, initial)
+        self._store.create(bucket.bucket_id, initial).step = job.base_step  # an added param group's buckets join at the current step
         if len(self._store) == len(job.owned):
             self._job_initialized()
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))

@@ -50,7 +50,7 @@ class ParameterReplies:
         if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 0):
             raise WireError(ErrorCode.BAD_REQUEST, f"at_step must be a non-negative integer, got {at_step!r}")
         state = self._store.get(bucket.bucket_id)
-        current = 0 if state is None else state.step
+        current = job.base_step if state is None else state.step  # a bucket without values yet starts at the job's base step
         if at_step is not None and at_step < current:
             kept = self._ledger.retained(bucket.bucket_id, at_step)
             if kept is not None:  # a copy: the ledger reuses its buffers, the send reads without copying

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,6 +38,17 @@ class Branches(nn.Module):
         return y + self.rank1_only(x) if rank == 1 else y
 
 
+class WithLateGroup(Branches):
+    """Branches plus a layer the optimizer takes only mid-run, with ``add_param_group``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        return super().forward(x, rank) + self.late(x)
+
+
 class BatchNormNet(nn.Module):
     """A small CNN with BatchNorm: its running statistics are buffers that forward changes."""
 
@@ -56,19 +68,22 @@ class Scenario:
     ddp: bool  # compare with DDP; False: with an explicit all-reduce of the gradients that exist
     frozen_until: int = -1  # the trunk is frozen (requires_grad False) before this step
     eval_every: int = 0  # an evaluation forward under no_grad after every n-th step (buffers: no broadcast after it)
+    add_group_at: int = -1  # the layer ``late`` joins the optimizer as a param group of its own before this step
 
 
 SCENARIOS = {
     "unused": Scenario(Branches, (6,), ddp=True),
     "frozen_then_unfrozen": Scenario(Branches, (6,), ddp=False, frozen_until=4),
     "batchnorm": Scenario(BatchNormNet, (2, 6, 6), ddp=True, eval_every=3),
+    "add_param_group": Scenario(WithLateGroup, (6,), ddp=False, add_group_at=3),
 }
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """Weights decay; biases and norms do not and train at another learning rate."""
-    decay = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
-    rest = [(n, p) for n, p in model.named_parameters() if p.dim() < 2]
+    """Weights decay; biases and norms do not and train at another learning rate (``late`` is added later)."""
+    named = [(n, p) for n, p in model.named_parameters() if not n.startswith("late.")]
+    decay = [(n, p) for n, p in named if p.dim() >= 2]
+    rest = [(n, p) for n, p in named if p.dim() < 2]
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3e-2}]
 
 
@@ -93,6 +108,7 @@ def average_existing_gradients(params: list[torch.Tensor]) -> None:
 def main(rank: int, runs: list[tuple[str, str, str, str, str]]) -> None:
     """Every run of ``runs`` (scenario, system, init file, node address, output) in turn."""
     for scenario_name, system, init_file, node, out in runs:
+        Path(init_file).with_suffix(f".rank{rank}.running").touch()  # for the test's account of a run that hangs
         run(rank, scenario_name, system, init_file, node, out.format(rank=rank))
 
 
@@ -102,7 +118,7 @@ def run(rank: int, scenario_name: str, system: str, init_file: str, node: str, o
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     try:
         scenario = SCENARIOS[scenario_name]
         torch.manual_seed(0)
@@ -118,18 +134,24 @@ def run(rank: int, scenario_name: str, system: str, init_file: str, node: str, o
         else:
             opt = RemoteAdamW(groups, lr=1e-2, nodes=[node], rank=rank, world_size=WORLD_SIZE, module=model, timeout_s=60)
             forward = model
-        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** (s // 3)])
+        # torch's schedulers cover the groups they were made with: none when a group joins mid-run
+        lambdas = [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** (s // 3)]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambdas) if scenario.add_group_at < 0 else None
         for step in range(STEPS):
             if trunk is not None and step == scenario.frozen_until:
                 trunk.requires_grad_(True)  # unfrozen: its moments start at zero, its step count at 0
+            if step == scenario.add_group_at:
+                late = list(model.late.named_parameters(prefix="late"))
+                opt.add_param_group({"params": late if system == "netoptim" else [p for _, p in late], "lr": 5e-3, "weight_decay": 0.2})
             x, y = data(step, rank, scenario.input_shape)
             loss = (forward(x, rank) - y).pow(2).mean()
             loss.backward()
             if system == "torch" and not scenario.ddp:
                 average_existing_gradients(list(model.parameters()))
             opt.step()
-            opt.zero_grad()
-            scheduler.step()
+            model.zero_grad()  # every parameter's, also those no param group holds yet
+            if scheduler is not None:
+                scheduler.step()
             if scenario.eval_every and step % scenario.eval_every == scenario.eval_every - 1:
                 model.eval()
                 with torch.no_grad():

@@ -93,6 +93,48 @@ def test_a_state_dict_of_another_optimizer_is_refused(node):
     train(model, sgd, range(1))
     with pytest.raises(ValueError, match=r"state dict of torch's adamw optimizer"):
         remote.load_state_dict(sgd.state_dict())
-    with pytest.raises(NotImplementedError, match="requires_grad=False"):
-        remote.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="more than one parameter group"):  # a parameter it holds already: refused, nothing changed
+        remote.add_param_group({"params": [("net.0.weight", model.net[0].weight)]})
+    assert len(remote.param_groups) == 2
     remote.close()
+
+
+def test_step_counts_of_their_own_and_an_added_group_survive_a_node_restart(start_node, tmp_path):
+    """A layer unused for the first steps (its own AdamW step count) and a param group added mid-run
+    are in the node's checkpoint: a node restarted with --resume continues exactly as torch would."""
+    checkpoints = str(tmp_path / "checkpoints")
+    torch.manual_seed(0)
+    first, second, late = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    modules = [first, second, late]
+    reference = copy.deepcopy(modules)
+
+    def loss(layers: list[nn.Module], step: int) -> torch.Tensor:
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        y = layers[0](x) + (layers[1](x) if step >= 2 else 0) + (layers[2](x) if step >= 3 else 0)
+        return y.pow(2).mean()
+
+    def named(layers: list[nn.Module], upto: int) -> list[tuple[str, torch.Tensor]]:
+        return [(f"m{i}.{n}", p) for i, layer in enumerate(layers[:upto]) for n, p in layer.named_parameters()]
+
+    torch_opt = torch.optim.AdamW([p for _, p in named(reference, 2)], lr=1e-2, fused=True)
+    node = start_node("before", extra_args=("--checkpoint-dir", checkpoints))
+    remote = RemoteAdamW(named(modules, 2), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=64)
+    for step in range(5):
+        if step == 3:
+            torch_opt.add_param_group({"params": [p for _, p in named(reference, 3)[4:]]})
+            remote.add_param_group({"params": named(modules, 3)[4:]})
+        if step == 4:  # the node goes down between steps and comes back from its checkpoint
+            remote.close()
+            assert node.stop() == 0
+            node = start_node("after", extra_args=("--checkpoint-dir", checkpoints, "--resume"))
+            params = named(modules, 3)
+            remote = RemoteAdamW([{"params": params[:4]}, {"params": params[4:]}], lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=64)
+            assert remote.remote_step == 4
+        for layers, opt in ((reference, torch_opt), (modules, remote)):
+            loss(layers, step).backward()
+            opt.step()
+            for layer in layers:
+                layer.zero_grad()
+    remote.close()
+    for expected, actual in zip(named(reference, 3), named(modules, 3), strict=True):
+        assert torch.equal(expected[1], actual[1]), expected[0]

@@ -4,6 +4,7 @@ groups with a scheduler per group. fp32 on the wire: every value must be equal b
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import torch.multiprocessing as mp
 from launch.processes import NodeProcess
 from tests.gpu_worker import ddp_programs
 from tests.gpu_worker.ddp_programs import SCENARIOS
+
+DEADLINE_S = 180
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,14 @@ def outcomes(tmp_path_factory) -> dict[tuple[str, str], list[dict[str, torch.Ten
         for name in SCENARIOS:
             for system in ("torch", "netoptim"):
                 runs.append((name, system, str(root / f"{name}-{system}.init"), nodes[name].address, str(root / f"{name}-{system}-{{rank}}.pt")))
-        mp.start_processes(ddp_programs.main, args=(runs,), nprocs=ddp_programs.WORLD_SIZE, start_method="spawn", join=True)
+        context = mp.start_processes(ddp_programs.main, args=(runs,), nprocs=ddp_programs.WORLD_SIZE, start_method="spawn", join=False)
+        deadline = time.monotonic() + DEADLINE_S
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                started = sorted(path.name for path in root.glob("*.running"))
+                pytest.fail(f"the training processes did not finish within {DEADLINE_S} s; runs started: {started}; node logs under {root}")
     finally:
         for node in nodes.values():
             node.stop()
@@ -54,3 +64,11 @@ def test_a_parameter_no_rank_uses_is_never_stepped(outcomes):
     final = outcomes[("unused", "netoptim")][0]
     assert torch.equal(final["param.never.weight"], initial.never.weight.detach())  # no decay, no momentum
     assert not torch.equal(final["param.rank1_only.weight"], initial.rank1_only.weight.detach())
+
+
+def test_a_param_group_added_mid_run_trains_from_then_on(outcomes):
+    torch.manual_seed(0)
+    initial = ddp_programs.WithLateGroup()
+    final = outcomes[("add_param_group", "netoptim")][1]
+    assert not torch.equal(final["param.late.weight"], initial.late.weight.detach())
+    assert torch.equal(final["param.late.weight"], outcomes[("add_param_group", "torch")][1]["param.late.weight"])
