@@ -287,6 +287,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             for seg in bucket.segments:
                 self._param_buckets[seg.param_index].append(bucket.bucket_id)
         self._ready: list[set[int]] = [set() for _ in buckets]
+        self._needed: list[int | None] = [None] * len(buckets)  # per step: gradients a bucket waits for in backward (-1: waits for step())
         if push_during_backward:  # frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready
             new = [i for i, p in enumerate(self._params) if p.requires_grad and i not in self._hooked]
             self._hooked.update(new)
@@ -355,9 +356,13 @@ class RemoteAdamW(torch.optim.Optimizer):
 
     def _bucket_ready(self, bucket_id: int) -> bool:
         """Every parameter of the bucket that trains now has its gradient. One unfrozen after the
-        optimizer was made has no hook, so its bucket waits for ``step()``; frozen ones have none."""
-        ready = self._ready[bucket_id]
-        return all(i in ready and i in self._hooked for i in self._bucket_params[bucket_id] if self._params[i].requires_grad)
+        optimizer was made has no hook, so its bucket waits for ``step()``; frozen ones have none.
+        What a bucket needs is worked out once a step (a hook per parameter must stay O(1))."""
+        needed = self._needed[bucket_id]
+        if needed is None:
+            trainable = [i for i in self._bucket_params[bucket_id] if self._params[i].requires_grad]
+            needed = self._needed[bucket_id] = len(trainable) if all(i in self._hooked for i in trainable) else -1
+        return len(self._ready[bucket_id]) == needed
 
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
         """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`)."""
@@ -400,6 +405,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._step_hypers = None
             for ready in self._ready:
                 ready.clear()
+            self._needed = [None] * len(self._ready)
         return loss
 
     def _torch_indices(self) -> dict[int, int]:

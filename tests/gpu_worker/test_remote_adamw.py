@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -169,3 +171,25 @@ def test_a_node_that_dies_mid_training_is_named(node):
     with pytest.raises(TimeoutError, match=rf"node {node.address}: no answer \(is it running\?\)"):
         opt.step()
     opt.close()
+
+
+def test_push_during_backward_with_frozen_and_later_unfrozen_layers(node):
+    """Early pushes wait for every parameter that trains now: a frozen one gets no hook, and one
+    unfrozen later (no hook either) holds its bucket back to step(); torch's AdamW is matched bitwise."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    opt = RemoteAdamW(model.parameters(), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=64, push_during_backward=True)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    for step in range(5):
+        if step == 2:
+            model[0].requires_grad_(True)
+            reference[0].requires_grad_(True)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (reference, torch_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
