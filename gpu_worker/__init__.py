@@ -2,8 +2,9 @@
 
 from gpu_worker.offload import offload
 from gpu_worker.remote_adamw import RemoteAdamW
+from gpu_worker.remote_optimizer import RemoteOptimizer
 from gpu_worker.remote_rules import RemoteAdam, RemoteLion, RemoteSGD
 from gpu_worker.session import NodeError, NonFiniteGradientError, OffloadSession
 from gpu_worker.streaming import StreamStats
 
-__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession", "RemoteAdam", "RemoteAdamW", "RemoteLion", "RemoteSGD", "StreamStats", "offload"]
+__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession", "RemoteAdam", "RemoteAdamW", "RemoteLion", "RemoteOptimizer", "RemoteSGD", "StreamStats", "offload"]

@@ -1,33 +1,15 @@
-"""``RemoteAdamW``: a drop-in ``torch.optim.Optimizer`` whose state lives on optimizer nodes."""
+"""``RemoteAdamW``: a drop-in ``torch.optim.AdamW`` whose state lives on optimizer nodes."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import logging
-import math
-import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
-from gpu_worker.buffers import BufferBroadcast
-from gpu_worker.layout import layout_from_groups
-from gpu_worker.liveness import WorkerTimeouts
-from gpu_worker.optimizer_state import gather_state, load_state
-from gpu_worker.session import OffloadSession
-from gpu_worker.streaming import LayerStreamer, StreamStats
+from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL, RemoteOptimizer, adam_style_hyper
 from gpu_worker.units import UnitPlan
-from job.hyper import AdamWHyper, validate_for_rule
-from job.spec import JobSpec
-from transport.security import CurveClientConfig
-from transport.wire import dtype_name
-
-log = logging.getLogger(__name__)
+from job.hyper import AdamWHyper
 
 TORCH_ADAMW_GROUP_KEYS = {
     "amsgrad": False,
@@ -41,25 +23,8 @@ TORCH_ADAMW_GROUP_KEYS = {
 """What ``torch.optim.AdamW`` keeps in each param group besides the hyperparameters, as RemoteAdamW
 computes it (the fused kernel); its state dicts carry them so torch resumes with the same math."""
 
-DEFAULT_BUCKET_NUMEL = 1 << 20
-"""Elements per bucket: 4 MiB of fp32, one ZeroMQ frame at the default chunk size."""
 
-
-def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if dist.is_available() and dist.is_initialized():
-        return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world_size is None else world_size)
-    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    try:
-        resolved_rank = rank if rank is not None else int(env_rank or 0)
-        resolved_world = world_size if world_size is not None else int(env_world or 1)
-    except ValueError:
-        raise ValueError(f"RANK={env_rank!r} and WORLD_SIZE={env_world!r} must be integers") from None
-    return resolved_rank, resolved_world
-
-
-class RemoteAdamW(torch.optim.Optimizer):
+class RemoteAdamW(RemoteOptimizer):
     """AdamW whose fp32 master parameters and moments live on optimizer nodes.
 
     Use it like ``torch.optim.AdamW``: ``loss.backward(); opt.step(); opt.zero_grad()``. ``step()``
@@ -128,9 +93,7 @@ class RemoteAdamW(torch.optim.Optimizer):
     """
 
     rule = "adamw"
-    """The update rule the nodes apply (:data:`job.hyper.RULES`); subclasses run the others."""
     torch_group_keys: ClassVar[dict[str, Any]] = TORCH_ADAMW_GROUP_KEYS
-    """What torch's optimizer of the same rule keeps in each param group besides the hyperparameters."""
 
     def __init__(
         self,
@@ -191,308 +154,5 @@ class RemoteAdamW(torch.optim.Optimizer):
             broadcast_buffers=broadcast_buffers,
         )
 
-    def _setup(
-        self,
-        params: Iterable[Any],
-        defaults: dict[str, Any],
-        *,
-        nodes: Sequence[str],
-        rank: int | None = None,
-        world_size: int | None = None,
-        wire_dtype: torch.dtype = torch.float32,
-        max_grad_norm: float | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 30.0,
-        heartbeat_s: float = 2.0,
-        silent_after_s: float = 10.0,
-        reconnect_s: float = 20.0,
-        push_during_backward: bool = False,
-        curve_secret_key: str | None = None,
-        curve_server_key: str | None = None,
-        units: UnitPlan | None = None,
-        push_window_bytes: int = 1 << 30,
-        same_host_ipc: bool = True,
-        connections_per_node: int = 1,
-        module: torch.nn.Module | None = None,
-        broadcast_buffers: bool = True,
-    ) -> None:
-        """Register the job with the nodes and start; the optimizer's options are documented on the class."""
-        if isinstance(nodes, str) or not nodes or not all(isinstance(n, str) for n in nodes):
-            raise ValueError(f"nodes must be a non-empty list of addresses like ['tcp://127.0.0.1:5555'], got {nodes!r}")
-        timeouts = WorkerTimeouts(
-            timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
-        )
-        wire = dtype_name(wire_dtype)
-        torch.optim.Optimizer.__init__(self, params, defaults)
-        rank, world_size = _default_rank_and_world(rank, world_size)
-        specs, tensors = layout_from_groups(self.param_groups)
-        unit_starts: list[int] = []
-        if units is not None:  # layer-wise: the layout is ordered by unit, each unit in buckets of its own
-            order, unit_starts = units.order(tensors)
-            specs, tensors = [specs[i] for i in order], [tensors[i] for i in order]
-        job = JobSpec(
-            world_size=world_size,
-            num_nodes=len(nodes),
-            bucket_numel=bucket_numel,
-            wire_dtype=wire,
-            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-            params=tuple(specs),
-            mode="full" if units is None else "layerwise",
-            unit_starts=tuple(unit_starts),
-            rule=self.rule,
-        )
-        self._params = tensors
-        if bool(curve_secret_key) != bool(curve_server_key):
-            raise ValueError("curve_secret_key and curve_server_key go together")
-        curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
-        self._session = OffloadSession(
-            nodes, job, rank, tensors, timeouts=timeouts, curve=curve, same_host=same_host_ipc, connections_per_node=connections_per_node
-        )
-        self._owner_thread = threading.get_ident()
-        self._sync_enabled = True
-        self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push
-        self._streamer: LayerStreamer | None = None
-        try:
-            if units is None:
-                self._session.connect()
-            else:
-                if push_window_bytes <= 0:
-                    raise ValueError(f"push_window_bytes must be positive, got {push_window_bytes}")
-                self._session.push_window_bytes = push_window_bytes
-                self._streamer = LayerStreamer(units, self._session, hypers=self._hypers_of_step, sync_enabled=lambda: self._sync_enabled)
-                self._streamer.connect()
-        except BaseException:
-            self._session.close()
-            raise
-        self._buffers: BufferBroadcast | None = None
-        if module is not None and broadcast_buffers and world_size > 1 and any(True for _ in module.buffers()):
-            try:
-                self._buffers = BufferBroadcast(module, lambda: self._sync_enabled)
-            except BaseException:
-                self._session.close()
-                raise
-        self._hooked: set[int] = set()
-        self._hook_handles: list = []
-        self._push_early = push_during_backward and units is None
-        self._index_buckets(push_during_backward=self._push_early)
-
-    def _index_buckets(self, *, push_during_backward: bool) -> None:
-        """Which parameters each bucket holds and the other way round, and the early-push hooks of
-        the parameters that have none yet (after construction, or after a param group was added)."""
-        buckets = self._session.buckets
-        self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
-        self._param_buckets: list[list[int]] = [[] for _ in self._params]
-        for bucket in buckets:
-            for seg in bucket.segments:
-                self._param_buckets[seg.param_index].append(bucket.bucket_id)
-        self._ready: list[set[int]] = [set() for _ in buckets]
-        self._needed: list[int | None] = [None] * len(buckets)  # per step: gradients a bucket waits for in backward (-1: waits for step())
-        if push_during_backward:  # frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready
-            new = [i for i, p in enumerate(self._params) if p.requires_grad and i not in self._hooked]
-            self._hooked.update(new)
-            self._hook_handles += [self._params[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i in new]
-
-    @property
-    def remote_step(self) -> int:
-        """The number of updates the nodes have applied: where to resume the data."""
-        return self._session.step
-
-    @property
-    def stream_stats(self) -> StreamStats | None:
-        """Layer-wise mode: fetch waits, transfer times and the peak parameter bytes this worker held."""
-        return None if self._streamer is None else self._streamer.stats
-
-    def gather_parameters(self) -> dict[str, torch.Tensor]:
-        """Layer-wise mode: every parameter's current value from the nodes (waits for the last
-        update), copied to the CPU one unit at a time. Full mode: copies of the local parameters."""
-        if self._streamer is not None:
-            return self._streamer.gather()
-        return {spec.name: p.detach().to("cpu", copy=True) for spec, p in zip(self._session.job.params, self._params, strict=True)}
-
-    def _hypers_of_step(self) -> list[AdamWHyper]:
-        if self._step_hypers is None:
-            self._step_hypers = self._group_hypers()
-        return self._step_hypers
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """With ``max_grad_norm``: the global norm of the last averaged gradient, before clipping."""
-        return self._session.last_grad_norm
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the nodes skipped the last step (``netoptim node --non-finite skip``: a gradient held
-        NaN/inf, so nothing changed, as with GradScaler). Layer-wise mode: known once the next forward began."""
-        skipped = self._session.last_skipped_step
-        return skipped is not None and skipped == self._session.step - 1
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps the nodes skipped for a non-finite gradient since this optimizer was made."""
-        return self._session.skipped_steps
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally without pushing them (as DDP's
-        ``no_sync``); the next backward outside pushes the accumulated gradients."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
-
-    def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
-        if not self._sync_enabled or threading.get_ident() != self._owner_thread:
-            return
-        for bucket_id in self._param_buckets[index]:
-            ready = self._ready[bucket_id]
-            if index in ready:
-                name = self._session.job.params[index].name
-                raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
-            ready.add(index)
-            if self._bucket_ready(bucket_id) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
-                self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
-
-    def _bucket_ready(self, bucket_id: int) -> bool:
-        """Every parameter of the bucket that trains now has its gradient. One unfrozen after the
-        optimizer was made has no hook, so its bucket waits for ``step()``; frozen ones have none.
-        What a bucket needs is worked out once a step (a hook per parameter must stay O(1))."""
-        needed = self._needed[bucket_id]
-        if needed is None:
-            trainable = [i for i in self._bucket_params[bucket_id] if self._params[i].requires_grad]
-            needed = self._needed[bucket_id] = len(trainable) if all(i in self._hooked for i in trainable) else -1
-        return len(self._ready[bucket_id]) == needed
-
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
-        """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`)."""
-        beta1, beta2 = group["betas"]
-        return AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
-
-    def _group_hypers(self) -> list[AdamWHyper]:
-        hypers = []
-        for group in self.param_groups:
-            hyper = self._group_hyper(group)
-            validate_for_rule(self.rule, hyper)
-            hypers.append(hyper)
-        return hypers
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Send the gradients, wait for the nodes' update and install the new parameters.
-
-        Raises :class:`~gpu_worker.NonFiniteGradientError` when the nodes refuse a gradient of this
-        rank that holds NaN or inf (their default, ``--non-finite refuse``): nothing was applied to
-        those buckets and the step is still open; calling ``step()`` again with finite gradients
-        finishes it (the other ranks wait meanwhile)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        hypers = self._hypers_of_step()
-        grads = [p.grad for p in self._params]
-        for param, grad in zip(self._params, grads, strict=True):
-            if grad is not None and grad.is_sparse:
-                raise TypeError("RemoteAdamW does not support sparse gradients")
-            if grad is not None and not math.prod(grad.shape) == param.numel():
-                raise ValueError("a gradient's shape differs from its parameter's")
-        try:
-            if self._streamer is not None:
-                self._streamer.finish_step()
-            else:
-                self._session.finish_step(grads, hypers)
-        finally:
-            self._step_hypers = None
-            for ready in self._ready:
-                ready.clear()
-            self._needed = [None] * len(self._ready)
-        return loss
-
-    def _torch_indices(self) -> dict[int, int]:
-        """Each parameter's index in torch's state dict: its place over the param groups, in order."""
-        return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's AdamW state dict, gathered from the nodes: per parameter ``step``, ``exp_avg`` and
-        ``exp_avg_sq`` (none for a parameter never stepped) and the param groups, so
-        ``torch.optim.AdamW.load_state_dict`` takes it and continues bit for bit. Under ``"netoptim"``:
-        the nodes, their step and the world size. Call it between steps (layer-wise mode waits for the
-        last update first). Every rank gets the same dict, its moments on each parameter's device and
-        in its dtype, as torch keeps them."""
-        if self._streamer is not None:
-            self._streamer.gather()  # waits until every bucket applied the last step
-        state = super().state_dict()
-        for group in state["param_groups"]:  # torch AdamW's own keys; the nodes run its fused kernel, so a torch run resumed from here uses it too
-            for key, value in self.torch_group_keys.items():
-                group.setdefault(key, value)
-        state["state"] = gather_state(self._session, self._params, self._torch_indices())
-        state["netoptim"] = {
-            "state_location": "optimizer_nodes",
-            "nodes": list(self._session.nodes),
-            "step": self.remote_step,
-            "world_size": self._session.job.world_size,
-        }
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a torch AdamW state dict (from ``torch.optim.AdamW`` or from :meth:`state_dict`): the
-        param groups here, the moments and step counts onto the nodes, so training continues as torch
-        would from it. Every rank calls it with the same dict, between steps, after loading the model's
-        parameters; rank 0 sends the state, and in full mode the parameters' current values as the
-        nodes' fp32 masters (fp32 parameters only: lower-precision ones leave the masters as they are)."""
-        state_dict = dict(state_dict)
-        state_dict.pop("netoptim", None)
-        for group in state_dict.get("param_groups", []):
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError("the state dict's param groups use amsgrad or maximize, which RemoteAdamW does not support")
-        moments = state_dict.get("state", {})
-        super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker
-        if self._session.rank == 0:
-            with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
-            load_state(self._session, self._params, self._torch_indices(), moments, with_params=with_params)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (progressive unfreezing).
-
-        After construction every rank calls it at the same point between steps, with parameters
-        equal on every rank; the nodes take them in new buckets after the existing ones, with zero
-        moments and step counts, as torch starts their state. Full mode only (layer-wise mode
-        streams a fixed set of units: give every parameter at construction, with
-        ``requires_grad=False`` for those to train later)."""
-        session = getattr(self, "_session", None)
-        if session is None:  # while the optimizer is built
-            super().add_param_group(param_group)
-            return
-        if self._streamer is not None:
-            raise NotImplementedError(
-                "layer-wise mode cannot add a param group after it is made: give every parameter at construction, the ones to train later "
-                "with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
-            )
-        known = {id(p) for p in self._params}
-        super().add_param_group(param_group)
-        specs, tensors = layout_from_groups(self.param_groups)
-        try:
-            if any(id(p) in known for p in tensors[len(self._params) :]) or [id(p) for p in tensors[: len(self._params)]] != [id(p) for p in self._params]:
-                raise ValueError("the added param group must hold only parameters new to this optimizer")
-            session.extend(dataclasses.replace(session.job, params=tuple(specs)), tensors)
-        except BaseException:
-            self.param_groups.pop()
-            raise
-        self._params = tensors
-        self._index_buckets(push_during_backward=self._push_early)
-
-    def close(self) -> None:
-        """Close the connections to the nodes (also done at garbage collection)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        if self._streamer is not None:
-            self._streamer.remove_hooks()
-        if self._buffers is not None:
-            self._buffers.remove()
-        self._session.close()
-
-    def __del__(self) -> None:
-        session = getattr(self, "_session", None)
-        if session is not None:
-            session.close()
+        return adam_style_hyper(group)

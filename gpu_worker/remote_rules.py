@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from gpu_worker.remote_adamw import RemoteAdamW
+from gpu_worker.remote_optimizer import RemoteOptimizer, adam_style_hyper
 from job.hyper import AdamWHyper, validate_for_rule
 
 
-class RemoteAdam(RemoteAdamW):
+class RemoteAdam(RemoteOptimizer):
     """``torch.optim.Adam`` (weight decay as L2 on the gradient) with its state on the nodes;
     bitwise equal to ``torch.optim.Adam(fused=True)`` fed the averaged gradient."""
 
@@ -42,8 +42,11 @@ class RemoteAdam(RemoteAdamW):
         validate_for_rule(self.rule, AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay))
         self._setup(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, **options)
 
+    def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
+        return adam_style_hyper(group)
 
-class RemoteSGD(RemoteAdamW):
+
+class RemoteSGD(RemoteOptimizer):
     """``torch.optim.SGD`` with momentum, dampening and Nesterov, the momentum buffer on the nodes;
     bitwise equal to ``torch.optim.SGD(fused=True)`` fed the averaged gradient. Momentum and
     dampening must lie in [0, 1)."""
@@ -71,7 +74,7 @@ class RemoteSGD(RemoteAdamW):
         return AdamWHyper(float(group["lr"]), float(group["momentum"]), float(group["dampening"]), 0.0, float(group["weight_decay"]))
 
 
-class RemoteLion(RemoteAdamW):
+class RemoteLion(RemoteOptimizer):
     """Lion (Chen et al., 2023): the sign of an interpolation of momentum and gradient is the update,
     with decoupled weight decay; one moment per parameter. Typical settings: a learning rate 3-10x
     smaller than AdamW's and a weight decay 3-10x larger."""
