@@ -7,4 +7,15 @@ from gpu_worker.remote_rules import RemoteAdam, RemoteLion, RemoteSGD
 from gpu_worker.session import NodeError, NonFiniteGradientError, OffloadSession
 from gpu_worker.streaming import StreamStats
 
-__all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession", "RemoteAdam", "RemoteAdamW", "RemoteLion", "RemoteOptimizer", "RemoteSGD", "StreamStats", "offload"]
+__all__ = [
+    "NodeError",
+    "NonFiniteGradientError",
+    "OffloadSession",
+    "RemoteAdam",
+    "RemoteAdamW",
+    "RemoteLion",
+    "RemoteOptimizer",
+    "RemoteSGD",
+    "StreamStats",
+    "offload",
+]
