@@ -45,32 +45,35 @@ def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_
                 steps[seg.param_index] = count
     state: dict[int, dict[str, Any]] = {}
     for i, param in enumerate(params):
-        if not steps[i]:
-            continue  # never stepped: torch has no state for it either
+        if not steps[i] and not with_step:
+            continue  # never stepped: torch has no state for it (SGD takes a present momentum buffer for a past first step)
+        # A rule with a step count gets an entry for a parameter never stepped too: step 0 and zero moments,
+        # which torch takes exactly as no entry; torch.distributed.checkpoint needs every entry to load into.
         entry: dict[str, Any] = {"step": torch.tensor(steps[i], dtype=torch.float32)} if with_step else {}
         entry.update({key: flat[part][i].view(param.shape).to(device=param.device, dtype=param.dtype) for key, part in keys})
         state[index_of[id(param)]] = entry
     return state
 
 
-def load_state(
-    session: OffloadSession, params: Sequence[torch.Tensor], index_of: dict[int, int], state: dict[Any, dict[str, Any]], *, with_params: bool
-) -> None:
+def load_state(session: OffloadSession, params: Sequence[torch.Tensor], key_of: dict[int, Any], state: dict[Any, dict[str, Any]], *, with_params: bool) -> None:
     """Rank 0: every bucket's moments and step counts from torch's per-parameter ``state`` (a parameter
-    without an entry starts at zero, as in torch); with ``with_params``, the parameters' current values
-    become the nodes' fp32 masters too."""
+    without an entry starts at zero, as in torch); ``key_of[id(param)]`` is the parameter's key in
+    ``state`` (an index, or a name from ``torch.distributed.checkpoint``). With ``with_params``, the
+    parameters' current values become the nodes' fp32 masters too."""
     keys, with_step = STATE_KEYS[session.job.rule]
     part_key = {part: key for key, part in keys}
     entries: list[dict[str, Any] | None] = []
     for param in params:
-        entry = state.get(index_of[id(param)])
+        entry = state.get(key_of.get(id(param)))
         if entry is not None:
             missing = [key for key in (("step",) if with_step else ()) + tuple(key for key, _ in keys) if key not in entry]
             if missing:
-                raise ValueError(f"the state of parameter {index_of[id(param)]} has no {missing}: is it a state dict of torch's {session.job.rule} optimizer?")
+                raise ValueError(
+                    f"the state of parameter {key_of.get(id(param))} has no {missing}: is it a state dict of torch's {session.job.rule} optimizer?"
+                )
             for key, _ in keys:
                 if tuple(entry[key].shape) != tuple(param.shape):
-                    raise ValueError(f"{key} of parameter {index_of[id(param)]} has shape {tuple(entry[key].shape)}, the parameter {tuple(param.shape)}")
+                    raise ValueError(f"{key} of parameter {key_of.get(id(param))} has shape {tuple(entry[key].shape)}, the parameter {tuple(param.shape)}")
         entries.append(entry)
 
     def step_of(entry: dict[str, Any] | None) -> float:

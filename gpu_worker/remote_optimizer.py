@@ -5,6 +5,7 @@ RemoteAdamW`, :class:`~gpu_worker.RemoteAdam`, :class:`~gpu_worker.RemoteSGD`,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -56,6 +57,16 @@ def adam_style_hyper(group: dict[str, Any]) -> AdamWHyper:
     return AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
 
 
+class NodeHeldState(collections.defaultdict):
+    """``optimizer.state`` of a remote optimizer: empty on the worker (the state is on the nodes) but
+    true, because tools take an empty state for one not made yet and make it by running a step with
+    zero gradients and a zero learning rate (``torch.distributed.checkpoint.state_dict``): on the
+    nodes that step would count, and decay the moments."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class RemoteOptimizer(torch.optim.Optimizer):
     """The machinery of a remote optimizer: registration with the nodes, pushes (at ``step()`` or
     during backward), installing the new values, buffers, state dicts, param groups. A subclass
@@ -101,6 +112,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         )
         wire = dtype_name(wire_dtype)
         torch.optim.Optimizer.__init__(self, params, defaults)
+        self.state = NodeHeldState(dict)
         rank, world_size = _default_rank_and_world(rank, world_size)
         specs, tensors = layout_from_groups(self.param_groups)
         unit_starts: list[int] = []
@@ -321,10 +333,17 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("the state dict's param groups use amsgrad or maximize, which RemoteAdamW does not support")
         moments = state_dict.get("state", {})
-        super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker
+        # The state's keys, as torch reads them: the saved groups' "params" (indices, or parameter
+        # names from torch.distributed.checkpoint), in the order of this optimizer's groups.
+        saved_groups = state_dict.get("param_groups", [])
+        key_of = {
+            id(p): key for saved, group in zip(saved_groups, self.param_groups, strict=False) for key, p in zip(saved["params"], group["params"], strict=False)
+        }
+        super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker; checks the groups
+        self.state = NodeHeldState(dict)
         if self._session.rank == 0:
             with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
-            load_state(self._session, self._params, self._torch_indices(), moments, with_params=with_params)
+            load_state(self._session, self._params, key_of, moments, with_params=with_params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (progressive unfreezing).

@@ -75,8 +75,10 @@ def test_netoptim_to_torch_continues_bitwise(node):
     saved = remote.state_dict()
     remote.close()
     order = [name for group in groups(model) for name, _ in group["params"]]  # torch's indices: over the groups
-    assert sorted(saved["state"]) == [i for i, name in enumerate(order) if not name.startswith("unused.")]  # never stepped: no state
-    assert all(float(entry["step"]) == SAVED_AT for entry in saved["state"].values())
+    never = [i for i, name in enumerate(order) if name.startswith("unused.")]  # never stepped: step 0, zero moments (torch takes it as no entry)
+    assert sorted(saved["state"]) == list(range(len(order)))
+    assert all(float(saved["state"][i]["step"]) == 0 and not saved["state"][i]["exp_avg"].any() for i in never)
+    assert all(float(entry["step"]) == SAVED_AT for i, entry in saved["state"].items() if i not in never)
     assert saved["netoptim"]["step"] == SAVED_AT
 
     opt = torch_adamw(model)
@@ -138,3 +140,32 @@ def test_step_counts_of_their_own_and_an_added_group_survive_a_node_restart(star
     remote.close()
     for expected, actual in zip(named(reference, 3), named(modules, 3), strict=True):
         assert torch.equal(expected[1], actual[1]), expected[0]
+
+
+def test_torch_distributed_checkpoint_saves_and_loads_model_and_optimizer(node, tmp_path):
+    """As with FSDP: get_state_dict / dcp.save, then dcp.load / set_state_dict, from torch AdamW into
+    RemoteAdamW; the run continues bitwise. Loading does not run the zero-lr step that initializes an
+    empty optimizer state (it would count on the nodes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = model_with_unused()
+    opt = torch_adamw(model)
+    train(model, opt, range(SAVED_AT))
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path / "dcp"))
+
+    resumed = model_with_unused()
+    remote = RemoteAdamW(groups(resumed), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=256)
+    model_state, optim_state = get_state_dict(resumed, remote)
+    assert remote.remote_step == 0  # no initializing step ran on the nodes
+    state = {"model": model_state, "optim": optim_state}
+    # The torch run never stepped the unused layer, so its checkpoint has no state for it (torch's own
+    # optimizer would need the same partial load): its entries stay at step 0, zero moments.
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(resumed, remote, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(resumed, remote, range(SAVED_AT, STEPS))
+    for expected, actual in zip(torch_all_the_way(), resumed.parameters(), strict=True):
+        assert torch.equal(expected, actual)
+    remote.close()
