@@ -3,7 +3,8 @@ Lion as its reference keeps it), gathered from the nodes and pushed back.
 
 torch's ``AdamW.state_dict()`` holds, per parameter index (over the param groups, in order), ``step``
 (a 0-d fp32 tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped like the parameter), and no entry for a
-parameter never stepped. The nodes hold the same per bucket segment, fp32; these functions cut and
+parameter never stepped (here: step 0 and zeros, the same to torch, and what
+``torch.distributed.checkpoint`` needs to load into). The nodes hold the same per bucket segment, fp32; these functions cut and
 join them, so a run moves from torch to netoptim and back and continues bit for bit.
 """
 

@@ -300,9 +300,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's AdamW state dict, gathered from the nodes: per parameter ``step``, ``exp_avg`` and
-        ``exp_avg_sq`` (none for a parameter never stepped) and the param groups, so
-        ``torch.optim.AdamW.load_state_dict`` takes it and continues bit for bit. Under ``"netoptim"``:
+        """The state dict of torch's optimizer of the same rule, gathered from the nodes (AdamW: per
+        parameter ``step``, ``exp_avg`` and ``exp_avg_sq``, step 0 and zeros for a parameter never
+        stepped, which torch takes as no entry) and the param groups, so the torch optimizer's
+        ``load_state_dict`` takes it and continues bit for bit. Under ``"netoptim"``:
         the nodes, their step and the world size. Call it between steps (layer-wise mode waits for the
         last update first). Every rank gets the same dict, its moments on each parameter's device and
         in its dtype, as torch keeps them."""
@@ -322,7 +323,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a torch AdamW state dict (from ``torch.optim.AdamW`` or from :meth:`state_dict`): the
+        """Load a state dict of torch's optimizer of the same rule (or from :meth:`state_dict`): the
         param groups here, the moments and step counts onto the nodes, so training continues as torch
         would from it. Every rank calls it with the same dict, between steps, after loading the model's
         parameters; rank 0 sends the state, and in full mode the parameters' current values as the
