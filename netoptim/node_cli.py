@@ -81,7 +81,12 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="checkpoint every N steps; 0: only on request, on drain and on SIGTERM (default: %(default)s)",
     )
-    node.add_argument("--keep", type=positive_int, default=3, help="complete checkpoints to keep; older ones are removed (default: %(default)s)")
+    node.add_argument(
+        "--keep",
+        type=positive_int,
+        default=3,
+        help="automatic checkpoints (periodic, at exit) to keep; older ones are removed; those taken by hand (admin checkpoint, drain) are never removed (default: %(default)s)",
+    )
     node.add_argument(
         "--resume",
         action="store_true",

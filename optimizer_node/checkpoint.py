@@ -146,12 +146,24 @@ def write_checkpoint(
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove all but the ``keep`` newest checkpoints, and leftovers of interrupted writes."""
+    """Remove all but the ``keep`` newest automatic checkpoints (periodic, at exit), and leftovers of
+    interrupted writes. Checkpoints an operator asked for (``admin checkpoint``, ``admin drain``:
+    ``"origin": "manual"`` in the manifest) are never removed here."""
     for leftover in root.glob(".tmp-step-*"):
         if not leftover.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(leftover, ignore_errors=True)
-    for old in list_checkpoints(root)[keep:]:
+    automatic = [path for path in list_checkpoints(root) if checkpoint_origin(path) != "manual"]
+    for old in automatic[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_origin(path: Path) -> str:
+    """``manual`` or ``automatic`` (also for a checkpoint of an older version, or an incomplete one)."""
+    try:
+        origin = json.loads((path / MANIFEST).read_text()).get("origin")
+    except (OSError, ValueError, AttributeError):
+        return "automatic"
+    return "manual" if origin == "manual" else "automatic"
 
 
 def list_checkpoints(root: Path) -> list[Path]:

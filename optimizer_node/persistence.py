@@ -52,9 +52,10 @@ class CheckpointControls:
         steps = {state.step for state in self._store}
         return self._job is not None and len(steps) <= 1 and not self._in_flight and len(self._store) == len(self._job.owned)
 
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self, origin: str = "automatic") -> dict[str, Any]:
         """Write a checkpoint now; ``ValueError`` when the node has no checkpoint_dir, no job, or is
-        in the middle of a step; :class:`CheckpointError` when the write fails (state untouched)."""
+        in the middle of a step; :class:`CheckpointError` when the write fails (state untouched).
+        ``origin``: ``manual`` for one an operator asked for, which ``--keep`` never prunes."""
         if not self.config.checkpoint_dir:
             raise ValueError("this node has no checkpoint directory: start it with --checkpoint-dir")
         if self._job is None:
@@ -67,6 +68,7 @@ class CheckpointControls:
             "job": self._job.spec.to_wire(),
             "overrides": self._overrides.to_dict(),
             "max_grad_norm_override": self._clip_override,
+            "origin": origin,
         }
         manifest = write_checkpoint(
             Path(self.config.checkpoint_dir),
@@ -111,7 +113,7 @@ class CheckpointControls:
         if not waiters:
             return
         try:
-            manifest = self.checkpoint()
+            manifest = self.checkpoint(origin="manual")  # asked for by an operator (checkpoint, drain)
         except (CheckpointError, ValueError) as exc:
             log.error("checkpoint failed: %s", exc)
             for waiter in waiters:

@@ -23,11 +23,10 @@ def store_at(step: int, sizes=(100, 37)) -> InMemoryStore:
     return store
 
 
-def write(root: Path, step: int, keep: int = 3) -> dict:
+def write(root: Path, step: int, keep: int = 3, origin: str = "automatic") -> dict:
     store = store_at(step)
-    return write_checkpoint(
-        root, step=step, states=list(store), meta={"job": {}, "node_index": 0, "overrides": {}}, keep=keep, write_file=store.write_checkpoint_file
-    )
+    meta = {"job": {}, "node_index": 0, "overrides": {}, "origin": origin}
+    return write_checkpoint(root, step=step, states=list(store), meta=meta, keep=keep, write_file=store.write_checkpoint_file)
 
 
 def test_round_trip_and_latest_pointer(tmp_path):
@@ -46,6 +45,20 @@ def test_keep_prunes_old_checkpoints(tmp_path):
     for step in range(1, 6):
         write(tmp_path, step, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000000005", "step-0000000004"]
+
+
+def test_keep_never_prunes_checkpoints_taken_by_hand(tmp_path):
+    for step in range(1, 7):
+        write(tmp_path, step, keep=2, origin="manual" if step in (1, 3) else "automatic")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000000006", "step-0000000005", "step-0000000003", "step-0000000001"]
+
+
+def test_per_segment_step_counts_round_trip(tmp_path):
+    store = store_at(3)
+    store.get(0).segment_steps = [3.0, 1.0]
+    write_checkpoint(tmp_path, step=3, states=list(store), meta={"job": {}, "node_index": 0}, keep=1, write_file=store.write_checkpoint_file)
+    restored = read_checkpoint(tmp_path / "step-0000000003").buckets
+    assert restored[0].segment_steps == [3.0, 1.0] and restored[1].segment_steps is None
 
 
 @pytest.mark.parametrize("damage", ["flip-a-byte", "truncate", "no-manifest", "garbage-manifest"])

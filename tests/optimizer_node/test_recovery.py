@@ -108,6 +108,7 @@ def test_checkpoint_and_drain_through_admin(start_node, tmp_path):
     reply = stub.Checkpoint(admin_pb2.CheckpointRequest(), timeout=30)
     manifest = json.loads(reply.manifest_json)
     assert reply.step == 2 and reply.path.endswith("step-0000000002") and len(manifest["files"]) == 3
+    assert manifest["origin"] == "manual"  # taken by hand: --keep never prunes it
 
     train(node.address, steps=3)
     drained = stub.Drain(admin_pb2.DrainRequest(), timeout=30)
