@@ -68,11 +68,19 @@ def _print(args: argparse.Namespace, response: Any, render: Callable[[dict], str
     print(json.dumps(as_dict) if args.json else render(as_dict), flush=True)
 
 
+def _job_state(status: dict) -> str:
+    state = status.get("job_state") or "idle"
+    drain_step = int(status.get("drain_step", -1))
+    if state in ("draining", "drained"):
+        return f"{state} (last step {drain_step}; `admin resume` undoes it)"
+    return state
+
+
 def _render_status(status: dict) -> str:
     last = status["last_step"]
     lines = [
         f"node {status['node_id']} (netoptim {status['version']}), up {float(status['uptime_seconds']):.0f} s, data plane {status['data_address']}",
-        f"step {status['step']}" + (f", PAUSED: {status['pause_reason']}" if status["paused"] else ""),
+        f"step {status['step']}, {_job_state(status)}" + (f", PAUSED: {status['pause_reason']}" if status["paused"] else ""),
         f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM)",
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f})",
     ]

@@ -162,6 +162,8 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             pause_reason=status["paused"] or "",
             data_address=status["data_address"],
             non_finite=_non_finite(status["non_finite"]),
+            job_state=status["job_state"],
+            drain_step=status["drain_step"],
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:

@@ -42,6 +42,7 @@ class OperatorControls:
     _overrides: HyperOverrides
     _last_applied: dict[int, AdamWHyper]
     _pause_reason: str | None
+    _drain_step: int | None
     _ready: list[int]
     _stop: threading.Event | None
     _clip_override: float | None
@@ -67,7 +68,11 @@ class OperatorControls:
         return self.step
 
     def resume(self) -> int:
-        """Apply the updates held while paused and go on; returns how many buckets were updated now."""
+        """Undo a pause (apply the updates held and go on) and a drain (take gradients of later steps
+        again); returns how many buckets were updated now."""
+        if self._drain_step is not None:
+            log.warning("drain undone at step %d: gradients of later steps are taken again", self.step)
+            self._drain_step = None
         if self._pause_reason is None:
             return 0
         self._pause_reason = None
@@ -163,7 +168,17 @@ class OperatorControls:
             "last_step": self.clock.last,
             "paused": self._pause_reason,
             "non_finite": self.non_finite.snapshot(),
+            "job_state": self.job_state(),
+            "drain_step": -1 if self._drain_step is None else self._drain_step,
         }
+
+    def job_state(self) -> str:
+        """``idle``, ``training``, ``paused``, ``draining`` or ``drained`` (see the admin proto)."""
+        if self._job is None:
+            return "idle"
+        if self._drain_step is not None:
+            return "drained" if self.step >= self._drain_step and self._between_steps() else "draining"
+        return "paused" if self._pause_reason is not None else "training"
 
     def request_stop(self) -> None:
         """Stop the serve loop after the current message."""

@@ -31,7 +31,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite")
+    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite", "job_state", "drain_step")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class GetStatusResponse(_message.Message):
     PAUSE_REASON_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_seconds: float
@@ -64,7 +66,9 @@ class GetStatusResponse(_message.Message):
     pause_reason: str
     data_address: str
     non_finite: NonFiniteStatus
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ...) -> None: ...
+    job_state: str
+    drain_step: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ..., job_state: _Optional[str] = ..., drain_step: _Optional[int] = ...) -> None: ...
 
 class NonFiniteEvent(_message.Message):
     __slots__ = ("action", "step", "rank", "bucket", "values", "unix_time")

@@ -110,11 +110,18 @@ def test_checkpoint_and_drain_through_admin(start_node, tmp_path):
     assert reply.step == 2 and reply.path.endswith("step-0000000002") and len(manifest["files"]) == 3
     assert manifest["origin"] == "manual"  # taken by hand: --keep never prunes it
 
+    assert stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=30).job_state == "training"
     train(node.address, steps=3)
     drained = stub.Drain(admin_pb2.DrainRequest(), timeout=30)
     assert drained.step == 3 and (checkpoints / "step-0000000003" / "manifest.json").exists()
+    status = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
+    assert status.job_state == "drained" and status.drain_step == 3
     _, errors = train(node.address, steps=4, timeout_s=5)
     assert errors and "DRAINING" in str(errors[0])
+    stub.Resume(admin_pb2.ResumeRequest(), timeout=30)  # a drain is undone like a pause
+    assert stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=30).job_state == "training"
+    _, errors = train(node.address, steps=4)
+    assert not errors and stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=30).step == 4
     node.process.send_signal(signal.SIGTERM)
     assert node.process.wait(20) == 0
 
