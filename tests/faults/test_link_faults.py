@@ -106,7 +106,6 @@ def test_a_10s_partition_mid_run_is_ridden_out(proxied_job, reference, seed):
     assert began, "the partition never started"
 
 
-@pytest.mark.slow  # ~50 s; the delay-and-loss drill stays in the default run
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_connections_reset_at_random_moments_are_survived(proxied_job, reference, seed):
     """Every connection is reset (RST, bytes in flight lost) at two seeded points of the traffic; ZeroMQ

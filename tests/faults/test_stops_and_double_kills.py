@@ -79,6 +79,7 @@ def test_a_process_stopped_for_5s_and_continued_changes_nothing(tmp_path, refere
         job.close()
 
 
+@pytest.mark.slow  # 25-40 s; worker kills (test_worker_restarts.py) and node kills (test_node_restarts.py) each stay in the default run
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_a_worker_and_the_node_killed_together_continue_bitwise(tmp_path, reference, seed):
     """SIGKILL to the node and to one worker at the same moment; both restarted (the node with

@@ -100,7 +100,12 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
 
 @pytest.mark.parametrize(
     ("layerwise", "clip", "wire"),
-    [(False, None, "float32"), (True, None, "float32"), pytest.param(False, 0.05, "float32", marks=pytest.mark.slow), (False, None, "bfloat16")],
+    [
+        (False, None, "float32"),
+        (True, None, "float32"),
+        pytest.param(False, 0.05, "float32", marks=pytest.mark.slow),
+        pytest.param(False, None, "bfloat16", marks=pytest.mark.slow),
+    ],
 )
 def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_path, layerwise, clip, wire):
     """A budget of two buckets forces every bucket through its state file at every step."""
