@@ -8,7 +8,9 @@ import json
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    if args.bench == "optimizer":
+    if args.bench == "optimizer" and getattr(args, "rule", "adamw") != "adamw":
+        from benchmarks.rule_bench import run
+    elif args.bench == "optimizer":
         from benchmarks.optimizer_bench import run
     elif args.bench == "transport":
         from benchmarks.transport_bench import run

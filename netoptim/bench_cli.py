@@ -26,6 +26,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="dtype the gradients arrive in and the parameters leave in (default: %(default)s)",
     )
     optimizer.add_argument("--repeats", type=positive_int, default=7, help="timed repetitions; the median is reported (default: %(default)s)")
+    optimizer.add_argument(
+        "--rule",
+        choices=["adamw", "adam", "sgd", "sgd-nesterov", "lion"],
+        default="adamw",
+        help="update rule: adamw (the compiled fast path, against torch's fused AdamW) or another rule's per-piece path against torch's fused optimizer of that rule (Lion: against fused AdamW) (default: %(default)s)",
+    )
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
     transport.add_argument("--bytes", type=size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
     transport.add_argument("--bucket-bytes", type=size, default=4 << 20, help="bytes per message, as one bucket (default: 4MiB, the default bucket of fp32)")

@@ -24,6 +24,16 @@ def test_optimizer_bench_reports_a_ratio():
     assert report["node_bytes_per_param"] == 2 * 2 + 4 * 6 + 2
 
 
+def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
+    import argparse
+
+    from benchmarks.rule_bench import run
+
+    for rule, baseline in (("sgd-nesterov", "SGD"), ("lion", "AdamW")):
+        report = run(argparse.Namespace(rule=rule, numel=1 << 20, workers=2, wire_dtype="bfloat16", repeats=1))
+        assert report["rule"] == rule and report["ratio"] > 0 and baseline in report["baseline"]
+
+
 def test_transport_bench_reports_a_ratio():
     report = bench("transport", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1", "--curve")
     assert report["benchmark"] == "transport" and report["bytes"] == 8 << 20
