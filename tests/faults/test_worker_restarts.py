@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 
 import pytest
 
@@ -24,18 +25,27 @@ def death(rng: random.Random) -> str:
     return f"{phase}:{rng.randrange(STEPS)}:{rng.randint(1, EVENTS[phase])}"
 
 
-def run_trial(job: Job, deaths: dict[int, str]) -> None:
-    """Start every rank (those in ``deaths`` die as planned), restart the dead ones, wait for all."""
+def run_trial(job: Job, deaths: dict[int, str], timeout_s: float = 120.0) -> None:
+    """Start every rank (those in ``deaths`` die as planned), restart each dead one as soon as it
+    dies, as a supervisor (torchrun, Kubernetes) would, and wait for all. A rank whose planned death
+    comes at a later step than another's only gets there once that other one is back."""
     job.start_node()
     for rank in range(WORLD):
         job.start_worker(rank, deaths.get(rank))
-    for rank in range(WORLD):
-        if rank in deaths:
-            status = job.wait(rank)
+    pending = set(deaths)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for rank in sorted(pending):
+            status = job.workers[rank].poll()
+            if status is None:
+                continue
+            pending.discard(rank)
             if status == -signal.SIGKILL:
                 job.start_worker(rank)  # the same command again
             else:  # the planned event never came (e.g. fewer pushes than drawn): it just finished
                 assert status == 0, job.logs()
+        assert time.monotonic() < deadline, f"ranks {sorted(pending)} neither died as planned nor finished within {timeout_s} s:\n{job.logs()}"
+        time.sleep(0.05)
     for rank in range(WORLD):
         assert job.wait(rank) == 0, job.logs()
 
