@@ -56,26 +56,32 @@ def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_
     return state
 
 
-def load_state(session: OffloadSession, params: Sequence[torch.Tensor], key_of: dict[int, Any], state: dict[Any, dict[str, Any]], *, with_params: bool) -> None:
-    """Rank 0: every bucket's moments and step counts from torch's per-parameter ``state`` (a parameter
-    without an entry starts at zero, as in torch); ``key_of[id(param)]`` is the parameter's key in
-    ``state`` (an index, or a name from ``torch.distributed.checkpoint``). With ``with_params``, the
-    parameters' current values become the nodes' fp32 masters too."""
-    keys, with_step = STATE_KEYS[session.job.rule]
-    part_key = {part: key for key, part in keys}
+def state_entries(rule: str, params: Sequence[torch.Tensor], key_of: dict[int, Any], state: dict[Any, dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """Each parameter's entry of torch's per-parameter ``state`` (None: none), checked against the
+    rule's keys and the parameters' shapes (``ValueError`` naming the first that does not fit).
+    ``key_of[id(param)]`` is the parameter's key in ``state`` (an index, or a name from
+    ``torch.distributed.checkpoint``). Every rank checks, so a bad dict fails everywhere alike."""
+    keys, with_step = STATE_KEYS[rule]
     entries: list[dict[str, Any] | None] = []
     for param in params:
         entry = state.get(key_of.get(id(param)))
         if entry is not None:
             missing = [key for key in (("step",) if with_step else ()) + tuple(key for key, _ in keys) if key not in entry]
             if missing:
-                raise ValueError(
-                    f"the state of parameter {key_of.get(id(param))} has no {missing}: is it a state dict of torch's {session.job.rule} optimizer?"
-                )
+                raise ValueError(f"the state of parameter {key_of.get(id(param))} has no {missing}: is it a state dict of torch's {rule} optimizer?")
             for key, _ in keys:
                 if tuple(entry[key].shape) != tuple(param.shape):
                     raise ValueError(f"{key} of parameter {key_of.get(id(param))} has shape {tuple(entry[key].shape)}, the parameter {tuple(param.shape)}")
         entries.append(entry)
+    return entries
+
+
+def load_state(session: OffloadSession, params: Sequence[torch.Tensor], entries: Sequence[dict[str, Any] | None], *, with_params: bool) -> None:
+    """Rank 0: every bucket's moments and step counts from the parameters' checked ``entries``
+    (:func:`state_entries`; a parameter without one starts at zero, as in torch). With
+    ``with_params``, the parameters' current values become the nodes' fp32 masters too."""
+    keys, with_step = STATE_KEYS[session.job.rule]
+    part_key = {part: key for key, part in keys}
 
     def step_of(entry: dict[str, Any] | None) -> float:
         if entry is None:

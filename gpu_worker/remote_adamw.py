@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
-import torch
-
-from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL, RemoteOptimizer, adam_style_hyper
-from gpu_worker.units import UnitPlan
+from gpu_worker.remote_optimizer import RemoteOptimizer
 from job.hyper import AdamWHyper
 
 TORCH_ADAMW_GROUP_KEYS = {
@@ -103,56 +100,12 @@ class RemoteAdamW(RemoteOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        nodes: Sequence[str],
-        rank: int | None = None,
-        world_size: int | None = None,
-        wire_dtype: torch.dtype = torch.float32,
-        max_grad_norm: float | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 30.0,
-        heartbeat_s: float = 2.0,
-        silent_after_s: float = 10.0,
-        reconnect_s: float = 20.0,
-        push_during_backward: bool = False,
-        curve_secret_key: str | None = None,
-        curve_server_key: str | None = None,
         amsgrad: bool = False,
         maximize: bool = False,
-        units: UnitPlan | None = None,
-        push_window_bytes: int = 1 << 30,
-        same_host_ipc: bool = True,
-        connections_per_node: int = 1,
-        module: torch.nn.Module | None = None,
-        broadcast_buffers: bool = True,
+        **options: Any,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
         AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay).validate()
-        self._setup(
-            params,
-            {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
-            nodes=nodes,
-            rank=rank,
-            world_size=world_size,
-            wire_dtype=wire_dtype,
-            max_grad_norm=max_grad_norm,
-            bucket_numel=bucket_numel,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            heartbeat_s=heartbeat_s,
-            silent_after_s=silent_after_s,
-            reconnect_s=reconnect_s,
-            push_during_backward=push_during_backward,
-            curve_secret_key=curve_secret_key,
-            curve_server_key=curve_server_key,
-            units=units,
-            push_window_bytes=push_window_bytes,
-            same_host_ipc=same_host_ipc,
-            connections_per_node=connections_per_node,
-            module=module,
-            broadcast_buffers=broadcast_buffers,
-        )
-
-    def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
-        return adam_style_hyper(group)
+        # nodes, rank, world_size, ...: the options above, taken (with their defaults) by RemoteOptimizer._setup
+        self._setup(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, **options)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gpu_worker.buffers import BufferBroadcast
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
-from gpu_worker.optimizer_state import gather_state, load_state
+from gpu_worker.optimizer_state import gather_state, load_state, state_entries
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
@@ -70,8 +70,8 @@ class NodeHeldState(collections.defaultdict):
 class RemoteOptimizer(torch.optim.Optimizer):
     """The machinery of a remote optimizer: registration with the nodes, pushes (at ``step()`` or
     during backward), installing the new values, buffers, state dicts, param groups. A subclass
-    sets :attr:`rule` and :attr:`torch_group_keys`, implements :meth:`_group_hyper` and calls
-    :meth:`_setup` from its ``__init__``. Every option is documented on :class:`~gpu_worker.RemoteAdamW`."""
+    sets :attr:`rule` and :attr:`torch_group_keys`, maps its param groups in :meth:`_group_hyper`
+    when they are not Adam-style, and calls :meth:`_setup` from its ``__init__``. Every option is documented on :class:`~gpu_worker.RemoteAdamW`."""
 
     rule = "adamw"
     """The update rule the nodes apply (:data:`job.hyper.RULES`)."""
@@ -253,8 +253,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return len(self._ready[bucket_id]) == needed
 
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
-        """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`)."""
-        raise NotImplementedError
+        """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`):
+        ``lr``, ``betas``, ``eps`` and ``weight_decay`` as AdamW and Adam keep them; rules whose groups
+        hold other keys (SGD, Lion) map theirs."""
+        return adam_style_hyper(group)
 
     def _group_hypers(self) -> list[AdamWHyper]:
         hypers = []
@@ -340,11 +342,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         key_of = {
             id(p): key for saved, group in zip(saved_groups, self.param_groups, strict=False) for key, p in zip(saved["params"], group["params"], strict=False)
         }
+        entries = state_entries(self.rule, self._params, key_of, moments)  # checked before anything changes
         super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker; checks the groups
         self.state = NodeHeldState(dict)
         if self._session.rank == 0:
             with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
-            load_state(self._session, self._params, key_of, moments, with_params=with_params)
+            load_state(self._session, self._params, entries, with_params=with_params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (progressive unfreezing).
@@ -359,8 +362,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         if self._streamer is not None:
-            raise NotImplementedError(
-                "layer-wise mode cannot add a param group after it is made: give every parameter at construction, the ones to train later "
+            raise ValueError(
+                "layer-wise mode cannot add a param group after the optimizer is made: give every parameter at construction, the ones to train later "
                 "with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
             )
         known = {id(p) for p in self._params}

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from gpu_worker.remote_optimizer import RemoteOptimizer, adam_style_hyper
+from gpu_worker.remote_adamw import TORCH_ADAMW_GROUP_KEYS
+from gpu_worker.remote_optimizer import RemoteOptimizer
 from job.hyper import AdamWHyper, validate_for_rule
 
 
@@ -20,15 +21,7 @@ class RemoteAdam(RemoteOptimizer):
     bitwise equal to ``torch.optim.Adam(fused=True)`` fed the averaged gradient."""
 
     rule = "adam"
-    torch_group_keys: ClassVar[dict[str, Any]] = {
-        "amsgrad": False,
-        "maximize": False,
-        "foreach": None,
-        "capturable": False,
-        "differentiable": False,
-        "fused": True,
-        "decoupled_weight_decay": False,
-    }
+    torch_group_keys: ClassVar[dict[str, Any]] = {**TORCH_ADAMW_GROUP_KEYS, "decoupled_weight_decay": False}
 
     def __init__(
         self,
@@ -41,9 +34,6 @@ class RemoteAdam(RemoteOptimizer):
     ) -> None:
         validate_for_rule(self.rule, AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay))
         self._setup(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, **options)
-
-    def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
-        return adam_style_hyper(group)
 
 
 class RemoteSGD(RemoteOptimizer):

@@ -143,12 +143,18 @@ class OffloadSession:
         if not self.job.extended_by(job):
             raise ValueError("the added param group must only add parameters after the existing ones")
         step = self.step
+        before = (self.job, self.params, self.buckets, self.bucket_steps)
         old = len(self.buckets)
         self.job, self.params = job, list(params)
         self.buckets = job.plan()
-        self.bucket_steps += [step] * (len(self.buckets) - old)
+        self.bucket_steps = self.bucket_steps + [step] * (len(self.buckets) - old)
         self._connections.set_job(job.to_wire())
-        needs_init = self.hello()
+        try:
+            needs_init = self.hello()
+        except BaseException:  # a node refused the extension (it cannot fit it, a step is in flight): this worker keeps the old job
+            self.job, self.params, self.buckets, self.bucket_steps = before
+            self._connections.set_job(self.job.to_wire())
+            raise
         added = list(range(old, len(self.buckets)))
         if self.rank == 0:
             for bucket_id in needs_init:

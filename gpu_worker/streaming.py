@@ -53,6 +53,7 @@ class _Unit:
     requested_at: float = 0.0
     ready_event: object = None  # CUDA event after the host-to-device copies of the values
     grads_ready: set[int] = field(default_factory=set)
+    waits_for: int | None = None  # this step: gradients backward must produce before the unit is pushed (-1: step() pushes it)
     pushed: bool = False
 
 
@@ -303,8 +304,12 @@ class LayerStreamer:
         unit = self._unit_of_param[layout_index]
         unit.grads_ready.add(layout_index)
         # Ready once every parameter of the unit that trains now has its gradient; a parameter unfrozen
-        # after the hooks were made has no hook, so its unit waits for step().
-        if not all(i in unit.grads_ready and i in self._hooked for i in unit.params if self.params[i].requires_grad):
+        # after the hooks were made has no hook, so its unit waits for step(). Worked out once a step:
+        # a hook per parameter must not scan the unit.
+        if unit.waits_for is None:
+            trainable = [i for i in unit.params if self.params[i].requires_grad]
+            unit.waits_for = len(trainable) if all(i in self._hooked for i in trainable) else -1
+        if len(unit.grads_ready) != unit.waits_for:
             return
         unit.grads_ready.clear()
         if self._sync_enabled():  # else gradients accumulate locally (no_sync); the unit is freed all the same
@@ -330,6 +335,7 @@ class LayerStreamer:
             self._release(unit)
             unit.pushed = False
             unit.grads_ready.clear()
+            unit.waits_for = None
         self.session.advance([b.bucket_id for b in self.session.buckets])
         self.session.release_send_buffers()
         trim_host_heap()

@@ -57,10 +57,13 @@ def fused_adamw(
     hyper: AdamWHyper,
     *,
     grad_divisor: torch.Tensor | None = None,
+    decoupled_weight_decay: bool = True,
 ) -> None:
     """torch's fused AdamW kernel on lists of fp32 tensors, all at step ``step`` (not incremented here);
-    each tensor is one call of the kernel, whose scalar tail is that tensor's last elements."""
-    torch._fused_adamw_(
+    each tensor is one call of the kernel, whose scalar tail is that tensor's last elements. With
+    ``decoupled_weight_decay=False``, torch's fused Adam kernel (weight decay as L2 on the gradient)."""
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+    kernel(
         params,
         grads,
         exp_avgs,

@@ -84,8 +84,7 @@ def update_bucket(
             compiled=compiled,
         )
         return True
-    counts = state.segment_steps if state.segment_steps is not None else [float(state.step_tensor)] * len(segments)
-    steps = [torch.tensor(count, dtype=torch.float32) for count in counts]
+    steps = [torch.tensor(count, dtype=torch.float32) for count in state.segment_step_counts(len(segments))]
     reduce_and_update_segments(
         reduction,
         state.param,
@@ -101,10 +100,5 @@ def update_bucket(
         wire_out=wire_out,
         previous_out=previous_out,
     )
-    counts = [float(step) for step in steps]
-    if all(count == counts[0] for count in counts):
-        state.step_tensor.fill_(counts[0])
-        state.segment_steps = None
-    else:
-        state.segment_steps = counts
+    state.set_segment_step_counts([float(step) for step in steps])
     return True

@@ -448,31 +448,27 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         absent = in_flight.absent or frozenset()
         # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
         unchanged = len(absent) == len(segments) and not in_flight.skip
+        hyper = self._overrides.apply(in_flight.hyper)
         if in_flight.skip:
-            # GradScaler semantics: no update at all (parameters, moments and AdamW's step count stay);
+            # GradScaler semantics: no segment is stepped (parameters, moments and AdamW's step counts stay);
             # the protocol step still advances, so the workers get these values as the next step's and go on.
-            in_flight.reduction.take_pending()  # lets go of the received frames
-            if previous is not None:
-                previous.copy_(state.param)
-            if wire is not None:
-                wire.copy_(state.param)
+            absent = frozenset(range(len(segments)))
         else:
-            hyper = self._overrides.apply(in_flight.hyper)
             self._last_applied[job.owned[state.bucket_id].group] = hyper
-            update_bucket(
-                state,
-                in_flight.reduction,
-                hyper,
-                segments=segments,
-                absent_everywhere=absent,
-                rule=job.spec.rule,
-                # with clipping, the sum was divided by world_size for the norm: it is only multiplied
-                grad_divisor=job.divisor if in_flight.clip is None else None,
-                grad_multiplier=in_flight.clip,
-                wire_out=wire if not unchanged or state.wire_step != state.step else None,
-                previous_out=previous,
-                compiled=self._compiled_update,
-            )
+        update_bucket(
+            state,
+            in_flight.reduction,
+            hyper,
+            segments=segments,
+            absent_everywhere=absent,
+            rule=job.spec.rule,
+            # with clipping, the sum was divided by world_size for the norm: it is only multiplied
+            grad_divisor=job.divisor if in_flight.clip is None else None,
+            grad_multiplier=in_flight.clip,
+            wire_out=wire if not unchanged or state.wire_step != state.step else None,
+            previous_out=previous,
+            compiled=self._compiled_update,
+        )
         state.step += 1
         state.wire_step = state.step if wire is not None else -1
         del self._in_flight[state.bucket_id]

@@ -181,7 +181,7 @@ class CheckpointControls:
                     raise CheckpointError(
                         f"{checkpoint.path}: bucket {bucket_id} has {len(job.segments[bucket_id])} segments, its step counts {len(snapshot.segment_steps)}"
                     )
-                state.segment_steps = list(snapshot.segment_steps)
+                state.set_segment_step_counts(snapshot.segment_steps)
         self._overrides = HyperOverrides(**manifest.get("overrides", {}))
         self._clip_override = manifest.get("max_grad_norm_override")
         self._last_checkpoint = manifest

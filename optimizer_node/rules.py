@@ -33,23 +33,7 @@ def apply_rule(
     if grad_divisor is not None:
         grad.div_(grad_divisor)
     if rule == "adam":
-        torch._fused_adam_(
-            [param],
-            [grad],
-            [exp_avg],
-            [exp_avg_sq],
-            [],
-            [step],
-            lr=hyper.lr,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            weight_decay=hyper.weight_decay,
-            eps=hyper.eps,
-            amsgrad=False,
-            maximize=False,
-            grad_scale=None,
-            found_inf=None,
-        )
+        fused_adamw([param], [grad], [exp_avg], [exp_avg_sq], step, hyper, decoupled_weight_decay=False)
     elif rule in ("sgd", "sgd-nesterov"):
         momentum = hyper.beta1
         torch._fused_sgd_(

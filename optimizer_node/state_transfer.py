@@ -25,11 +25,6 @@ def _part(meta: dict) -> str:
     return part
 
 
-def segment_steps_of(state: BucketState, segments: int) -> list[float]:
-    """Each segment's AdamW step count."""
-    return list(state.segment_steps) if state.segment_steps is not None else [float(state.step_tensor)] * segments
-
-
 def read_part(store: BucketStore, state: BucketState, meta: dict, segments: int) -> tuple[torch.Tensor, dict]:
     """A copy of one part of the bucket's state (fp32) and the reply's meta (part, segment steps)."""
     part = _part(meta)
@@ -38,7 +33,7 @@ def read_part(store: BucketStore, state: BucketState, meta: dict, segments: int)
         values = getattr(state, part).clone()
     finally:
         store.release(state, dirty=False)
-    return values, {"part": part, "segment_steps": segment_steps_of(state, segments)}
+    return values, {"part": part, "segment_steps": state.segment_step_counts(segments)}
 
 
 def load_part(store: BucketStore, state: BucketState, message: Message, segments: int) -> None:
@@ -59,11 +54,6 @@ def load_part(store: BucketStore, state: BucketState, message: Message, segments
         if part == "param":
             state.wire_step = -1  # the cast copy no longer holds these values
         if steps is not None:
-            counts = [float(s) for s in steps]
-            if all(count == counts[0] for count in counts):
-                state.step_tensor.fill_(counts[0])
-                state.segment_steps = None
-            else:
-                state.segment_steps = counts
+            state.set_segment_step_counts([float(s) for s in steps])
     finally:
         store.release(state, dirty=True)

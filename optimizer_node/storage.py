@@ -51,6 +51,18 @@ class BucketState:
         if self.numel < 0:
             self.numel = self.param.numel()
 
+    def segment_step_counts(self, segments: int) -> list[float]:
+        """Each of the bucket's ``segments`` AdamW step counts."""
+        return list(self.segment_steps) if self.segment_steps is not None else [float(self.step_tensor)] * segments
+
+    def set_segment_step_counts(self, counts: list[float]) -> None:
+        """Take every segment's step count: one count for the bucket when they agree (the fast path)."""
+        if all(count == counts[0] for count in counts):
+            self.step_tensor.fill_(counts[0])
+            self.segment_steps = None
+        else:
+            self.segment_steps = list(counts)
+
     def reduction_buffer(self) -> torch.Tensor:
         if self.grad is None:
             self.grad = torch.empty(self.numel, dtype=torch.float32)

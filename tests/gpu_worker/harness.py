@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gpu_worker import RemoteAdamW, offload
+from gpu_worker import RemoteAdamW, RemoteOptimizer, offload
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -58,8 +58,10 @@ class RunConfig:
     max_grad_norm: float | None = None
     bucket_numel: int = 300  # small, so parameters split over buckets and buckets over nodes
     steps: int = STEPS
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # optimizer options; they may override lr and weight_decay
     layerwise: bool = False  # stream the three Linear layers as units; the LayerNorm stays in the root unit
+    optimizer: Callable[..., RemoteOptimizer] = RemoteAdamW
+    inspect: Callable[[int, RemoteOptimizer], None] | None = None  # called with each rank's optimizer after training
 
 
 def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | None]]:
@@ -73,22 +75,22 @@ def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | N
     def worker(rank: int) -> None:
         try:
             model = models[rank]
-            options = dict(
-                lr=1e-2,
-                weight_decay=0.1,
-                nodes=list(config.nodes),
-                rank=rank,
-                world_size=config.world_size,
-                wire_dtype=config.wire_dtype,
-                max_grad_norm=config.max_grad_norm,
-                bucket_numel=config.bucket_numel,
-                timeout_s=60,
+            options = {
+                "lr": 1e-2,
+                "weight_decay": 0.1,
+                "nodes": list(config.nodes),
+                "rank": rank,
+                "world_size": config.world_size,
+                "wire_dtype": config.wire_dtype,
+                "max_grad_norm": config.max_grad_norm,
+                "bucket_numel": config.bucket_numel,
+                "timeout_s": 60,
                 **config.extra,
-            )
+            }
             if config.layerwise:
                 opt = offload(model, [model[0], model[2], model[5]], params=param_groups(model, named=True), **options)
             else:
-                opt = RemoteAdamW(param_groups(model, named=True), **options)
+                opt = config.optimizer(param_groups(model, named=True), **options)
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             for step in range(config.steps):
                 loss = loss_fn(model, *shard(step, rank, config.world_size))
@@ -104,6 +106,8 @@ def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | N
             if rank == 0 and config.layerwise:
                 norms.append(opt.last_grad_norm)
             results[rank] = [values[name] for name, _ in model.named_parameters()]
+            if config.inspect is not None:
+                config.inspect(rank, opt)
             opt.close()
         except BaseException as exc:
             errors.append(exc)
@@ -126,11 +130,19 @@ def run_threads(target: Callable[[int], None], count: int, timeout_s: float = 12
         assert not thread.is_alive(), "a worker thread hung"
 
 
-def reference_averaged(world_size: int, *, fused: bool, max_grad_norm: float | None = None, steps: int = STEPS) -> tuple[list[torch.Tensor], list[float]]:
+def reference_averaged(
+    world_size: int,
+    *,
+    fused: bool,
+    max_grad_norm: float | None = None,
+    steps: int = STEPS,
+    make_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+) -> tuple[list[torch.Tensor], list[float]]:
     """Reference A: one process computes each worker's shard gradient, averages them in rank order
-    (sum, then divide) and runs ``torch.optim.AdamW``."""
+    (sum, then divide) and runs ``torch.optim.AdamW`` (or ``make_optimizer(param_groups)``)."""
     model = make_model()
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1, fused=fused or None)
+    groups = param_groups(model)
+    opt = make_optimizer(groups) if make_optimizer is not None else torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     params = list(model.parameters())
     norms = []

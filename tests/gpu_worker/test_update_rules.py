@@ -3,13 +3,11 @@ to its torch optimizer (``fused=True``) fed the averaged gradient; Lion to the r
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from gpu_worker import RemoteAdam, RemoteLion, RemoteSGD
-from tests.gpu_worker.harness import STEPS, loss_fn, make_model, param_groups, run_threads, schedule, shard
+from tests.gpu_worker.harness import RunConfig, reference_averaged, run_offloaded
 
 WORLD_SIZE = 2
 
@@ -54,62 +52,23 @@ RULES = {
 }
 
 
-def reference(make_optimizer) -> list[torch.Tensor]:
-    model = make_model()
-    opt = make_optimizer(param_groups(model))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    for step in range(STEPS):
-        grads = []
-        for rank in range(WORLD_SIZE):
-            replica = copy.deepcopy(model)
-            loss_fn(replica, *shard(step, rank, WORLD_SIZE)).backward()
-            grads.append([p.grad for p in replica.parameters()])
-        for index, param in enumerate(model.parameters()):
-            param.grad = (grads[0][index] + grads[1][index]) / WORLD_SIZE
-        opt.step()
-        opt.zero_grad()
-        scheduler.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("rule", list(RULES))
 def test_rule_is_bitwise_its_torch_optimizer(start_node, rule):
     remote_class, make_reference, options = RULES[rule]
-    node = start_node()
-    results: dict[int, list[torch.Tensor]] = {}
-    errors: list[BaseException] = []
-    models = [make_model() for _ in range(WORLD_SIZE)]  # made before the threads: make_model seeds torch's global generator
+    state_dicts: dict[int, dict] = {}
 
-    def worker(rank: int) -> None:
-        try:
-            model = models[rank]
-            opt = remote_class(
-                param_groups(model, named=True), nodes=[node.address], rank=rank, world_size=WORLD_SIZE, bucket_numel=300, timeout_s=60, **options
-            )
-            assert opt._session.job.rule == rule
-            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-            for step in range(STEPS):
-                loss_fn(model, *shard(step, rank, WORLD_SIZE)).backward()
-                opt.step()
-                opt.zero_grad()
-                scheduler.step()
-            results[rank] = [p.detach().clone() for p in model.parameters()]
-            if rank == 0:
-                results[-1] = opt.state_dict()
-            opt.close()
-        except BaseException as exc:
-            errors.append(exc)
+    def inspect(rank: int, opt) -> None:
+        assert opt._session.job.rule == rule
+        state_dicts[rank] = opt.state_dict()
 
-    run_threads(worker, WORLD_SIZE)
-    if errors:
-        raise errors[0]
-    expected = reference(make_reference)
-    for rank in range(WORLD_SIZE):
-        for a, b in zip(expected, results[rank], strict=True):
-            assert torch.equal(a, b), f"{rule}, rank {rank}: max difference {float((a - b).abs().max()):.3g}"
+    config = RunConfig(world_size=WORLD_SIZE, nodes=[start_node().address], optimizer=remote_class, extra=options, inspect=inspect)
+    params, _ = run_offloaded(config)  # checks that every rank ends identical
+    expected, _ = reference_averaged(WORLD_SIZE, fused=True, make_optimizer=make_reference)
+    for a, b in zip(expected, params, strict=True):
+        assert torch.equal(a, b), f"{rule}: max difference {float((a - b).abs().max()):.3g}"
     # Its state dict is the torch optimizer's: a torch run could take it over.
     keys = {"adam": {"step", "exp_avg", "exp_avg_sq"}, "sgd": {"momentum_buffer"}, "sgd-nesterov": {"momentum_buffer"}, "lion": {"exp_avg"}}[rule]
-    assert all(set(entry) == keys for entry in results[-1]["state"].values())
+    assert all(set(entry) == keys for entry in state_dicts[0]["state"].values())
 
 
 def test_rule_arguments_are_checked():
