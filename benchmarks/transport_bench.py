@@ -97,6 +97,7 @@ def netoptim_seconds(
             client_curve = CurveClientConfig(str(allowed / "worker.key_secret"), str(keys / "node.key"))
         listen = "mooncake://127.0.0.1:0" if backend == "mooncake" else "tcp://127.0.0.1:0"
         node_args += ("--io-threads", str(connections))  # one I/O thread per lane on the node's side too
+        node_args += ("--max-echo-bytes", str(nbytes))  # every bucket is pushed before the first echo is read
         with NodeProcess(workdir, log_level="WARNING", listen=listen, extra_args=node_args) as node:
             address = node.same_host_address if same_host else node.address
             label = f"netoptim push+pull ({backend}" + (", CURVE" if curve else "") + (", same host" if same_host else "") + f", {connections} conn.)"

@@ -173,6 +173,8 @@ LIMIT_FLAGS = (
     "max_job_nodes",
     "max_waiting_hellos",
     "max_waiting_hello_bytes",
+    "max_unread_reply_bytes",
+    "max_echo_bytes",
 )
 """The node's resource limits: flags of the same name as their NodeConfig field (docs/operations.md, Limits)."""
 
@@ -247,6 +249,21 @@ def add_limit_flags(node: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         default=None,
         help="bytes those held HELLOs may take: each distinct layout once, as encoded, plus ~0.5 KB per HELLO (default: 16MiB)",
+    )
+    limits.add_argument(
+        "--max-unread-reply-bytes",
+        type=size,
+        metavar="SIZE",
+        default=None,
+        help="bytes of answers to peers outside the job (not registered as a rank) waiting in the node's send queue, one peer at most a 16th; "
+        "answers beyond are dropped, so a peer that never reads cannot grow the node (default: 16MiB)",
+    )
+    limits.add_argument(
+        "--max-echo-bytes",
+        type=size,
+        metavar="SIZE",
+        default=None,
+        help="ECHO payloads (transport benchmarks) on their way back at once; an ECHO beyond is answered with LIMIT (default: 16MiB)",
     )
 
 

@@ -86,6 +86,15 @@ class NodeConfig:
     """Bytes those held HELLOs may take (their layouts as encoded, each distinct one once, plus ~0.5 KB
     per HELLO); a HELLO beyond it is answered with LIMIT."""
 
+    max_unread_reply_bytes: int = 16 << 20
+    """Bytes of answers to peers outside the job (not registered as a rank) that may wait in the node's
+    send queue, all such peers together (one peer: a 16th of it); answers beyond are dropped. The job's
+    ranks are not counted: they read what they are sent."""
+
+    max_echo_bytes: int = 16 << 20
+    """ECHO payload bytes (sent back without a copy) that may be on their way back at once; an ECHO
+    beyond is answered with LIMIT. Transport benchmarks that echo more in one round raise it."""
+
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Size of the frames outgoing tensors are split into."""
 
@@ -163,7 +172,7 @@ class NodeConfig:
 
     def _validate_limits(self) -> None:
         """``ValueError`` for a resource limit that is not a positive integer, or too small to work."""
-        for name in ("max_peers", "max_waiting_hellos", "max_waiting_hello_bytes"):
+        for name in ("max_peers", "max_waiting_hellos", "max_waiting_hello_bytes", "max_unread_reply_bytes", "max_echo_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

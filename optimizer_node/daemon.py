@@ -42,6 +42,7 @@ from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistration, load_allow_list
 from optimizer_node.replies import ParameterReplies
+from optimizer_node.reply_budget import UnregisteredReplyBudget
 from optimizer_node.state_transfer import load_part, read_part
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
@@ -55,11 +56,6 @@ log = logging.getLogger(__name__)
 
 STORAGE_RETRY_S = 1.0
 """After the store failed (disk full, a damaged state file), updates are retried this often."""
-
-ECHO_IN_FLIGHT_BYTES = 256 << 20
-"""ECHO payload bytes the node holds for sending back at once. The node sends what it received without
-a copy, so a peer that echoes without reading the answers would otherwise pin as much memory as it
-cares to send; a reading peer (the transport benchmark moves 64 MiB per round) never comes near."""
 
 
 def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
@@ -108,6 +104,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._compiled_update = not isinstance(self._store, OutOfCoreStore)
         self._norm_partial: Header | None = None
         self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
+        self._outsider_replies = UnregisteredReplyBudget(config.max_unread_reply_bytes)  # answers to peers outside the job, not yet sent
         self._payload_limit = config.max_message_bytes  # lowered to the largest bucket once a job is registered
         self._payload_why = f"this node's limit of {config.max_message_bytes} bytes (--max-message-bytes)"
         self.limit_log = RateLimitedLog(log)
@@ -204,7 +201,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 try:
                     message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
                 except WireError as exc:
-                    self._log_rejected(exc, "rejected a malformed message: %s", exc)
+                    self._log_rejected(exc, exc.peer, "rejected a malformed message: %s", exc)
                     if exc.peer is not None:
                         self._send_error(exc.peer, exc.code, exc.message)
                     continue
@@ -243,7 +240,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             self._check_payload_size(header)
             handler(message)
         except WireError as exc:
-            self._log_rejected(exc, "rejected %s from rank %s (bucket %s, step %s): %s", header.msg_type.name, header.rank, header.bucket_id, header.step, exc)
+            self._log_rejected(
+                exc, message.peer, "rejected %s from rank %s (bucket %s, step %s): %s", header.msg_type.name, header.rank, header.bucket_id, header.step, exc
+            )
             self._send_error(message.peer, exc.code, exc.message, bucket_id=header.bucket_id, step=header.step)
         except Exception as exc:  # a bug must not take the node and everyone's state down
             log.exception("internal error handling %s", header.msg_type.name)
@@ -252,23 +251,42 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             self._send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
 
     def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None:
+        outsider = not self._ledger.is_rank_connection(peer)
+        if outsider:  # a peer outside the job may not read its answers: what waits for it is bounded
+            nbytes = header.payload_bytes + len(header.meta.get("message", "")) + 64
+            if not self._outsider_replies.admits(peer, nbytes):
+                self.limit_log.log(
+                    "unread-replies",
+                    logging.WARNING,
+                    "dropped a %s to peer %s: peers outside the job have %d bytes of answers they have not read (--max-unread-reply-bytes %d)",
+                    header.msg_type.name,
+                    peer.hex()[:16],
+                    self._outsider_replies.held_bytes,
+                    self._outsider_replies.total_bytes,
+                )
+                return
         try:
-            handle = self._endpoint.send(peer, header, payload)
+            handle = self._endpoint.send(peer, header, payload, track=outsider)
         except ConnectionError as exc:
             log.warning("could not reply %s: %s", header.msg_type.name, exc)
             return
+        if outsider:
+            self._outsider_replies.queued(peer, handle, nbytes)
         self.metrics.sent(header.payload_bytes)
         if payload is not None and header.msg_type == MsgType.PARAMS:
             state = self._store.get(header.bucket_id)
             if state is not None:
                 state.pending_sends.append(handle)
 
-    def _log_rejected(self, exc: WireError, text: str, *args: object) -> None:
-        """Warn of a rejected message. A limit (LIMIT, TOO_LARGE), which any peer can run into as often
-        as it likes, is said at most once per limit (the flag its message names) every few seconds."""
+    def _log_rejected(self, exc: WireError, peer: bytes | None, text: str, *args: object) -> None:
+        """Warn of a rejected message. What any peer can run into as often as it likes is said at most
+        once every few seconds: a limit (LIMIT, TOO_LARGE), per limit (the flag its message names), and
+        every rejection of a peer outside the job, per error code; a rank's rejections each."""
         if exc.code in (ErrorCode.LIMIT, ErrorCode.TOO_LARGE):
             flag = re.search(r"--[a-z][a-z-]*", exc.message)
             self.limit_log.log(f"{exc.code.name} {flag.group() if flag else ''}", logging.WARNING, text, *args)
+        elif peer is None or not self._ledger.is_rank_connection(peer):
+            self.limit_log.log(f"outsider {exc.code.name}", logging.WARNING, text, *args)
         else:
             log.warning(text, *args)
 
@@ -576,18 +594,20 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
 
     def _on_echo(self, message: Message) -> None:
         """The peer's own payload, step and bucket id back, and nothing of the node's; LIMIT when the
-        echoes still on their way back hold ``ECHO_IN_FLIGHT_BYTES``."""
+        echoes still on their way back would hold more than ``--max-echo-bytes``. The node sends what
+        it received without a copy, so a peer that echoes without reading the answers would otherwise
+        pin as much memory as it cares to send."""
         header = message.header
         if not message.tensors:
             self._send(message.peer, Header(msg_type=MsgType.ECHO))
             return
         self._echoes_in_flight = [(handle, size) for handle, size in self._echoes_in_flight if not handle.done()]
         pending = sum(size for _handle, size in self._echoes_in_flight)
-        if pending + header.payload_bytes > ECHO_IN_FLIGHT_BYTES:
+        if pending + header.payload_bytes > self.config.max_echo_bytes:
             raise WireError(
                 ErrorCode.LIMIT,
-                f"an ECHO of {header.payload_bytes} bytes would put more than {ECHO_IN_FLIGHT_BYTES} bytes of echoes on their way back at once: "
-                "read the echoes before sending more",
+                f"an ECHO of {header.payload_bytes} bytes would put more than {self.config.max_echo_bytes} bytes of echoes on their way back at once "
+                "(--max-echo-bytes): read the echoes before sending more",
             )
         payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
         reply = tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step, bucket_id=header.bucket_id)

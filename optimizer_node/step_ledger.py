@@ -48,6 +48,7 @@ class StepLedger:
 
     def __init__(self) -> None:
         self.ranks: dict[int, RankRecord] = {}
+        self._rank_peers: frozenset[bytes] = frozenset()  # every rank's current connection, for O(1) lookups
         self._retained: dict[int, _Retained] = {}  # bucket -> values before its last update
         self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # buffers no bucket retains
         self._complete_before = 0  # every step below this one is over for every rank
@@ -57,6 +58,10 @@ class StepLedger:
     def connections(self) -> Iterator[bytes]:
         """The transport identity of every rank's current incarnation, in rank order of registration."""
         return (record.peer for record in self.ranks.values())
+
+    def is_rank_connection(self, peer: bytes) -> bool:
+        """Whether ``peer`` is the current connection of some rank of the job."""
+        return peer in self._rank_peers
 
     def peer(self, rank: int) -> bytes | None:
         record = self.ranks.get(rank)
@@ -70,6 +75,7 @@ class StepLedger:
         now = time.time()
         previous = self.ranks.get(rank)
         self.ranks[rank] = RankRecord(peer, incarnation, now, user_id)
+        self._rank_peers = frozenset(record.peer for record in self.ranks.values())
         if previous is None:
             return "new"
         if previous.incarnation != incarnation:

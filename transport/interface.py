@@ -57,8 +57,12 @@ class ServerEndpoint(ABC):
         for a message that violates the protocol; the endpoint stays usable."""
 
     @abstractmethod
-    def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
-        """Queue a message for ``peer``; the payload is sent without a copy."""
+    def send(self, peer: bytes, header: Header, payload: Payload | None = None, *, track: bool = False) -> SendHandle:
+        """Queue a message for ``peer``; the payload is sent without a copy. With ``track`` the handle
+        is done only once every frame of the message, small ones too, has left this process: what the
+        node uses to bound its answers to peers that do not read them. A backend whose handles are done
+        once the message is handed to its socket (Mooncake, which answers only peers that completed
+        its engine handshake) may ignore it."""
 
     @abstractmethod
     def close(self) -> None:

@@ -102,7 +102,7 @@ class MooncakeServer(ConnectionSide, ServerEndpoint):
             if got is False and time.monotonic() >= deadline:
                 return None
 
-    def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
+    def send(self, peer: bytes, header: Header, payload: Payload | None = None, *, track: bool = False) -> SendHandle:
         link = self.links.get(peer)
         if link is None or not link.ready:
             raise ConnectionError(f"peer {peer.hex()} is gone or never connected (no mooncake handshake from it)")

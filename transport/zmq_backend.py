@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 ZERO_COPY_BYTES = 64 << 10
 """pyzmq copies smaller frames anyway; tracking them would only cost time."""
 
+NODE_RCVHWM = 32
+"""Messages ZeroMQ reads ahead from one peer (per connection) before it stops reading that peer's socket
+(TCP flow control then holds the peer back). Unbounded, a peer that sends faster than the node handles
+grows the node by what it sends; a worker loses nothing (its pushes wait in its own send queue)."""
+
 SOCKET_BUFFER_BYTES = 8 << 20
 """Kernel send/receive buffer per connection: measured to double loopback throughput with MB frames
 over the OS default (netoptim bench transport)."""
@@ -94,10 +99,18 @@ class _TrackedSend(SendHandle):
                 raise TimeoutError(f"a send did not complete within {timeout_s:.1f} s") from None
 
 
-def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payload: Payload | None, chunk_bytes: int) -> SendHandle:
+def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payload: Payload | None, chunk_bytes: int, *, track: bool = False) -> SendHandle:
     header_frame, *chunks = encode_message(header, payload, chunk_bytes)
     for frame in prefix:
         socket.send(frame, zmq.SNDMORE)
+    if track:  # every frame, small ones too (pyzmq would copy those and call them done at once)
+        frames = [header_frame, *chunks]
+        return _TrackedSend(
+            [
+                socket.send(zmq.Frame(frame, copy=False, track=True), zmq.SNDMORE if i + 1 < len(frames) else 0, copy=False, track=True)
+                for i, frame in enumerate(frames)
+            ]
+        )
     if not chunks:
         socket.send(header_frame)
         return _TrackedSend([])
@@ -201,6 +214,7 @@ class ZmqServer(ServerEndpoint):
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's socket reconnected after a reset keeps its id
         tune_socket(self._socket)
+        self._socket.setsockopt(zmq.RCVHWM, NODE_RCVHWM)
         self._socket.setsockopt(zmq.LINGER, 0)
         # libzmq drops the connection of a peer that sends a larger frame, before it allocates the frame.
         # It bounds each frame only: see docs/operations.md (Limits) for multipart messages.
@@ -284,11 +298,11 @@ class ZmqServer(ServerEndpoint):
         tensors = payload_views(header, [frame.buffer for frame in frames[1:]], max_bytes=self._payload_limit, peer=peer)
         return Message(peer=peer, header=header, tensors=tensors)
 
-    def send(self, peer: bytes, header: Header, payload: Payload | None = None) -> SendHandle:
+    def send(self, peer: bytes, header: Header, payload: Payload | None = None, *, track: bool = False) -> SendHandle:
         lanes = self._lanes.get(peer)
         route = peer if lanes is None else peer + struct.pack("BB", _lane_of(header, lanes), lanes)
         try:
-            return _send_frames(self._socket, [route], header, payload, self._chunk_bytes)
+            return _send_frames(self._socket, [route], header, payload, self._chunk_bytes, track=track)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"peer {peer.hex()} is gone") from exc

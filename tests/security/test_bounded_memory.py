@@ -9,11 +9,13 @@ naming the flag, or the error that says what is wrong), the node's RSS grows by 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import socket as socket_module
 import struct
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -391,6 +393,60 @@ def test_peers_are_bounded(start_node, raw):
     finally:
         laned.close()
         laned_transport.close()
+
+
+def rejected_messages(node: NodeProcess) -> float:
+    """The node's count of messages answered with an error (its Prometheus metrics)."""
+    with urllib.request.urlopen(node.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return float(re.search(r"^netoptim_rejected_messages_total (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+def _never_reading(node: NodeProcess) -> tuple[zmq.Context, zmq.Socket]:
+    """A DEALER that reads nothing: its own queue and kernel buffer hold one answer, so whatever else
+    the node answers stays with the node."""
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.setsockopt(zmq.RCVBUF, 4096)
+    peer.setsockopt(zmq.SNDHWM, 0)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(node.address)
+    return context, peer
+
+
+def test_answers_that_are_never_read_are_bounded(start_node, raw):
+    """A peer outside the job that sends ECHOs of 1 MiB (sent back without a copy) and requests that
+    are answered with small ERRORs, and never reads: the node holds at most --max-echo-bytes of echoes
+    and --max-unread-reply-bytes of other answers for it (more was pinned before: 256 MiB of echoes,
+    and answers without a limit), serves everyone else meanwhile, and a good job trains bitwise."""
+    node = start_node(extra_args=("--no-same-host-ipc", "--metrics-port", "0"))
+    client = raw(node)
+    ask(client, Header(msg_type=MsgType.QUERY))
+    context, peer = _never_reading(node)
+    payload = torch.zeros(1 << 18)  # 1 MiB
+    echo_frames = [encode_header(tensor_header(MsgType.ECHO, payload)), memoryview(payload.numpy()).cast("B")]
+    pull_frame = encode_header(Header(msg_type=MsgType.PULL, rank=3, bucket_id=0, meta={"at_step": 0}))
+    before = rss_mib(node)
+    try:
+        for round_ in range(4):  # 200 MiB of echoes and 40,000 requests, nothing read
+            for _ in range(50):
+                peer.send_multipart(echo_frames, copy=False)
+            for _ in range(10_000):
+                peer.send(pull_frame)
+            assert ask(client, Header(msg_type=MsgType.QUERY))[0].msg_type == MsgType.STATUS, f"round {round_}"
+        deadline = time.monotonic() + 60  # the node reads the peer at its own pace (ZeroMQ holds the rest back at the peer)
+        while rejected_messages(node) < 40_000 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rejected_messages(node) >= 40_000, "the node did not get through the requests in 60 s"
+        grown = rss_mib(node) - before  # before the job: its compiled update loads ~140 MB of its own
+        print(f"\nunread answers: node RSS {before:.0f} MiB, +{grown:.1f} MiB after 200 MiB of echoes and 40,000 requests never read")
+        assert grown <= RSS_BOUND_MIB
+        assert "--max-unread-reply-bytes" in node.log_text()
+        train_good_job(node.address)  # the peer is still there, its answers unread
+    finally:
+        peer.close()
+        context.term()
 
 
 def test_a_silent_peer_makes_room(monkeypatch):

@@ -9,6 +9,7 @@ layout and no state in any reply. Real nodes on 127.0.0.1 with CURVE on, driven 
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 import pytest
@@ -305,21 +306,22 @@ class _NeverDone(SendHandle):
 
 
 class _SilentEndpoint:
+    """Takes every answer and never lets one go: a peer that does not read."""
+
     def __init__(self) -> None:
         self.sent: list[Header] = []
+        self.peers: list[bytes] = []
 
-    def send(self, peer: bytes, header: Header, payload=None) -> SendHandle:
+    def send(self, peer: bytes, header: Header, payload=None, *, track: bool = False) -> SendHandle:
         self.sent.append(header)
+        self.peers.append(peer)
         return _NeverDone()
 
 
-def test_echoes_a_peer_does_not_read_are_bounded(monkeypatch):
+def test_echoes_a_peer_does_not_read_are_bounded():
     """The node sends an ECHO's payload back without a copy: a peer that never reads would pin what it
-    sends. Past ECHO_IN_FLIGHT_BYTES of echoes on their way back, ECHO is answered with LIMIT."""
-    from optimizer_node import daemon as daemon_module
-
-    monkeypatch.setattr(daemon_module, "ECHO_IN_FLIGHT_BYTES", 3 * 4096)
-    node = NodeDaemon(NodeConfig(same_host_ipc=False))
+    sends. Past --max-echo-bytes of echoes on their way back, ECHO is answered with LIMIT."""
+    node = NodeDaemon(NodeConfig(same_host_ipc=False, max_echo_bytes=3 * 4096))
     real_endpoint, node._endpoint = node._endpoint, _SilentEndpoint()  # type: ignore[assignment]
     try:
         payload = torch.zeros(1024)  # 4 KiB
@@ -330,6 +332,32 @@ def test_echoes_a_peer_does_not_read_are_bounded(monkeypatch):
         sent = node._endpoint.sent  # type: ignore[attr-defined]
         assert [h.msg_type for h in sent] == [MsgType.ECHO] * 3 + [MsgType.ERROR]
         assert sent[-1].meta["code"] == ErrorCode.LIMIT and "read the echoes" in sent[-1].meta["message"]
+    finally:
+        node._endpoint = real_endpoint
+        node.close()
+
+
+def test_answers_peers_outside_the_job_do_not_read_are_bounded(caplog):
+    """Every request of a peer outside the job is answered (ERROR, STATUS), small as the answer is: a
+    peer that never reads would grow the node's send queue. Its answers waiting to leave are bounded
+    (a 16th of --max-unread-reply-bytes per peer); beyond, they are dropped and said once in the log,
+    and another peer is still answered."""
+    node = NodeDaemon(NodeConfig(same_host_ipc=False, max_unread_reply_bytes=16 * 1024))
+    real_endpoint, node._endpoint = node._endpoint, _SilentEndpoint()  # type: ignore[assignment]
+    try:
+        with caplog.at_level(logging.WARNING, logger="optimizer_node.daemon"):
+            for _ in range(200):
+                node.handle(Message(peer=b"\x02reader0", header=Header(msg_type=MsgType.QUERY), tensors=[]))
+                node.handle(Message(peer=b"\x02reader0", header=Header(msg_type=MsgType.PULL, rank=3, bucket_id=0), tensors=[]))
+            node.handle(Message(peer=b"\x02another", header=Header(msg_type=MsgType.QUERY), tensors=[]))
+        endpoint = node._endpoint  # type: ignore[attr-defined]
+        to_first = endpoint.peers.count(b"\x02reader0")
+        assert 0 < to_first < 100, to_first  # 1 KiB for this peer: a dozen answers, not 400
+        assert endpoint.peers[-1] == b"\x02another"
+        assert node._outsider_replies.held_bytes <= 16 * 1024
+        assert node._outsider_replies.dropped == 400 - to_first
+        said = [record.getMessage() for record in caplog.records if "--max-unread-reply-bytes" in record.getMessage()]
+        assert len(said) == 1, said  # rate-limited
     finally:
         node._endpoint = real_endpoint
         node.close()
