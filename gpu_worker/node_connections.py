@@ -108,6 +108,8 @@ class NodeConnections:
         lanes = {"connections_per_peer": connections_per_node} if connections_per_node != 1 else {}
         self._transport = create_transport(self.nodes[0], curve_client=curve, **lanes)
         self._clients: list[ClientEndpoint] = [self._transport.connect(url) for url in self.nodes]
+        # Batches of small buckets (transport.batches): over one ZeroMQ connection per node only.
+        self.asks_for_batches = connections_per_node == 1 and backends == {"zmq"}
         self._closed = False
 
     def __len__(self) -> int:
@@ -128,7 +130,7 @@ class NodeConnections:
         self._job_wire = job_wire
 
     def send_hello(self, index: int) -> None:
-        meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index}
+        meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index, "batches": self.asks_for_batches}
         self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta=meta))
 
     def registered(self, index: int, first_answer_s: float) -> Message:

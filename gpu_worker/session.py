@@ -26,9 +26,10 @@ from gpu_worker.step_timings import WorkerStepTimings, elapsed
 from job.hyper import AdamWHyper
 from job.placement import BucketSpec
 from job.spec import JobSpec
+from transport.batches import BATCH_BYTES, split_batch
 from transport.interface import Message
 from transport.security import CurveClientConfig
-from transport.wire import WIRE_DTYPES, Header, MsgType, tensor_header
+from transport.wire import WIRE_DTYPES, Header, MsgType, WireError, tensor_header
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class OffloadSession:
             connections_per_node=connections_per_node,
         )
         self._pushed: set[int] = set()
+        self._batching_nodes: set[int] = set()  # nodes that take (and send) several small buckets per message
         # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
@@ -191,6 +193,10 @@ class OffloadSession:
         owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
         if reply.header.meta.get("owned") != owned:
             raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
+        if reply.header.meta.get("batches") is True and self._connections.asks_for_batches:
+            self._batching_nodes.add(index)
+        else:
+            self._batching_nodes.discard(index)
         policy = reply.header.meta.get("non_finite")
         if isinstance(policy, str):
             self._non_finite_policies[index] = policy
@@ -294,11 +300,7 @@ class OffloadSession:
             )
             self._unconsumed[bucket_id] = nbytes
             self._unconsumed_bytes += nbytes
-        hyper = hypers[bucket.group]
-        cached = self._hyper_wire.get(bucket.group)
-        if cached is None or cached[0] != hyper:
-            cached = self._hyper_wire[bucket.group] = (hyper, hyper.to_wire())
-        meta: dict = {"hyper": cached[1]}
+        meta: dict = {"hyper": self._hyper_for(bucket.group, hypers)}
         # Parameters without a gradient on this rank: zeros in the sum, as with DDP; not stepped if no rank has one.
         absent = [index for index, seg in enumerate(bucket.segments) if grads[seg.param_index] is None]
         if absent:
@@ -320,6 +322,67 @@ class OffloadSession:
         self._pushed.add(bucket_id)
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
+
+    def _push_remaining(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Push every bucket not pushed yet: runs of small ones for one node (same param group, every
+        parameter with a gradient) as batches, the rest one by one."""
+        run: list[BucketSpec] = []
+        run_bytes = 0
+        for bucket in self.buckets:
+            if bucket.bucket_id in self._pushed:
+                continue
+            nbytes = bucket.numel * self._wire_dtype.itemsize
+            batchable = (
+                bucket.node in self._batching_nodes
+                and nbytes < BATCH_BYTES
+                and self.push_window_bytes is None
+                and not (bucket.bucket_id in self._contributed and self.bucket_steps[bucket.bucket_id] == self.resume_step)
+                and all(grads[seg.param_index] is not None for seg in bucket.segments)
+            )
+            if run and (not batchable or bucket.node != run[0].node or bucket.group != run[0].group or run_bytes >= BATCH_BYTES):
+                self._push_run(run, grads, hypers)
+                run, run_bytes = [], 0
+            if batchable:
+                run.append(bucket)
+                run_bytes += nbytes
+            else:
+                self.push_bucket(bucket.bucket_id, grads, hypers)
+        if run:
+            self._push_run(run, grads, hypers)
+
+    def _push_run(self, run: Sequence[BucketSpec], grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Push buckets of one node and param group, all at one step, in one message (one alone as it is)."""
+        if len(run) == 1:
+            self.push_bucket(run[0].bucket_id, grads, hypers)
+            return
+        started = time.perf_counter()
+        total = sum(bucket.numel for bucket in run)
+        buffer = self._send_buffers.take(total)
+        entries = []
+        offset = 0
+        for bucket in run:
+            gather_bucket(bucket, grads, buffer[offset : offset + bucket.numel])
+            entries.append([bucket.bucket_id, bucket.numel])
+            offset += bucket.numel
+        if buffer.is_pinned():
+            torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
+        sending = time.perf_counter()
+        self.timings.gather_s += sending - started
+        first = run[0]
+        meta = {"hyper": self._hyper_for(first.group, hypers), "batch": entries}
+        header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=self.bucket_steps[first.bucket_id], bucket_id=first.bucket_id, meta=meta)
+        self._send_buffers.lend(first.node, self._connections.send(first.node, header, buffer), buffer)
+        self._pushed.update(bucket.bucket_id for bucket in run)
+        self.timings.send_s += elapsed(sending)
+        self.timings.pushes += len(run)
+
+    def _hyper_for(self, group: int, hypers: Sequence[AdamWHyper]) -> dict:
+        """Param group ``group``'s hyperparameters as they go on the wire (encoded once while they hold)."""
+        hyper = hypers[group]
+        cached = self._hyper_wire.get(group)
+        if cached is None or cached[0] != hyper:
+            cached = self._hyper_wire[group] = (hyper, hyper.to_wire())
+        return cached[1]
 
     def release_send_buffers(self) -> None:
         """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""
@@ -345,9 +408,7 @@ class OffloadSession:
             self._waiting = set(range(len(self.buckets)))
             self._refusals.new_step()
         self._step_grads = (grads, hypers)  # a node that restarts mid-step gets them again
-        for bucket in self.buckets:
-            if bucket.bucket_id not in self._pushed:
-                self.push_bucket(bucket.bucket_id, grads, hypers)
+        self._push_remaining(grads, hypers)
         for bucket_id in sorted(self._skipped):  # their new values went to the process this one replaces
             self.request(bucket_id, self.bucket_steps[bucket_id] + 1)
         self._skipped.clear()
@@ -460,6 +521,20 @@ class OffloadSession:
             return
         if header.msg_type != MsgType.PARAMS or self.on_params is None:
             raise RuntimeError(f"unexpected {header.msg_type.name} from node {self.nodes[index]}")
+        if "batch" in header.meta:
+            if index not in self._batching_nodes:
+                raise RuntimeError(f"node {self.nodes[index]} sent a batch of buckets, which this worker did not ask it for")
+            try:
+                parts = split_batch(message)
+            except WireError as exc:
+                raise RuntimeError(f"node {self.nodes[index]} sent a malformed batch: {exc.message}") from None
+            for part in parts:
+                self._on_params(index, part)
+            return
+        self._on_params(index, message)
+
+    def _on_params(self, index: int, message: Message) -> None:
+        header = message.header
         if "grad_norm" in header.meta:
             self.last_grad_norm = float(header.meta["grad_norm"])
         if header.meta.get("skipped") and self.last_skipped_step != header.step - 1:

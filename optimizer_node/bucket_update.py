@@ -26,13 +26,19 @@ from optimizer_node.storage import BucketState
 from optimizer_node.update_pass import reduce_and_update, reduce_and_update_segments
 from transport.wire import ErrorCode, WireError
 
+_NONE_ABSENT: frozenset[int] = frozenset()
+
 
 def absent_segments(meta: dict, bucket: BucketSpec, numel: int) -> frozenset[int]:
     """The segments a PUSH says it has no gradient for (``meta["absent"]``: ascending segment
     indices); ``WireError`` for a malformed list, or for a push without payload that does not name
     every segment."""
-    raw = meta.get("absent", [])
+    raw = meta.get("absent")
     count = len(bucket.segments)
+    if raw is None:  # the common case: a gradient for every segment
+        if numel == 0:
+            raise WireError(ErrorCode.WRONG_SHAPE, f"a push without payload must name all {count} segments of bucket {bucket.bucket_id} as absent")
+        return _NONE_ABSENT
     if not isinstance(raw, list) or len(raw) > count or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
         raise WireError(ErrorCode.BAD_REQUEST, f"absent must be a list of at most {count} segment indices of bucket {bucket.bucket_id}")
     if any(not 0 <= i < count for i in raw) or any(a >= b for a, b in itertools.pairwise(raw)):

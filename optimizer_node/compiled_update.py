@@ -159,8 +159,24 @@ def usable() -> bool:
 def ready() -> bool:
     """:func:`usable`, without waiting: False while the check runs (it starts on the first call, in a
     thread of its own), so an update never waits for the compiler; torch ops give the same bits meanwhile."""
+    global _settled
+    if _settled is not None:
+        return _settled
     future = _checked()
-    return future.done() and future.result()
+    if not future.done():
+        return False
+    _settled = future.result()  # settled for good: later calls (one per bucket update) skip the future's locks
+    return _settled
+
+
+_settled: bool | None = None
+
+
+def forget_check() -> None:
+    """Run the check again on next use (after ``NETOPTIM_COMPILED_UPDATE`` changed; tests)."""
+    global _settled
+    _settled = None
+    _checked.cache_clear()
 
 
 @functools.cache

@@ -6,14 +6,15 @@ touches any state, so a rejected message leaves the node exactly as it was. A bu
 update as soon as every worker's gradient for it has arrived (no barrier across buckets); only
 global-norm clipping waits for all buckets of a step, because the norm needs them all.
 
-Priority: the serve loop handles every message already waiting before it applies one ready update,
-and it applies the ready bucket with the lowest id first: the bucket the next forward pass needs
+Priority: the serve loop handles every message already waiting before it applies ready updates (a
+few in a row, ``APPLY_BURST``), and it applies the ready bucket with the lowest id first: the bucket the next forward pass needs
 first. In full mode the new values go to every worker at once; in layer-wise mode they go to the
 workers that asked for that bucket at that step (PULL with ``at_step``), in the order they asked.
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import logging
@@ -22,10 +23,12 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from job.hyper import validate_for_rule
+from job.placement import BucketSpec
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.clipping import GlobalNormClipping
@@ -38,6 +41,7 @@ from optimizer_node.metrics import NodeMetrics
 from optimizer_node.non_finite import NonFiniteStats, count_non_finite
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
+from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistration, load_allow_list
@@ -48,6 +52,7 @@ from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import backend_for, create_transport
+from transport.batches import split_batch
 from transport.interface import Message, SendHandle
 from transport.security import CurveServerConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
@@ -56,6 +61,20 @@ log = logging.getLogger(__name__)
 
 STORAGE_RETRY_S = 1.0
 """After the store failed (disk full, a damaged state file), updates are retried this often."""
+
+
+class _PushCheck(NamedTuple):
+    """What checking a push found, for taking it."""
+
+    job: ActiveJob
+    bucket: BucketSpec
+    state: BucketState
+    absent: frozenset[int]
+    in_flight: BucketStep
+
+
+APPLY_BURST = 8
+"""Ready updates applied in a row before the serve loop looks for messages again."""
 
 
 def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
@@ -103,6 +122,13 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         # The compiled update loop brings numba and LLVM, ~140 MB of RSS: not for a node held to a memory budget.
         self._compiled_update = not isinstance(self._store, OutOfCoreStore)
         self._norm_partial: Header | None = None
+        self._hyper_parsed: tuple[object, AdamWHyper | None] = (None, None)  # the last hyperparameters parsed, as they came
+        self._gc_frozen = False
+        self._outbox = ParamsOutbox()  # new values of small buckets, leaving as one message per worker
+        self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
+        self._batching_peers: frozenset[bytes] = frozenset()
+        # Out of core, a bucket's tensors go back to the store's pool once released: values must leave at once.
+        self._batch_params = not isinstance(self._store, OutOfCoreStore)
         self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
         self._outsider_replies = UnregisteredReplyBudget(config.max_unread_reply_bytes)  # answers to peers outside the job, not yet sent
         self._payload_limit = config.max_message_bytes  # lowered to the largest bucket once a job is registered
@@ -198,6 +224,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 if self._store.last_error is not None:
                     self.storage_error, self._store.last_error = self._store.last_error, None
                 can_apply = bool(self._ready) and self._pause_reason is None and time.monotonic() >= self._storage_retry_at
+                if self._outbox and not can_apply:  # no more updates to add to them: the batches leave
+                    self._flush_outbox()
                 try:
                     message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
                 except WireError as exc:
@@ -207,9 +235,12 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                     continue
                 if message is not None:
                     self.handle(message)
-                elif can_apply:
-                    self.apply_next()
+                elif can_apply:  # a few in a row: a look for messages costs a system call
+                    for _ in range(APPLY_BURST):
+                        if not self.apply_next():
+                            break
         finally:
+            self._flush_outbox()
             self.commands.run_pending()
             self._checkpoint_on_exit()
             self.clock.close()
@@ -230,14 +261,17 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     # ---------------------------------------------------------------- dispatch
 
     def handle(self, message: Message) -> None:
-        """Handle one validated message; protocol violations are answered with ERROR."""
+        """Handle one validated message; protocol violations are answered with ERROR. A batched PUSH
+        is handled bucket by bucket, each as if it had come alone (:mod:`transport.batches`)."""
         header = message.header
         self.metrics.received(header.payload_bytes)
-        handler = self._handlers.get(header.msg_type)
+        batched = header.msg_type == MsgType.PUSH and "batch" in header.meta
+        handler = self._on_batched_push if batched else self._handlers.get(header.msg_type)
         try:
             if handler is None:
                 raise WireError(ErrorCode.BAD_REQUEST, f"a node does not accept {header.msg_type.name} messages")
-            self._check_payload_size(header)
+            if not batched:
+                self._check_payload_size(header)
             handler(message)
         except WireError as exc:
             self._log_rejected(
@@ -250,7 +284,31 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             text = f"{type(exc).__name__}: {exc}" if self._is_registered(message) else "internal error; the node's log has the details"
             self._send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
 
+    def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool:
+        """A rank registered on ``peer``, asking for batches or not; returns whether it gets them."""
+        if asked and self._batch_params:
+            self._batching[rank] = peer
+        else:
+            self._batching.pop(rank, None)
+        self._batching_peers = frozenset(self._batching.values())
+        return asked and self._batch_params
+
+    def _flush_outbox(self, peer: bytes | None = None) -> None:
+        """Send the batched new values waiting for ``peer`` (every peer: ``None``)."""
+        for target in [peer] if peer is not None else self._outbox.peers():
+            header, payload, states = self._outbox.take(target, self.config.chunk_bytes)
+            try:
+                handle = self._endpoint.send(target, header, payload)
+            except ConnectionError as exc:
+                log.warning("could not send PARAMS: %s", exc)
+                continue
+            self.metrics.sent(header.payload_bytes)
+            for state in states:
+                state.pending_sends.append(handle)
+
     def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None:
+        if self._outbox.holds(peer):  # what was queued for the peer goes first: its messages keep their order
+            self._flush_outbox(peer)
         outsider = not self._ledger.is_rank_connection(peer)
         if outsider:  # a peer outside the job may not read its answers: what waits for it is bounded
             nbytes = header.payload_bytes + len(header.meta.get("message", "")) + 64
@@ -297,6 +355,23 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     # ---------------------------------------------------------------- gradients in
 
     def _on_push(self, message: Message) -> None:
+        self._take_push(message, self._check_push(message))
+
+    def _on_batched_push(self, message: Message) -> None:
+        """A batch of pushes (:mod:`transport.batches`) is checked whole before any of it is taken: one
+        ERROR (naming the first bucket at fault) and nothing taken, or every bucket taken. Only a
+        NaN/inf gradient refuses its own bucket, as a push of it alone would be."""
+        self._check_payload_size(message.header)
+        parts = split_batch(message)
+        checked = [self._check_push(part) for part in parts]
+        checking = time.perf_counter()
+        whole_finite = count_non_finite(message.tensors) == 0  # one pass; bucket by bucket only if something is not finite
+        self.clock.current.reduce_s += time.perf_counter() - checking
+        for part, check in zip(parts, checked, strict=True):
+            self._take_push(part, check, known_finite=whole_finite)
+
+    def _check_push(self, message: Message) -> _PushCheck:
+        """Everything a push must pass before it is taken; ``WireError`` otherwise, nothing changed."""
         job = self._require_rank(message)
         header = message.header
         bucket = self._owned_bucket(job, header)
@@ -310,10 +385,15 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {state.step}; a gradient for step {header.step} is stale")
         if header.step > state.step:
             raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {state.step}; step {header.step} is in the future")
-        try:
-            hyper = AdamWHyper.from_wire(header.meta.get("hyper"))
-        except ValueError as exc:
-            raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        raw_hyper = header.meta.get("hyper")
+        if raw_hyper is not None and raw_hyper is self._hyper_parsed[0]:  # the buckets of one batch share one list
+            hyper = self._hyper_parsed[1]
+        else:
+            try:
+                hyper = AdamWHyper.from_wire(raw_hyper)
+            except ValueError as exc:
+                raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            self._hyper_parsed = (raw_hyper, hyper)
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
             try:  # once per bucket and step (later pushes must send the same): with the overrides (lr x lr_scale) too
@@ -334,9 +414,15 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
         if self._drain_step is not None and header.step >= self._drain_step:
             raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {self._drain_step} and takes no gradients after it")
+        return _PushCheck(job, bucket, state, absent, in_flight)
+
+    def _take_push(self, message: Message, check: _PushCheck, *, known_finite: bool = False) -> None:
+        """Take a checked push: refused only for NaN/inf (``--non-finite refuse``), else added."""
+        job, bucket, state, absent, in_flight = check
+        header = message.header
         # NaN/inf, before the gradient touches any state: one vectorized sum per view, counted exactly only when a sum is not finite.
         checking = time.perf_counter()
-        non_finite = count_non_finite(message.tensors)
+        non_finite = 0 if known_finite else count_non_finite(message.tensors)
         self.clock.current.reduce_s += time.perf_counter() - checking
         if non_finite and self.config.non_finite == "refuse":
             self._refuse_non_finite(message.peer, header, non_finite)
@@ -431,9 +517,12 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         applied = 0
         while self.apply_next():
             applied += 1
+        self._flush_outbox()
         return applied
 
     def _apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
+        if self._outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
+            self._flush_outbox()
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
@@ -507,9 +596,13 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             others = [peer for peer in self._ledger.connections() if peer not in answered]
             if unchanged:  # the workers hold these values already: only the step goes out
                 for peer in others:
-                    self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta={**meta, "unchanged": True}))
+                    if peer in self._batching_peers:
+                        if self._outbox.add(peer, state, {**meta, "unchanged": True}, None):
+                            self._flush_outbox(peer)
+                    else:
+                        self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta={**meta, "unchanged": True}))
             else:
-                self._send_params(state, others, meta)
+                self._send_params(state, others, meta, batched=True)
         else:
             if not in_flight.agreed:  # after a global round, CONSUMED went out when the bucket's gradients were complete
                 self._tell_consumed(job, state.bucket_id, in_flight.step)
@@ -528,6 +621,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     def _finish_step(self, step: int) -> None:
         """Every owned bucket reached ``step``: the step's timings, and its checkpoint if one is due."""
         self._buckets_done.pop(step, None)
+        if not self._gc_frozen:  # the job's long-lived objects (states, plan, tensors): out of the collector's scans
+            gc.freeze()
+            self._gc_frozen = True
         self.clock.step_completed(step)
         self.metrics.step_completed(self.clock.last, step)
         self._step_completed(step)

@@ -30,6 +30,7 @@ from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore
 from optimizer_node.waiting_hellos import WaitingHellos
+from transport.batches import MAX_BATCH_BYTES
 from transport.interface import Message, ServerEndpoint
 from transport.security import AllowList
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError
@@ -119,6 +120,7 @@ class JobRegistration:
         def _answer_deferred_pulls(self, state: BucketState) -> None: ...
         def _rank_rejoined(self, rank: int) -> None: ...
         def _job_initialized(self) -> None: ...
+        def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool: ...
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
@@ -192,6 +194,7 @@ class JobRegistration:
             )
         elif how == "moved":
             log.info("rank %d reconnected", header.rank)
+        batches = self._note_batching(header.rank, message.peer, header.meta.get("batches") is True)
         needs_init = [b for b in sorted(job.owned) if self._store.get(b) is None]
         reply = Header(
             msg_type=MsgType.HELLO_OK,
@@ -204,6 +207,7 @@ class JobRegistration:
                 "resume_step": resume_step,
                 "contributed": contributed,
                 "non_finite": self.config.non_finite,  # workers check that every node of the job has the same policy
+                "batches": batches,  # small buckets travel several to a message, both ways (transport.batches)
                 **({"same_host": self.same_host_address} if self.same_host_address else {}),
             },
         )
@@ -291,8 +295,9 @@ class JobRegistration:
     def _limit_payloads(self, job: ActiveJob) -> None:
         """From now on no message may carry more than this node's largest bucket as fp32: refused with
         TOO_LARGE before its payload is viewed (by the endpoint, or by :meth:`_check_payload_size`)."""
-        largest = STATE_BYTES_PER_FP32 * max((bucket.numel for bucket in job.owned.values()), default=0)
-        why = f"this node's limit since the job was registered: its largest bucket here, {largest} bytes as fp32"
+        bucket_bytes = STATE_BYTES_PER_FP32 * max((bucket.numel for bucket in job.owned.values()), default=0)
+        largest = max(bucket_bytes, MAX_BATCH_BYTES)  # small buckets travel in batches (transport.batches)
+        why = f"this node's limit since the job was registered: its largest bucket here as fp32 or a batch of small ones, {largest} bytes"
         if largest < self._payload_limit:
             self._payload_limit, self._payload_why = largest, why
         self._endpoint.limit_payload(largest, why)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optimizer_node.config import NodeConfig
+from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.storage import BucketState, BucketStore
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, tensor_header
 
@@ -28,6 +29,8 @@ class ParameterReplies:
     _store: BucketStore
     _deferred_pulls: dict[int, list[tuple[bytes, int]]]
     _ledger: StepLedger
+    _outbox: ParamsOutbox
+    _batching_peers: frozenset[bytes]
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -35,6 +38,7 @@ class ParameterReplies:
         def _require_rank(self, message: Message) -> ActiveJob: ...
         def _owned_bucket(self, job: ActiveJob, header: Header) -> BucketSpec: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
+        def _flush_outbox(self, peer: bytes | None = None) -> None: ...
 
     def _on_pull(self, message: Message) -> None:
         """PARAMS now, or once the bucket exists (rank 0 initializes it) and reached ``at_step``.
@@ -79,7 +83,9 @@ class ParameterReplies:
             self._send_params(state, due, meta)
         return due
 
-    def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None) -> None:
+    def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None, *, batched: bool = False) -> None:
+        """The bucket's current values to ``peers``; ``batched``: small ones may wait in the outbox for
+        the other buckets updated meanwhile, for the peers that take batches."""
         job = self._require_job()
         params = self._store.params_for_send(state)  # out of core: only the parameter third is read
         if job.spec.wire_dtype == "float32":
@@ -94,6 +100,13 @@ class ParameterReplies:
                 state.wire_step = state.step
         else:
             payload = params.to(WIRE_DTYPES[job.spec.wire_dtype])
-        header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
+        batched = batched and self._outbox.takes(payload)
+        header = None
         for peer in peers:
+            if batched and peer in self._batching_peers:
+                if self._outbox.add(peer, state, meta or {}, payload):
+                    self._flush_outbox(peer)
+                continue
+            if header is None:
+                header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
             self._send(peer, header, payload)

@@ -312,12 +312,15 @@ def chunk_tensor(flat: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> 
     if flat.numel() == 0:
         return []
     # numpy has no bfloat16: view 2-byte types as int16, which has the same bytes.
-    as_bytes = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(_INT_OF_SIZE[flat.element_size()])
-    buffer = memoryview(as_bytes.numpy()).cast("B")
+    as_numpy = flat if flat.dtype in _NUMPY_NATIVE else flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(_INT_OF_SIZE[flat.element_size()])
+    buffer = memoryview(as_numpy.numpy()).cast("B")
+    if len(buffer) <= chunk_bytes:
+        return [buffer]
     return [buffer[start : start + chunk_bytes] for start in range(0, len(buffer), chunk_bytes)]
 
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_NATIVE = frozenset({torch.float32, torch.float16, torch.float64, torch.int32, torch.int64, torch.uint8})
 
 
 Payload = torch.Tensor | Sequence[torch.Tensor]

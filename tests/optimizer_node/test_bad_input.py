@@ -268,3 +268,86 @@ def test_bad_absent_lists_and_state_requests(job):
     reply, values = rank0.request(Header(msg_type=MsgType.READ_STATE, rank=0, bucket_id=0, meta={"part": "param"}))
     assert reply.msg_type == MsgType.STATE and reply.meta["segment_steps"] == [float(job["step"])] * len(bucket.segments)
     assert torch.equal(values, job["mirror"].param[0])
+
+
+# ---------------------------------------------------------------- batches of pushes (transport.batches)
+
+
+def batch_push(worker: RawWorker, step: int, entries: list, grads: torch.Tensor) -> None:
+    """One PUSH carrying several buckets' gradients back to back."""
+    header = tensor_header(MsgType.PUSH, grads, rank=worker.rank, step=step, bucket_id=0, meta={"hyper": HYPER.to_wire(), "batch": entries})
+    worker.client.send(header, grads)
+
+
+def test_a_good_batch_is_taken_like_pushes_one_by_one(job):
+    """Rank 0 pushes both buckets in one message, rank 1 one by one: the same update as two pushes."""
+    mirror: Mirror = job["mirror"]
+    grads = [[torch.randn(b.numel, generator=job["generator"]) for b in mirror.buckets] for _ in range(2)]
+    batch_push(job["rank0"], 0, [[b.bucket_id, b.numel] for b in mirror.buckets], torch.cat(grads[0]))
+    for bucket in mirror.buckets:
+        job["rank1"].push(bucket.bucket_id, 0, grads[1][bucket.bucket_id])
+        mirror.apply(bucket.bucket_id, [grads[0][bucket.bucket_id], grads[1][bucket.bucket_id]])
+    for worker in (job["rank0"], job["rank1"]):
+        got = {}
+        for _ in mirror.buckets:  # raw workers did not ask for batches: one PARAMS per bucket
+            header, values = worker.reply()
+            assert header.msg_type == MsgType.PARAMS and header.step == 1 and "batch" not in header.meta
+            got[header.bucket_id] = values
+        for bucket in mirror.buckets:
+            assert torch.equal(got[bucket.bucket_id], mirror.param[bucket.bucket_id])
+    job["step"] = 1
+    assert_intact(job)
+
+
+BAD_BATCHES = [
+    # (what, entries, elements sent, code, words)
+    ("a bucket of the wrong size", [[0, 128], [1, 81]], 209, ErrorCode.WRONG_SHAPE, ["bucket 1 has 82 elements"]),
+    ("a bucket twice", [[0, 128], [0, 128]], 256, ErrorCode.BAD_REQUEST, ["ascending"]),
+    ("descending buckets", [[1, 82], [0, 128]], 210, ErrorCode.BAD_REQUEST, ["ascending"]),
+    ("entries holding less than the payload", [[0, 128]], 210, ErrorCode.BAD_REQUEST, ["header declares 210"]),
+    ("entries holding more than the payload", [[0, 128], [1, 82]], 200, ErrorCode.BAD_REQUEST, ["more than the 200"]),
+    ("an entry of three values", [[0, 128, 1], [1, 82]], 210, ErrorCode.BAD_REQUEST, ["[bucket_id, numel]"]),
+    ("a bucket this node does not own", [[0, 128], [7, 82]], 210, ErrorCode.UNKNOWN_BUCKET, ["bucket 7 is not owned"]),
+    ("not a list", {"0": 128}, 128, ErrorCode.BAD_REQUEST, ["must list"]),
+    ("no entries", [], 128, ErrorCode.BAD_REQUEST, ["must list"]),
+]
+
+
+@pytest.mark.parametrize(("what", "entries", "numel", "code", "words"), BAD_BATCHES, ids=[case[0] for case in BAD_BATCHES])
+def test_a_bad_batch_is_refused_whole(job, what, entries, numel, code, words):
+    """One ERROR for the batch, and none of its buckets taken: each can then be pushed as before."""
+    batch_push(job["rank0"], 0, entries, torch.ones(numel))
+    reply = job["rank0"].reply()
+    assert reply.msg_type == MsgType.ERROR and reply.meta["code"] == code, reply.meta
+    for word in words:
+        assert word in reply.meta["message"], reply.meta["message"]
+    assert_intact(job)  # rank 0 pushes bucket 0 again: refused as DUPLICATE had any of the batch been taken
+
+
+def test_a_nan_in_one_bucket_of_a_batch_refuses_that_bucket_only(job):
+    """NaN in bucket 1 of a batch: NON_FINITE naming bucket 1, bucket 0 taken; rank 0 then pushes
+    bucket 1 again, finite, and the step completes as the mirror's math says."""
+    mirror: Mirror = job["mirror"]
+    grads = [[torch.randn(b.numel, generator=job["generator"]) for b in mirror.buckets] for _ in range(2)]
+    poisoned = grads[0][1].clone()
+    poisoned[5] = float("nan")
+    batch_push(job["rank0"], 0, [[b.bucket_id, b.numel] for b in mirror.buckets], torch.cat([grads[0][0], poisoned]))
+    reply = job["rank0"].reply()
+    assert reply.msg_type == MsgType.ERROR and reply.meta["code"] == ErrorCode.NON_FINITE and reply.bucket_id == 1, reply
+    job["rank0"].push(1, 0, grads[0][1])
+    for bucket in mirror.buckets:
+        job["rank1"].push(bucket.bucket_id, 0, grads[1][bucket.bucket_id])
+        mirror.apply(bucket.bucket_id, [grads[0][bucket.bucket_id], grads[1][bucket.bucket_id]])
+    for worker in (job["rank0"], job["rank1"]):
+        got = {}
+        while len(got) < len(mirror.buckets):
+            reply = worker.reply()
+            if isinstance(reply, Header):  # rank 1 hears of rank 0's refusal
+                assert reply.msg_type == MsgType.NOTICE, reply
+                continue
+            header, values = reply
+            got[header.bucket_id] = values
+        for bucket in mirror.buckets:
+            assert torch.equal(got[bucket.bucket_id], mirror.param[bucket.bucket_id])
+    job["step"] = 1
+    assert_intact(job)

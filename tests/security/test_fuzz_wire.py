@@ -43,6 +43,7 @@ from tests.security.wire_fuzz import (
     Template,
     WireFuzzer,
     await_params,
+    batch_parts,
     certainly_invalid_hello,
     frames_of,
     header_bomb,
@@ -252,10 +253,12 @@ def test_fuzz_without_a_job_then_a_real_worker_and_its_messages_mutated(start_no
         spec = JobSpec.from_wire(decode_header(hello_frames[0]).meta["job"])
         initial = {h.bucket_id: torch.frombuffer(bytearray(b"".join(f[1:])), dtype=torch.float32) for h, f in decoded if h.msg_type == MsgType.INIT}
         job_model = JobModel(spec, 0, initial)
+        assert any("batch" in header.meta for header, _frames in decoded if header.msg_type == MsgType.PUSH), "the worker batches its small buckets"
         for header, frames in decoded:  # the oracle retraces the two steps
             if header.msg_type == MsgType.PUSH:
                 grad = torch.frombuffer(bytearray(b"".join(frames[1:])), dtype=torch.float32)
-                job_model.oracle.update(header.bucket_id, [grad], AdamWHyper.from_wire(header.meta["hyper"]), 1)
+                for part in batch_parts(header, grad) if "batch" in header.meta else [Reply(header, grad)]:
+                    job_model.oracle.update(part.header.bucket_id, [part.payload], AdamWHyper.from_wire(header.meta["hyper"]), 1)
         assert_model_is(spec, reference, {b: job_model.oracle.values(b) for b in job_model.buckets}, "the oracle retracing the worker's pushes")
         hijack = Line(context, node.address, "replayed HELLO")
         fuzzer.model = job_model

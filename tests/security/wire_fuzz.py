@@ -37,6 +37,8 @@ from job.hyper import AdamWHyper
 from job.placement import BucketSpec
 from job.spec import JobSpec
 from tests.security.fuzzing import WatchedNode
+from transport.batches import split_batch
+from transport.interface import Message
 from transport.wire import (
     MAX_ERROR_CHARS,
     MAX_HEADER_BYTES,
@@ -143,6 +145,22 @@ def parse_reply(frames: Sequence[bytes], where: str) -> Reply:
         raise FuzzFailure(f"the node sent {where} frames that are not a wire message ({exc}): {[bytes(f[:80]) for f in frames]}") from None
     payload = torch.cat([view for _, view in views]).clone() if views else None
     return Reply(header, payload)
+
+
+def batch_parts(header: Header, payload: torch.Tensor | None) -> list[Reply]:
+    """A batch (:mod:`transport.batches`) as one message per bucket; ``WireError`` if it does not split."""
+    parts = split_batch(Message(peer=b"", header=header, tensors=[(0, payload)] if payload is not None else []))
+    return [Reply(part.header, torch.cat([view for _, view in part.tensors]) if part.tensors else None) for part in parts]
+
+
+def reply_parts(reply: Reply) -> list[Reply]:
+    """The node's PARAMS batch as one reply per bucket; any other reply as it is."""
+    if reply.header.msg_type != MsgType.PARAMS or "batch" not in reply.header.meta:
+        return [reply]
+    try:
+        return batch_parts(reply.header, reply.payload)
+    except WireError as exc:
+        raise FuzzFailure(f"the node sent a PARAMS batch that does not split: {exc}") from None
 
 
 class Line:
@@ -739,6 +757,9 @@ class WireFuzzer:
         errors = [r for r in replies if r.header.msg_type == MsgType.ERROR]
         for reply in errors:
             self.check_error(reply, note)
+        if local.header is not None and local.header.msg_type == MsgType.PUSH and "batch" in local.header.meta:
+            self.check_batched_push(line, local, replies, errors, note)
+            return
         if len(errors) > 1:
             self.fail(f"{len(errors)} ERRORs for one message: {[e.header.meta for e in errors]}", note)
         error = ErrorCode(errors[0].header.meta["code"]) if errors else None
@@ -757,6 +778,35 @@ class WireFuzzer:
             self.tally.count(self.tally.accepted, header.msg_type.name)
             self.accepted(line, header, local.payload, replies, note)  # the model first: PARAMS may already show the update
         self.check_replies(replies, ANSWERS.get(header.msg_type, frozenset()), note)
+
+    def check_batched_push(self, line: Line, local: Local, replies: list[Reply], errors: list[Reply], note: str) -> None:
+        """A batch of pushes is taken whole or refused whole (one ERROR), except that each bucket with a
+        NaN/inf gradient is refused on its own (NON_FINITE naming it) and the others are taken."""
+        assert local.header is not None
+        for error in errors:
+            self.tally.count(self.tally.errors, ErrorCode(error.header.meta["code"]).name)
+        try:
+            parts = batch_parts(local.header, local.payload)
+        except WireError as exc:
+            if len(errors) != 1:
+                self.fail(f"{len(errors)} ERRORs for a batch that does not split ({exc})", note)
+            self.check_replies(replies, frozenset(), note)
+            return
+        codes = [ErrorCode(error.header.meta["code"]) for error in errors]
+        if any(code != ErrorCode.NON_FINITE for code in codes):
+            if len(errors) > 1:
+                self.fail(f"{len(errors)} ERRORs for one batch, not all NON_FINITE: {[e.header.meta for e in errors]}", note)
+            self.check_replies(replies, frozenset(), note)  # refused whole: the model takes none of it
+            return
+        refused = [error.header.bucket_id for error in errors]
+        for part in parts:
+            if part.header.bucket_id in refused:
+                if part.payload is None or bool(torch.isfinite(part.payload.to(torch.float32)).all()):
+                    self.fail(f"NON_FINITE for bucket {part.header.bucket_id} of a batch, whose gradient is finite", note)
+                continue
+            self.tally.count(self.tally.accepted, "PUSH")
+            self.accepted(line, part.header, part.payload, replies, note)
+        self.check_replies(replies, ANSWERS.get(MsgType.PUSH, frozenset()), note)
 
     def check_error(self, reply: Reply, note: str) -> None:
         code, text = reply.header.meta.get("code"), reply.header.meta.get("message")
@@ -804,7 +854,7 @@ class WireFuzzer:
     def check_replies(self, replies: list[Reply], answers: frozenset[MsgType], note: str) -> None:
         """Every reply is an ERROR, one of ``answers``, or what a node may send at any time; every
         PARAMS holds AdamW's values."""
-        for reply in replies:
+        for reply in (part for whole in replies for part in reply_parts(whole)):
             kind = reply.header.msg_type
             if kind != MsgType.ERROR and kind not in answers and kind not in ASYNC:
                 self.fail(f"the node answered with {kind.name} ({_short(reply.header.meta)})", note)
@@ -841,14 +891,14 @@ def await_params(fuzzer: WireFuzzer, line: Line, bucket_id: int, step: int, seen
     """Wait until ``line`` got the PARAMS of ``bucket_id`` at ``step`` (checked, as everything that
     arrives meanwhile): a node applies an update once no message waits, so a good worker waits for its
     values before it pushes the next step's gradient."""
-    if any(r.header.msg_type == MsgType.PARAMS and (r.header.bucket_id, r.header.step) == (bucket_id, step) for r in seen):
+    if any(r.header.msg_type == MsgType.PARAMS and (r.header.bucket_id, r.header.step) == (bucket_id, step) for w in seen for r in reply_parts(w)):
         return
     deadline = time.monotonic() + timeout_s
     while (reply := line.recv(max(deadline - time.monotonic(), 0.0))) is not None:
         if reply.header.msg_type == MsgType.ERROR:
             fuzzer.check_error(reply, f"waiting for bucket {bucket_id} at step {step} on {line.name}")
         fuzzer.check_replies([reply], frozenset(), f"waiting for bucket {bucket_id} at step {step} on {line.name}")
-        if reply.header.msg_type == MsgType.PARAMS and (reply.header.bucket_id, reply.header.step) == (bucket_id, step):
+        if any(r.header.msg_type == MsgType.PARAMS and (r.header.bucket_id, r.header.step) == (bucket_id, step) for r in reply_parts(reply)):
             return
     fuzzer.fail(f"no PARAMS of bucket {bucket_id} at step {step} within {timeout_s:.0f} s", f"waiting on {line.name}")
 
