@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -177,17 +178,18 @@ class NodeConnections:
 
     # ---------------------------------------------------------------- answers
 
-    def expect(self, index: int, msg_type: MsgType, what: str, *, first_answer_s: float | None = None) -> Message:
+    def expect(self, index: int, msg_type: MsgType, what: str, *, first_answer_s: float | None = None, fail_on_drop: bool = False) -> Message:
         """The node's next answer, which must be ``msg_type``. The first message must come within
         ``first_answer_s`` (default ``timeout_s``); after a NOTICE (the node is alive, e.g. waiting for
-        rank 0) the answer may take ``timeout_s`` more."""
+        rank 0) the answer may take ``timeout_s`` more. ``fail_on_drop``: ``ConnectionError`` as soon as
+        the link drops (the request may be lost with it) rather than after the timeout."""
         timeout_s = self.timeouts.timeout_s if first_answer_s is None else first_answer_s
-        message = self._clients[index].recv(timeout_s)
+        message = self._recv(index, timeout_s, what, fail_on_drop)
         while message is not None and message.header.msg_type in (MsgType.NOTICE, MsgType.STATUS):
             if message.header.msg_type == MsgType.NOTICE:
                 self.log_notice(index, message.header)
                 timeout_s = self.timeouts.timeout_s
-            message = self._clients[index].recv(timeout_s)
+            message = self._recv(index, timeout_s, what, fail_on_drop)
         if message is None:
             raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer within {timeout_s:.0f} s while waiting for {what}")
         header = message.header
@@ -196,6 +198,20 @@ class NodeConnections:
         if header.msg_type != msg_type:
             raise RuntimeError(f"node {self.nodes[index]} answered {header.msg_type.name}, expected {msg_type.name}")
         return message
+
+    def _recv(self, index: int, timeout_s: float, what: str, fail_on_drop: bool) -> Message | None:
+        """The next message within ``timeout_s``; with ``fail_on_drop``, looking at the link once a
+        heartbeat: ``ConnectionError`` as soon as it dropped (the request awaited may be lost)."""
+        client = self._clients[index]
+        if not fail_on_drop:
+            return client.recv(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            message = client.recv(max(min(deadline - time.monotonic(), self.timeouts.heartbeat_s), 0.0))
+            if message is not None or time.monotonic() >= deadline:
+                return message
+            if client.connection_dropped():
+                raise ConnectionError(f"rank {self.rank}: the connection to node {self.nodes[index]} dropped while waiting for {what}")
 
     def wait_readable(self, timeout_s: float) -> list[int]:
         """The nodes with a message waiting, after at most ``timeout_s``."""

@@ -67,7 +67,9 @@ class OffloadSession:
         self._waiting: set[int] = set()  # full mode: buckets whose new values the step waits for
         self._step_grads: tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]] | None = None  # full mode: to push again
         self._last_clip: tuple[int, float] | None = None  # rank 0: (step, sum of squares) of the last CLIP sent
-        self._reconnected = False  # a node was reconnected to in this step: a bucket's values may come twice
+        # Nodes this process reconnected to: a bucket's values may come twice from them (asked for again
+        # and broadcast), the second copy even after the step that awaited them ended.
+        self._reconnected: set[int] = set()
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
@@ -99,6 +101,8 @@ class OffloadSession:
             connections_per_node=connections_per_node,
         )
         self._pushed: set[int] = set()
+        self._seen_step: dict[int, int] = {}  # node -> the newest step of values it sent this process
+        self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
         self._batching_nodes: set[int] = set()  # nodes that take (and send) several small buckets per message
         # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
@@ -245,7 +249,13 @@ class OffloadSession:
         """Rank 0: give a bucket its initial fp32 values (flat, ``numel`` of the bucket); waits for the ACK."""
         bucket = self.buckets[bucket_id]
         self._connections.send(bucket.node, tensor_header(MsgType.INIT, values, rank=self.rank, bucket_id=bucket_id), values)
-        self._connections.expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}")
+        try:
+            self._connections.expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}", fail_on_drop=True)
+        except (ConnectionError, TimeoutError) as exc:
+            raise RuntimeError(
+                f"{exc}. A node that restarts before the job's first checkpoint (which it writes once every bucket has its initial "
+                f"values) comes back without them: restart the worker (the job starts over from its initial values)"
+            ) from exc
 
     def read_state(self, bucket_id: int, part: str) -> tuple[torch.Tensor, list[float]]:
         """One part of a bucket's optimizer state (``param``, ``exp_avg``, ``exp_avg_sq``; fp32, flat)
@@ -391,6 +401,7 @@ class OffloadSession:
     def advance(self, bucket_ids: Sequence[int]) -> None:
         """Layer-wise: the pushed buckets' step is over for this worker (their values come on request)."""
         for bucket_id in bucket_ids:
+            self._advanced_at[bucket_id] = self.bucket_steps[bucket_id]
             self.bucket_steps[bucket_id] += 1
         self._pushed.difference_update(bucket_ids)
         self._skipped.difference_update(bucket_ids)
@@ -432,7 +443,6 @@ class OffloadSession:
                 self._pushed.clear()
                 self._step_grads = None
                 self._waiting = set()
-                self._reconnected = False
                 self._refusals.clear()
 
     def has_pushed(self, bucket_id: int) -> bool:
@@ -535,6 +545,8 @@ class OffloadSession:
 
     def _on_params(self, index: int, message: Message) -> None:
         header = message.header
+        if header.step > self._seen_step.get(index, -1):
+            self._seen_step[index] = header.step
         if "grad_norm" in header.meta:
             self.last_grad_norm = float(header.meta["grad_norm"])
         if header.meta.get("skipped") and self.last_skipped_step != header.step - 1:
@@ -595,7 +607,7 @@ class OffloadSession:
         self._resync(index, reply)
 
     def _resync(self, index: int, reply: Message) -> None:
-        self._reconnected = True
+        self._reconnected.add(index)
         meta = reply.header.meta
         address = self.nodes[index]
         mine = [b.bucket_id for b in self.buckets if b.node == index]
@@ -606,7 +618,23 @@ class OffloadSession:
                 f"node {address} came back without the job's state (restarted without --resume?): its buckets need initial values again; "
                 "restart it with --resume from its checkpoints, then the workers"
             )
-        if node_step < step:
+        # Layer-wise, a worker's step counts advance as it pushes: one step ahead of a node that never
+        # sent it values of that step means the node lost (or still holds) what it pushed, not that it went back.
+        at_step = [b for b in mine if self.bucket_steps[b] == step]
+        pushed_ahead = (
+            self.job.mode == "layerwise"
+            and node_step == step - 1
+            and self._seen_step.get(index, -1) < step
+            and all(self._advanced_at.get(b) == node_step for b in at_step)  # this process's pushes brought them there
+        )
+        if node_step < step and pushed_ahead:
+            lost = [b for b in at_step if b not in contributed]
+            if lost:
+                raise RuntimeError(
+                    f"node {address} restarted in the middle of step {node_step} and lost this worker's gradients of {len(lost)} bucket(s), "
+                    f"which layer-wise workers do not keep: restart the worker (it redoes step {node_step})"
+                )
+        elif node_step < step:
             raise RuntimeError(
                 f"node {address} came back at step {node_step}, but rank {self.rank} is at step {step} (the node resumed from an older checkpoint): "
                 f"continuing would mix steps. To roll the job back to step {node_step}, restart every worker (they resume at the nodes' step); "
@@ -641,7 +669,12 @@ class OffloadSession:
     def _install(self, node_index: int, message: Message, waiting: set[int], expect_next_step: bool) -> None:
         header = message.header
         bucket_id = header.bucket_id
-        if self._reconnected and bucket_id not in waiting and 0 <= bucket_id < len(self.buckets) and header.step == self.bucket_steps[bucket_id]:
+        if (
+            node_index in self._reconnected
+            and 0 <= bucket_id < len(self.buckets)
+            and header.step == self.bucket_steps[bucket_id]
+            and (expect_next_step or bucket_id not in waiting)
+        ):
             return  # after a reconnect, values already installed can come twice (asked for again and broadcast)
         if bucket_id not in waiting or self.buckets[bucket_id].node != node_index:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id}, which this worker did not ask it for")

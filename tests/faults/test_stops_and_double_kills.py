@@ -26,6 +26,7 @@ pytestmark = pytest.mark.faults
 MODES = ["full", "early", "layerwise"]
 STOP_S = 5.0
 LOST_GRADIENTS = "which layer-wise workers do not keep: restart the worker"
+LOST_INITIAL_VALUES = "restart the worker (the job starts over from its initial values)"
 """What a layer-wise survivor says when the node lost gradients it pushed (it keeps none to push again)."""
 FAST_LIVENESS = ("--heartbeat", "0.5", "--silent-after", "2", "--reconnect", "30")
 
@@ -37,14 +38,17 @@ def moment(rng: random.Random, first_step: int = 0) -> str:
 
 
 def supervise(job: Job, timeout_s: float = 180.0) -> None:
-    """Wait for every rank, restarting (same command) a layer-wise one that stops because the node lost
-    the gradients it pushed; any other exit but 0 fails."""
+    """Wait for every rank, restarting (same command) one that stops because the node lost what it
+    cannot give again: the gradients a layer-wise worker pushed, or the initial values rank 0 was
+    giving a node killed before its first checkpoint; any other exit but 0 fails."""
     restarts, deadline = 0, time.monotonic() + timeout_s
     while any(process.poll() != 0 for process in job.workers.values()):
         assert time.monotonic() < deadline, f"the workers still run after {timeout_s} s\n{job.logs()}"
         for rank, process in list(job.workers.items()):
             if process.poll() not in (0, None):
-                assert job.mode == "layerwise" and LOST_GRADIENTS in job.worker_log(rank) and restarts < 2 * WORLD, job.logs()
+                log_text = job.worker_log(rank)
+                restartable = (job.mode == "layerwise" and LOST_GRADIENTS in log_text) or LOST_INITIAL_VALUES in log_text
+                assert restartable and restarts < 2 * WORLD, job.logs()
                 restarts += 1
                 job.start_worker(rank)
         time.sleep(0.05)

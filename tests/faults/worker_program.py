@@ -78,6 +78,15 @@ def install(plan: DeathPlan, model: GPT) -> None:
         return push(session, *args, **kwargs)
 
     OffloadSession.push_bucket = push_bucket
+    push_run = OffloadSession._push_run
+
+    def push_batch(session, run, *args, **kwargs):
+        if len(run) > 1:  # one push event per bucket of a batch (a run of one goes through push_bucket)
+            for _bucket in run:
+                plan.event("push")
+        return push_run(session, run, *args, **kwargs)
+
+    OffloadSession._push_run = push_batch
     install_full = OffloadSession._install
 
     def installed(session, *args, **kwargs):
