@@ -682,6 +682,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         in_flight = self._in_flight.get(state.bucket_id)
         if in_flight is not None and 0 in in_flight.reduction.received:
             raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")
+        if self._outbox.waits_for(state.bucket_id):  # values waiting in a batch are read from them too
+            self._flush_outbox()
         for handle in state.pending_sends:  # values on their way out are read from the tensors replaced here
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
