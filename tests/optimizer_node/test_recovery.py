@@ -64,8 +64,14 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("crash_at", "out_of_core"),
-    [("push:20", False), ("update:5", False), ("checkpoint:4", False), ("update:5", True), ("checkpoint:4", True)],
-    ids=["during-a-push", "during-an-update", "during-a-checkpoint-write", "out-of-core-during-an-update", "out-of-core-during-a-checkpoint-write"],
+    [
+        # kills during a push are drilled at every crash point by tests/faults/test_node_restarts.py
+        pytest.param("push:20", False, id="during-a-push", marks=pytest.mark.slow),
+        pytest.param("update:5", False, id="during-an-update"),
+        pytest.param("checkpoint:4", False, id="during-a-checkpoint-write"),
+        pytest.param("update:5", True, id="out-of-core-during-an-update"),
+        pytest.param("checkpoint:4", True, id="out-of-core-during-a-checkpoint-write", marks=pytest.mark.slow),  # the in-memory one stays
+    ],
 )
 def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(start_node, tmp_path, uninterrupted, crash_at, out_of_core):
     checkpoints = str(tmp_path / "checkpoints")
