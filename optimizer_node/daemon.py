@@ -595,12 +595,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             answered = self._answer_deferred_pulls(state, meta)
             others = [peer for peer in self._ledger.connections() if peer not in answered]
             if unchanged:  # the workers hold these values already: only the step goes out
+                unchanged_meta = {**meta, "unchanged": True}
                 for peer in others:
-                    if peer in self._batching_peers:
-                        if self._outbox.add(peer, state, {**meta, "unchanged": True}, None):
-                            self._flush_outbox(peer)
-                    else:
-                        self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta={**meta, "unchanged": True}))
+                    if not self._batched_to(peer, state, unchanged_meta, None):
+                        self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta=unchanged_meta))
             else:
                 self._send_params(state, others, meta, batched=True)
         else:

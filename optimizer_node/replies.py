@@ -83,6 +83,15 @@ class ParameterReplies:
             self._send_params(state, due, meta)
         return due
 
+    def _batched_to(self, peer: bytes, state: BucketState, meta: dict, payload: torch.Tensor | None) -> bool:
+        """Queue the bucket's values for ``peer`` in its batch, if it takes batches (a full batch
+        leaves at once); False where they must be sent alone."""
+        if peer not in self._batching_peers:
+            return False
+        if self._outbox.add(peer, state, meta, payload):
+            self._flush_outbox(peer)
+        return True
+
     def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None, *, batched: bool = False) -> None:
         """The bucket's current values to ``peers``; ``batched``: small ones may wait in the outbox for
         the other buckets updated meanwhile, for the peers that take batches."""
@@ -103,9 +112,7 @@ class ParameterReplies:
         batched = batched and self._outbox.takes(payload)
         header = None
         for peer in peers:
-            if batched and peer in self._batching_peers:
-                if self._outbox.add(peer, state, meta or {}, payload):
-                    self._flush_outbox(peer)
+            if batched and self._batched_to(peer, state, meta or {}, payload):
                 continue
             if header is None:
                 header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
