@@ -100,7 +100,7 @@ class OffloadSession:
             same_host=same_host,
             connections_per_node=connections_per_node,
         )
-        self._pushed: set[int] = set()
+        self._pushed: dict[int, int] = {}  # bucket -> the step its gradient was pushed for, in the step in progress
         self._seen_step: dict[int, int] = {}  # node -> the newest step of values it sent this process
         self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
         self._batching_nodes: set[int] = set()  # nodes that take (and send) several small buckets per message
@@ -299,7 +299,7 @@ class OffloadSession:
         if bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step:
             self._contributed.discard(bucket_id)  # the node has this rank's gradient of this step already
             self._skipped.add(bucket_id)
-            self._pushed.add(bucket_id)
+            self._pushed[bucket_id] = self.bucket_steps[bucket_id]
             return
         if self.push_window_bytes is not None:
             nbytes = bucket.numel * self._wire_dtype.itemsize if any(grads[seg.param_index] is not None for seg in bucket.segments) else 0
@@ -329,7 +329,7 @@ class OffloadSession:
             self.timings.gather_s += sending - started
             header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta)
             self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
-        self._pushed.add(bucket_id)
+        self._pushed[bucket_id] = step
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
 
@@ -382,7 +382,7 @@ class OffloadSession:
         meta = {"hyper": self._hyper_for(first.group, hypers), "batch": entries}
         header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=self.bucket_steps[first.bucket_id], bucket_id=first.bucket_id, meta=meta)
         self._send_buffers.lend(first.node, self._connections.send(first.node, header, buffer), buffer)
-        self._pushed.update(bucket.bucket_id for bucket in run)
+        self._pushed.update((bucket.bucket_id, header.step) for bucket in run)
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += len(run)
 
@@ -403,7 +403,8 @@ class OffloadSession:
         for bucket_id in bucket_ids:
             self._advanced_at[bucket_id] = self.bucket_steps[bucket_id]
             self.bucket_steps[bucket_id] += 1
-        self._pushed.difference_update(bucket_ids)
+        for bucket_id in bucket_ids:
+            self._pushed.pop(bucket_id, None)
         self._skipped.difference_update(bucket_ids)
 
     def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
@@ -444,6 +445,10 @@ class OffloadSession:
                 self._step_grads = None
                 self._waiting = set()
                 self._refusals.clear()
+
+    def has_reconnected(self, node_index: int) -> bool:
+        """Whether this worker reconnected to node ``node_index`` (values asked for again may come twice)."""
+        return node_index in self._reconnected
 
     def has_pushed(self, bucket_id: int) -> bool:
         """Whether the nodes hold (or are being sent) this rank's gradient of the bucket for the step in progress."""
@@ -493,9 +498,11 @@ class OffloadSession:
                     for index in self._connections.dropped():
                         self._reconnect(index, "its connection dropped")
                         deadline = time.monotonic() + self.timeout_s
+                        self._connections.liveness.start_waiting()  # the time spent reconnecting is not the other nodes' silence
                     for index in self._connections.liveness.gone():
                         self._reconnect(index)
                         deadline = time.monotonic() + self.timeout_s
+                        self._connections.liveness.start_waiting()
                 self._connections.ping(self._connections.liveness.to_ping())
             waiting = time.perf_counter()
             ready = self._connections.wait_readable(max(min(deadline - now, self.timeouts.heartbeat_s), 0.0))
@@ -566,7 +573,7 @@ class OffloadSession:
         if not self._refusals.collecting or error.rank != self.rank or bucket_id not in self._waiting or step != self.bucket_steps[bucket_id]:
             return False
         self._refusals.record(bucket_id, error.refusals[0], self.rank)
-        self._pushed.discard(bucket_id)  # the node does not hold it: the retry pushes it again
+        self._pushed.pop(bucket_id, None)  # the node does not hold it: the retry pushes it again
         log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", self.rank, node, bucket_id, step)
         return True
 
@@ -642,7 +649,8 @@ class OffloadSession:
             )
         if node_step > step + 1:
             raise RuntimeError(f"node {address} is at step {node_step}, rank {self.rank} at step {step}: this worker is not part of that run")
-        lost = [b for b in mine if node_step == step and b in self._pushed and b not in contributed]
+        # Pushed for the node's step (not an earlier one whose values are installed), and not held there.
+        lost = [b for b in mine if node_step == step and self._pushed.get(b) == node_step and b not in contributed]
         if lost and self._step_grads is None:
             raise RuntimeError(
                 f"node {address} restarted in the middle of step {step} and lost this worker's gradients of {len(lost)} bucket(s), which layer-wise "
@@ -663,7 +671,7 @@ class OffloadSession:
         if lost:
             grads, hypers = self._step_grads  # type: ignore[misc]
             for bucket_id in lost:
-                self._pushed.discard(bucket_id)
+                self._pushed.pop(bucket_id, None)
                 self.push_bucket(bucket_id, grads, hypers)
 
     def _install(self, node_index: int, message: Message, waiting: set[int], expect_next_step: bool) -> None:

@@ -232,6 +232,9 @@ class LayerStreamer:
     def _on_params(self, node_index: int, message: Message) -> None:
         header = message.header
         unit = self._unit_of_bucket.get(header.bucket_id)
+        if unit is not None and header.bucket_id not in unit.pending and header.step <= unit.step and self.session.has_reconnected(node_index):
+            log.debug("node %s sent bucket %d of step %d again after a reconnect: ignored", self.session.nodes[node_index], header.bucket_id, header.step)
+            return  # asked for again after a reconnect while the first answer was on its way: the values are in already
         if unit is None or header.bucket_id not in unit.pending or header.step != unit.step:
             raise RuntimeError(f"node {self.session.nodes[node_index]} sent bucket {header.bucket_id} at step {header.step}, which this worker did not ask for")
         bucket = self.session.buckets[header.bucket_id]

@@ -75,3 +75,29 @@ def test_a_node_that_does_not_come_back_is_named_within_the_deadline(start_node)
     elapsed = time.monotonic() - started
     assert errors and elapsed < 20, (elapsed, errors)
     assert any(isinstance(e, ConnectionError) and f"node {node.address} stopped answering" in str(e) and "--resume" in str(e) for e in errors), errors
+
+
+@pytest.mark.parametrize("crash_at", [pytest.param("push:7", marks=pytest.mark.slow), "update:5"])
+def test_one_of_two_clipping_nodes_restarted_continues_bitwise(start_node, tmp_path, crash_at):
+    """Global-norm clipping over two nodes: every step waits for both nodes' norm partials, so the
+    restarted node must rebuild its part of the round (gradients pushed again, partial sent again)
+    while the other node holds its own; the result is that of an uninterrupted run."""
+    options = dict(FAST, max_grad_norm=0.05)
+    with NodeProcess(tmp_path, name="ref0") as ref0, NodeProcess(tmp_path, name="ref1") as ref1:
+        uninterrupted, errors = train([ref0.address, ref1.address], **options)
+    assert not errors, errors
+    checkpoints = str(tmp_path / "checkpoints")
+    steady = start_node("steady")
+    doomed = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", crash_at))
+    address = doomed.address
+
+    def restart_when_dead() -> None:
+        assert doomed.process.wait(30) == EXIT_STATUS
+        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--resume"))
+
+    restarter = threading.Thread(target=restart_when_dead)
+    restarter.start()
+    params, errors = train([steady.address, address], **options)
+    restarter.join()
+    assert not errors, errors
+    assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))

@@ -27,17 +27,18 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4))  # 316 params: 3 buckets of 128
 
 
-def train(address: str, steps: int = STEPS, **options) -> tuple[list[torch.Tensor] | None, list[BaseException]]:
+def train(address: str | list[str], steps: int = STEPS, **options) -> tuple[list[torch.Tensor] | None, list[BaseException]]:
     """Worker threads that resume at the nodes' step; returns rank 0's parameters (None if a rank failed).
-    ``options`` go to ``RemoteAdamW`` (default ``timeout_s=30``)."""
+    ``address``: one node's, or a list of nodes; ``options`` go to ``RemoteAdamW`` (default ``timeout_s=30``)."""
     options.setdefault("timeout_s", 30)
+    nodes = [address] if isinstance(address, str) else list(address)
     models = [make_model() for _ in range(WORLD)]
     results: dict[int, list[torch.Tensor]] = {}
     errors: list[BaseException] = []
 
     def worker(rank: int) -> None:
         try:
-            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=[address], rank=rank, world_size=WORLD, bucket_numel=128, **options)
+            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=nodes, rank=rank, world_size=WORLD, bucket_numel=128, **options)
             for step in range(opt.remote_step, steps):
                 generator = torch.Generator().manual_seed(step * WORLD + rank)
                 models[rank](torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
