@@ -70,6 +70,7 @@ class OffloadSession:
         # Nodes this process reconnected to: a bucket's values may come twice from them (asked for again
         # and broadcast), the second copy even after the step that awaited them ended.
         self._reconnected: set[int] = set()
+        self._said_hello = False  # registered with the nodes: close() says BYE
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
@@ -189,6 +190,7 @@ class OffloadSession:
             needs_init += reply.header.meta.get("needs_init", [])
             resume[index] = (int(reply.header.meta["resume_step"]), [int(b) for b in reply.header.meta["contributed"]])
         self._resume_at(resume)
+        self._said_hello = True
         return sorted(needs_init)
 
     def _registered(self, index: int, first_answer_s: float) -> Message:
@@ -525,6 +527,11 @@ class OffloadSession:
                 error = NonFiniteGradientError(self.rank, error.refusals, self.describe_bucket, retry=False)
             raise error
         if header.msg_type == MsgType.NOTICE:
+            if isinstance(header.meta.get("job_dropped"), str):
+                raise RuntimeError(
+                    f"node {self.nodes[index]} let this job go: {header.meta['job_dropped']}. Rank {self.rank} stops; to go on, restart the node "
+                    "with --resume pointed at the archived checkpoints, then the workers"
+                )
             self._connections.log_notice(index, header)
             refused = header.meta.get("non_finite")
             if isinstance(refused, dict) and all(isinstance(refused.get(key), int) for key in ("bucket", "step", "rank")):
@@ -711,4 +718,13 @@ class OffloadSession:
         return "; ".join([f"rank {self.rank}, step {self.step}: {missing} after {self.timeout_s:.0f} s", *refused, *self._connections.accounts()])
 
     def close(self) -> None:
+        """Tell every node this rank is done (once every rank has, between steps, a node knows its job
+        is finished and can take the next), then close the connections."""
+        if self._said_hello:
+            self._said_hello = False
+            for index in range(len(self._connections)):
+                try:
+                    self._connections.send(index, Header(msg_type=MsgType.BYE, rank=self.rank))
+                except Exception as exc:  # a node already gone: nothing to tell it
+                    log.debug("rank %d: BYE to node %s not sent: %s", self.rank, self.nodes[index], exc)
         self._connections.close()

@@ -41,7 +41,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
     calls = admin.add_subparsers(
-        dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,shutdown,watch,health}"
+        dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,reset,shutdown,watch,health}"
     )
     calls.add_parser("status", help="what the node is doing")
     calls.add_parser("workers", help="the worker ranks the node has heard from")
@@ -55,6 +55,12 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     calls.add_parser("resume", help="apply held updates and go on")
     calls.add_parser("checkpoint", help="write a checkpoint (now, or at the end of the step in flight) and print its manifest")
     calls.add_parser("drain", help="finish the step in flight, checkpoint, take no later gradients")
+    reset = calls.add_parser(
+        "reset",
+        help="let the node's job go so that it takes the next one (checkpointed first; its checkpoints move to finished/ under the "
+        "checkpoint directory); asks for the node's id to confirm",
+    )
+    reset.add_argument("--yes", action="store_true", help="do not ask: confirm with the node's id as its status gives it (for scripts)")
     calls.add_parser("shutdown", help="stop the node")
     watch = calls.add_parser("watch", help="print one line per completed step")
     watch.add_argument("--count", type=int, default=0, help="stop after this many steps (default: until interrupted)")
@@ -73,7 +79,13 @@ def _job_state(status: dict) -> str:
     drain_step = int(status.get("drain_step", -1))
     if state in ("draining", "drained"):
         return f"{state} (last step {drain_step}; `admin resume` undoes it)"
+    if state == "finished":
+        return "finished (every rank closed its optimizer; the node takes the next job, or after `admin reset` with --next-job refuse)"
     return state
+
+
+def _render_overrides(overrides: list[dict]) -> list[str]:
+    return [f"override {o['name']}={o['value']} (set by {o['origin'] or 'an operator'})" for o in overrides]
 
 
 def _render_status(status: dict) -> str:
@@ -84,6 +96,7 @@ def _render_status(status: dict) -> str:
         f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM)",
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f})",
     ]
+    lines += _render_overrides(status.get("overrides", []))
     non_finite = status.get("non_finite")
     if non_finite:
         lines.append(_render_non_finite(non_finite))
@@ -109,7 +122,7 @@ def _render_worker(worker: dict) -> str:
 
 def _render_hparams(response: dict) -> str:
     overrides = response.get("overrides", {})
-    lines = ["overrides: " + (", ".join(f"{k}={v}" for k, v in overrides.items()) or "none")]
+    lines = ["overrides: " + (", ".join(f"{k}={v}" for k, v in overrides.items()) or "none"), *_render_overrides(response.get("origins", []))]
     lines += [
         f"group {g['group']}: lr={g['lr']} betas=({g['beta1']}, {g['beta2']}) eps={g['eps']} weight_decay={g['weight_decay']}"
         for g in response.get("last_applied", [])
@@ -168,6 +181,27 @@ def run_admin(args: argparse.Namespace) -> int:
             elif args.call in ("checkpoint", "drain"):
                 rpc, request = (stub.Checkpoint, admin_pb2.CheckpointRequest()) if args.call == "checkpoint" else (stub.Drain, admin_pb2.DrainRequest())
                 _print(args, rpc(request, metadata=metadata, timeout=max(args.timeout, 300.0)), lambda r: f"checkpoint of step {r['step']} at {r['path']}")
+            elif args.call == "reset":
+                status = stub.GetStatus(admin_pb2.GetStatusRequest(), **call)
+                confirm = status.node_id
+                if not args.yes:
+                    print(f"node {status.node_id} is at step {status.step} ({status.job_state or 'idle'}); a reset lets its job go.", file=sys.stderr)
+                    try:
+                        confirm = input("type the node's id to confirm: ").strip()
+                    except EOFError:
+                        confirm = ""
+                    if confirm != status.node_id:
+                        print("netoptim admin reset: not confirmed; nothing was done", file=sys.stderr)
+                        return 1
+                _print(
+                    args,
+                    stub.Reset(admin_pb2.ResetRequest(confirm_node_id=confirm), **call),
+                    lambda r: (
+                        f"let job {r['job']} go at step {r['step']}" + (f"; its checkpoints are in {r['archived']}" if r["archived"] else "")
+                        if r["job"]
+                        else "no job was registered"
+                    ),
+                )
             elif args.call == "shutdown":
                 _print(args, stub.Shutdown(admin_pb2.ShutdownRequest(), **call), lambda r: "the node is stopping")
             elif args.call == "watch":

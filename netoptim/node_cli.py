@@ -131,6 +131,14 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "per step, as clipping does). Give every node of a job the same policy (default: %(default)s)",
     )
     node.add_argument(
+        "--next-job",
+        choices=("take", "refuse"),
+        default="take",
+        help="once every rank of the job has closed its optimizer (the job is finished): take: let the job go (its last state checkpointed, its "
+        "checkpoints moved to finished/ under --checkpoint-dir) as soon as rank 0 of another job says HELLO; refuse: keep the finished job "
+        "(HELLOs of another job are refused) until `netoptim admin reset` (default: %(default)s)",
+    )
+    node.add_argument(
         "--crash-at", metavar="POINT:N", default=None, help="testing only: exit abruptly the N-th time the node passes POINT (push, update or checkpoint)"
     )
     node.add_argument(
@@ -288,6 +296,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         memory_budget=args.memory_budget,
         sync_state_writes=args.sync_state_writes,
         non_finite=args.non_finite,
+        next_job=args.next_job,
         io_threads=args.io_threads,
     )
     if args.chunk_bytes is not None:

@@ -164,6 +164,8 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             non_finite=_non_finite(status["non_finite"]),
             job_state=status["job_state"],
             drain_step=status["drain_step"],
+            overrides=[admin_pb2.Override(**entry) for entry in status["overrides"]],
+            jobs_let_go=status["jobs_let_go"],
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:
@@ -171,9 +173,12 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         return admin_pb2.ListWorkersResponse(world_size=status["world_size"], workers=_workers(status["workers"]))
 
     def GetHyperparameters(self, request: admin_pb2.GetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.GetHyperparametersResponse:
-        overrides, clip, applied = self._call(context, lambda: (self._daemon.overrides, self._daemon.clip_override, self._daemon.last_applied()))
+        overrides, clip, applied, origins = self._call(
+            context, lambda: (self._daemon.overrides, self._daemon.clip_override, self._daemon.last_applied(), self._daemon.override_list())
+        )
         return admin_pb2.GetHyperparametersResponse(
             overrides=_overrides_message(overrides, clip),
+            origins=[admin_pb2.Override(**entry) for entry in origins],
             last_applied=[
                 admin_pb2.AppliedHyperparameters(group=group, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay)
                 for group, h in sorted(applied.items())
@@ -245,6 +250,17 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         log.warning("shutdown requested through the admin service")
         self._call(context, self._daemon.request_stop)
         return admin_pb2.ShutdownResponse()
+
+    def Reset(self, request: admin_pb2.ResetRequest, context: grpc.ServicerContext) -> admin_pb2.ResetResponse:
+        node_id = self._daemon.node_id
+        if request.confirm_node_id != node_id:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a reset drops this node's job: confirm it with this node's id, {node_id!r} (netoptim admin reset asks for it); got {request.confirm_node_id!r}",
+            )
+        log.warning("reset requested through the admin service")
+        dropped = self._call(context, lambda: self._daemon.let_job_go("an operator reset the node (netoptim admin reset)"))
+        return admin_pb2.ResetResponse(job=dropped["job"], step=dropped["step"], archived=dropped["archived"])
 
     def WatchSteps(self, request: admin_pb2.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[admin_pb2.StepEvent]:
         with self._long_call(context):

@@ -157,6 +157,33 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+FINISHED = "finished"
+"""Under a checkpoint directory: one directory per job the node let go, holding that job's checkpoints."""
+
+
+def archive_checkpoints(root: Path, name: str) -> Path | None:
+    """Move every checkpoint under ``root`` (and its ``latest`` pointer) into ``root/finished/name/``,
+    so that the next job's checkpoints start afresh and ``--resume`` finds only them; the archived
+    directory is itself a checkpoint directory (``netoptim export``, ``--resume`` pointed at it).
+    Returns it, or ``None`` when there was nothing to move."""
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    target = root / FINISHED / name
+    suffix = 1
+    while target.exists():  # the same job let go twice at the same step
+        suffix += 1
+        target = root / FINISHED / f"{name}-{suffix}"
+    target.mkdir(parents=True)
+    for path in found:
+        os.replace(path, target / path.name)
+    if (root / LATEST).exists():
+        os.replace(root / LATEST, target / LATEST)
+    _fsync_dir(target)
+    _fsync_dir(root)
+    return target
+
+
 def checkpoint_origin(path: Path) -> str:
     """``manual`` or ``automatic`` (also for a checkpoint of an older version, or an incomplete one)."""
     try:

@@ -145,6 +145,11 @@ class NodeConfig:
     ``optimizer.step()`` (parameters, moments and AdamW's step count unchanged). Every node of a job
     needs the same policy."""
 
+    next_job: str = "take"
+    """When every rank of the job has closed its optimizer (the job is finished): ``take`` lets the job
+    go (checkpointed, its checkpoints archived under ``finished/``) as soon as rank 0 of another job
+    says HELLO; ``refuse`` keeps it until an operator calls ``netoptim admin reset``."""
+
     crash_at: str | None = None
     """Testing only: exit abruptly at a crash point, see optimizer_node.faults."""
 
@@ -228,6 +233,8 @@ class NodeConfig:
             raise ValueError("state_dir and memory_budget go together (--state-dir DIR --memory-budget SIZE)")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("memory_budget must be positive")
+        if self.next_job not in ("take", "refuse"):
+            raise ValueError(f"next_job must be 'take' or 'refuse', not {self.next_job!r}")
         if self.non_finite not in ("refuse", "skip"):
             raise ValueError(f"non_finite must be 'refuse' or 'skip', not {self.non_finite!r}")
         if self.resume and self.checkpoint_dir and not os.path.isdir(self.checkpoint_dir):

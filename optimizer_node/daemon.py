@@ -31,6 +31,7 @@ from job.hyper import validate_for_rule
 from job.placement import BucketSpec
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.bucket_update import absent_segments, update_bucket
+from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormClipping
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
@@ -44,7 +45,7 @@ from optimizer_node.operator import OperatorControls
 from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
-from optimizer_node.registration import JobRegistration, load_allow_list
+from optimizer_node.registration import JobRegistration, job_fingerprint, load_allow_list
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.reply_budget import UnregisteredReplyBudget
 from optimizer_node.state_transfer import load_part, read_part
@@ -88,7 +89,7 @@ def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
 class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, ParameterReplies, GlobalNormClipping):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
-    def __init__(self, config: NodeConfig, store: BucketStore | None = None) -> None:
+    def __init__(self, config: NodeConfig) -> None:
         config.validate()
         self.config = config
         curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
@@ -111,42 +112,19 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.address = self._endpoint.address
         self.same_host_address = self._endpoint.bind_same_host() if config.same_host_ipc else None
         self.node_id = config.node_id or self.address
-        if store is None and config.state_dir:
-            assert config.memory_budget is not None
-            store = OutOfCoreStore(config.state_dir, config.memory_budget, sync=config.sync_state_writes)
-        self._store = store if store is not None else InMemoryStore()
-        self._job: ActiveJob | None = None
-        self._ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
+        out_of_core = bool(config.state_dir)
         # Previous values are kept in memory; an out-of-core node would need its budget again for them.
-        self._retain_previous = not isinstance(self._store, OutOfCoreStore)
+        self._retain_previous = not out_of_core
         # The compiled update loop brings numba and LLVM, ~140 MB of RSS: not for a node held to a memory budget.
-        self._compiled_update = not isinstance(self._store, OutOfCoreStore)
-        self._norm_partial: Header | None = None
-        self._hyper_parsed: tuple[object, AdamWHyper | None] = (None, None)  # the last hyperparameters parsed, as they came
-        self._gc_frozen = False
-        self._outbox = ParamsOutbox()  # new values of small buckets, leaving as one message per worker
-        self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
-        self._batching_peers: frozenset[bytes] = frozenset()
+        self._compiled_update = not out_of_core
         # Out of core, a bucket's tensors go back to the store's pool once released: values must leave at once.
-        self._batch_params = not isinstance(self._store, OutOfCoreStore)
+        self._batch_params = not out_of_core
         self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
         self._outsider_replies = UnregisteredReplyBudget(config.max_unread_reply_bytes)  # answers to peers outside the job, not yet sent
-        self._payload_limit = config.max_message_bytes  # lowered to the largest bucket once a job is registered
-        self._payload_why = f"this node's limit of {config.max_message_bytes} bytes (--max-message-bytes)"
         self.limit_log = RateLimitedLog(log)
-        self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
-        self._in_flight: dict[int, BucketStep] = {}
-        self._awaiting_clip: int | None = None  # step whose norm partial went out
-        self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
-        self._overrides = HyperOverrides()
-        self._clip_override: float | None = None  # operator's max_grad_norm, in force
-        self._clip_override_next: tuple[float | None] | None = None  # set mid-step, in force from the next step
-        self._last_applied: dict[int, AdamWHyper] = {}  # param group -> hyperparameters of its last update
-        self._pause_reason: str | None = None  # set while an operator has paused updates
-        self._ready: list[int] = []
-        self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
-        self._storage_retry_at = 0.0  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self._stop: threading.Event | None = None
+        self._store: BucketStore = self._new_store()
+        self._reset_job_state()
         self._handlers = {  # built once: handle() runs for every message
             MsgType.HELLO: self._on_hello,
             MsgType.INIT: self._on_init,
@@ -157,6 +135,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             MsgType.ECHO: self._on_echo,
             MsgType.READ_STATE: self._on_read_state,
             MsgType.LOAD_STATE: self._on_load_state,
+            MsgType.BYE: self._on_bye,
         }
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.clock = StepClock()
@@ -165,16 +144,14 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.non_finite = NonFiniteStats(config.non_finite)
         self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
             self.non_finite,
-            workers_last_seen=lambda: [record.last_seen for record in list(self._ledger.ranks.values())],
+            workers_last_seen=lambda: [record.last_seen for record in self._ledger.present()],
             paused=lambda: self._pause_reason is not None,
             draining=lambda: self._drain_step is not None,
             last_checkpoint_unix=lambda: (self._last_checkpoint or {}).get("created_unix"),
         )
         self.started_at = time.time()
         self._crash_points = CrashPoints(config.crash_at)
-        self._checkpoint_waiters: list = []
-        self._drain_step: int | None = None
-        self._last_checkpoint: dict | None = None
+        self.jobs_let_go = 0  # jobs this node finished or was reset from, and let go (a node takes the next job)
         if config.resume:
             self._restore()
             if self._job is not None:
@@ -185,6 +162,44 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # as a failing checkpoint: said, and training goes on
                 log.error("cannot create the checkpoint directory %s (%s): checkpoints will fail until it can be written", config.checkpoint_dir, exc)
+
+    def _new_store(self) -> BucketStore:
+        if self.config.state_dir:
+            assert self.config.memory_budget is not None
+            return OutOfCoreStore(self.config.state_dir, self.config.memory_budget, sync=self.config.sync_state_writes)
+        return InMemoryStore()
+
+    def _reset_job_state(self) -> None:
+        """Everything that belongs to one job, as a node that has none has it: at start, and when a
+        node lets a job go to take the next (:meth:`let_job_go`). Node-wide state (the endpoint, the
+        metrics, the limits on outsiders) is set in ``__init__`` and stays."""
+        self._job: ActiveJob | None = None
+        self._ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
+        self._norm_partial: Header | None = None
+        self._hyper_parsed: tuple[object, AdamWHyper | None] = (None, None)  # the last hyperparameters parsed, as they came
+        self._gc_frozen = False
+        self._outbox = ParamsOutbox()  # new values of small buckets, leaving as one message per worker
+        self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
+        self._batching_peers: frozenset[bytes] = frozenset()
+        self._payload_limit = self.config.max_message_bytes  # lowered to the largest bucket once a job is registered
+        self._payload_why = f"this node's limit of {self.config.max_message_bytes} bytes (--max-message-bytes)"
+        self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
+        self._in_flight: dict[int, BucketStep] = {}
+        self._awaiting_clip: int | None = None  # step whose norm partial went out
+        self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
+        self._overrides = HyperOverrides()
+        self._override_origins: dict[str, str] = {}  # override name -> who set it, when (admin status)
+        self._clip_override: float | None = None  # operator's max_grad_norm, in force
+        self._clip_override_next: tuple[float | None] | None = None  # set mid-step, in force from the next step
+        self._last_applied: dict[int, AdamWHyper] = {}  # param group -> hyperparameters of its last update
+        self._pause_reason: str | None = None  # set while an operator has paused updates
+        self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
+        self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
+        self._storage_retry_at = 0.0
+        self._checkpoint_waiters: list = []
+        self._drain_step: int | None = None
+        self._last_checkpoint: dict | None = None
+        self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -257,6 +272,60 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         """The step every owned bucket has reached (0 before registration)."""
         states = list(self._store)
         return min((state.step for state in states), default=0)
+
+    # ---------------------------------------------------------------- one job after another
+
+    def _on_bye(self, message: Message) -> None:
+        """A rank closed its optimizer. When every rank has, between steps, the job is finished."""
+        self._require_rank(message)
+        self._ledger.mark_left(message.header.rank)
+        log.info("rank %d closed its optimizer at step %d", message.header.rank, self.step)
+        self._maybe_finished()
+
+    def _maybe_finished(self) -> None:
+        job = self._job
+        if job is None or self._finished_step is not None or not self._ledger.all_left(job.spec.world_size) or not self._between_steps():
+            return
+        self._finished_step = self.step
+        self._checkpoint_on_exit()  # the final state, as at a node's exit
+        log.warning(
+            "job %s finished at step %d: all %d ranks closed their optimizers; %s",
+            job_fingerprint(job.spec),
+            self._finished_step,
+            job.spec.world_size,
+            "the node takes the next job that says HELLO" if self.config.next_job == "take" else "netoptim admin reset lets the node take another",
+        )
+
+    def let_job_go(self, reason: str) -> dict:
+        """Drop the registered job (its state, ranks, overrides) so the node takes the next one, as if
+        just started. With a checkpoint directory, the job's last state is checkpointed first (between
+        steps) and its checkpoints move to ``finished/<job>-step-<step>/`` there, where ``--resume`` no
+        longer looks (:func:`~optimizer_node.checkpoint.archive_checkpoints`). The job's ranks still
+        connected are told; their next message is refused. Returns what was let go."""
+        job = self._job
+        if job is None:
+            return {"job": "", "step": 0, "archived": ""}
+        step, fingerprint = self.step, job_fingerprint(job.spec)
+        self._flush_outbox()
+        self._checkpoint_on_exit()
+        archived = archive_checkpoints(Path(self.config.checkpoint_dir), f"job-{fingerprint}-step-{step:010d}") if self.config.checkpoint_dir else None
+        notice = {"job_dropped": f"{reason}; its state at step {step} is {f'in {archived}' if archived else 'gone (no --checkpoint-dir)'}"}
+        for peer in self._ledger.connections():
+            self._send(peer, Header(msg_type=MsgType.NOTICE, step=step, meta=notice))
+        for waiter in self._checkpoint_waiters:
+            waiter.set_exception(ValueError(f"the job was let go before its checkpoint ({reason})"))
+        if self._override_origins:
+            log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self._override_origins)))
+        self._store.close()
+        if self._gc_frozen:
+            gc.unfreeze()
+        self._reset_job_state()
+        self._store = self._new_store()
+        self._endpoint.unlimit_payload()
+        self.metrics.step_reached(0)
+        self.jobs_let_go += 1
+        log.warning("let job %s go at step %d (%s)%s", fingerprint, step, reason, f"; its checkpoints are in {archived}" if archived else "")
+        return {"job": fingerprint, "step": step, "archived": str(archived or "")}
 
     # ---------------------------------------------------------------- dispatch
 
@@ -625,6 +694,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.clock.step_completed(step)
         self.metrics.step_completed(self.clock.last, step)
         self._step_completed(step)
+        self._maybe_finished()  # a rank's BYE can overtake its last pushes (on another of its connections)
 
     def _rank_rejoined(self, rank: int) -> None:
         """``rank`` is on a new connection (a new process, or the same one reconnecting): what the old

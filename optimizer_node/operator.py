@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class OperatorControls:
     """Operator actions on the daemon's state."""
 
@@ -47,6 +51,9 @@ class OperatorControls:
     _stop: threading.Event | None
     _clip_override: float | None
     _clip_override_next: tuple[float | None] | None
+    _override_origins: dict[str, str]
+    _finished_step: int | None
+    jobs_let_go: int
     non_finite: NonFiniteStats
 
     if TYPE_CHECKING:  # provided by NodeDaemon
@@ -97,11 +104,24 @@ class OperatorControls:
     def overrides(self) -> HyperOverrides:
         return self._overrides
 
-    def set_overrides(self, overrides: HyperOverrides) -> None:
-        """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid."""
+    def set_overrides(self, overrides: HyperOverrides, origin: str = "netoptim admin set-hparams") -> None:
+        """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid.
+        Each value that changes is recorded with ``origin`` and the time (see :meth:`override_list`)."""
         overrides.validate()
-        self._overrides = overrides
-        log.warning("hyperparameter overrides now %s", overrides)
+        before = self._overrides.to_dict()
+        said = f"{origin} at {_utc_now()}"
+        origins = {name: self._override_origins.get(name, said) if before.get(name) == value else said for name, value in overrides.to_dict().items()}
+        if "max_grad_norm" in self._override_origins:
+            origins["max_grad_norm"] = self._override_origins["max_grad_norm"]
+        self._overrides, self._override_origins = overrides, origins
+        log.warning("hyperparameter overrides now %s (%s)", overrides, origin)
+
+    def override_list(self) -> list[dict]:
+        """Every override in force (or waiting for the next step: max_grad_norm), with who set it and when."""
+        values: dict[str, float] = dict(self._overrides.to_dict())
+        if self.clip_override is not None:
+            values["max_grad_norm"] = self.clip_override
+        return [{"name": name, "value": value, "origin": self._override_origins.get(name, "")} for name, value in sorted(values.items())]
 
     @property
     def clip_override(self) -> float | None:
@@ -128,9 +148,13 @@ class OperatorControls:
                 f"the job was registered {'with' if spec.max_grad_norm else 'without'} clipping over {spec.num_nodes} nodes; switching it on or off on one node would leave the others out: restart the workers with another max_grad_norm"
             )
 
-    def set_max_grad_norm(self, value: float | None) -> None:
+    def set_max_grad_norm(self, value: float | None, origin: str = "netoptim admin set-hparams") -> None:
         """Clip at ``value`` from the next step on (now, if between steps)."""
         self.check_max_grad_norm(value)
+        if value is None:
+            self._override_origins.pop("max_grad_norm", None)
+        elif value != self.clip_override:
+            self._override_origins["max_grad_norm"] = f"{origin} at {_utc_now()}"
         if self._between_steps():
             self._clip_override = value
         else:
@@ -169,15 +193,19 @@ class OperatorControls:
             "paused": self._pause_reason,
             "non_finite": self.non_finite.snapshot(),
             "job_state": self.job_state(),
+            "overrides": self.override_list(),
+            "jobs_let_go": self.jobs_let_go,
             "drain_step": -1 if self._drain_step is None else self._drain_step,
         }
 
     def job_state(self) -> str:
-        """``idle``, ``training``, ``paused``, ``draining`` or ``drained`` (see the admin proto)."""
+        """``idle``, ``training``, ``paused``, ``draining``, ``drained`` or ``finished`` (see the admin proto)."""
         if self._job is None:
             return "idle"
         if self._drain_step is not None:
             return "drained" if self.step >= self._drain_step and self._between_steps() else "draining"
+        if self._finished_step is not None:
+            return "finished"
         return "paused" if self._pause_reason is not None else "training"
 
     def request_stop(self) -> None:

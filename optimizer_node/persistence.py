@@ -41,6 +41,7 @@ class CheckpointControls:
     _drain_step: int | None  # set while draining: no gradients for this step or later
     _last_checkpoint: dict[str, Any] | None
     _clip_override: float | None
+    _override_origins: dict[str, str]
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -68,6 +69,7 @@ class CheckpointControls:
             "job": self._job.spec.to_wire(),
             "overrides": self._overrides.to_dict(),
             "max_grad_norm_override": self._clip_override,
+            "override_origins": dict(self._override_origins),
             "origin": origin,
         }
         manifest = write_checkpoint(
@@ -184,5 +186,10 @@ class CheckpointControls:
                 state.set_segment_step_counts(snapshot.segment_steps)
         self._overrides = HyperOverrides(**manifest.get("overrides", {}))
         self._clip_override = manifest.get("max_grad_norm_override")
+        origins = manifest.get("override_origins", {})
+        named = [*self._overrides.to_dict(), *(["max_grad_norm"] if self._clip_override is not None else [])]
+        self._override_origins = {name: f"{origins.get(name, 'an operator')}, restored from {checkpoint.path.name}" for name in named}
+        if named:
+            log.warning("overrides restored from the checkpoint and in force: %s (netoptim admin set-hparams --clear drops them)", ", ".join(named))
         self._last_checkpoint = manifest
         log.info("resumed from %s: step %d, %d buckets, %d workers", checkpoint.path, checkpoint.step, len(owned), spec.world_size)

@@ -121,11 +121,22 @@ class JobRegistration:
         def _rank_rejoined(self, rank: int) -> None: ...
         def _job_initialized(self) -> None: ...
         def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool: ...
+        def let_job_go(self, reason: str) -> dict: ...
+
+    _finished_step: int | None
+    jobs_let_go: int
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
+            if self.jobs_let_go:  # a rank of a job the node let go (reset, or finished and replaced)
+                raise WireError(ErrorCode.NOT_REGISTERED, "no job is registered: this node let its previous job go; rank 0 must say HELLO first")
             raise WireError(ErrorCode.NOT_REGISTERED, "no job is registered yet: rank 0 must say HELLO first")
         return self._job
+
+    def _is_another_job(self, spec: JobSpec, node_index: int) -> bool:
+        """Whether a HELLO describes a job other than the registered one (a param group added to it is the same job)."""
+        job = self._job
+        return job is not None and (node_index != job.node_index or (spec != job.spec and not job.spec.extended_by(spec)))
 
     def _is_registered(self, message: Message) -> bool:
         """Whether the message comes from the current connection (and key) of the rank it names."""
@@ -150,6 +161,11 @@ class JobRegistration:
             if refusal is not None:
                 raise WireError(ErrorCode.FORBIDDEN, refusal)
         spec, node_index, incarnation = self._parse_hello(message)
+        if self._finished_step is not None and self.config.next_job == "take" and self._is_another_job(spec, node_index):
+            if header.rank != 0:  # the next job's rank 0 lets the finished one go
+                self._hold_hello(message)
+                return
+            self.let_job_go(f"it was finished and rank 0 of job {job_fingerprint(spec)} said HELLO")
         if self._job is None:
             if header.rank != 0:
                 self._hold_hello(message)
@@ -182,6 +198,9 @@ class JobRegistration:
         job = self._job
         self._check_same_job(job, spec, node_index, header.rank)
         how = self._ledger.register(header.rank, message.peer, incarnation, message.user_id)
+        if self._finished_step is not None:
+            log.warning("rank %d of the finished job said HELLO again: the job goes on from step %d", header.rank, self.step)
+            self._finished_step = None
         resume_step, contributed = self._resume_point(job, header.rank)
         if how == "restarted":
             log.warning(
@@ -322,6 +341,8 @@ class JobRegistration:
         else:
             self.limit_log.log("layout-mismatch", logging.WARNING, "rank %d's HELLO does not match the registered job %s: %s", rank, registered, difference)
             told = public_mismatch(job.spec, spec)
+        if self._finished_step is not None:
+            told += "; the registered job is finished, and this node takes another only after `netoptim admin reset` (it runs with --next-job refuse)"
         raise WireError(
             ErrorCode.LAYOUT_MISMATCH,
             f"rank {rank} does not match the job registered here (fingerprint {registered}; this worker's job: {job_fingerprint(spec)}): {told}",

@@ -35,6 +35,7 @@ class RankRecord:
     incarnation: int
     last_seen: float
     user_id: str | None = None  # the authenticated key it registered with (CURVE), bound to the connection
+    left: bool = False  # it said BYE (closed its optimizer); a HELLO makes it part of the job again
 
 
 @dataclass(slots=True)
@@ -81,6 +82,20 @@ class StepLedger:
         if previous.incarnation != incarnation:
             return "restarted"
         return "same" if previous.peer == peer else "moved"
+
+    def mark_left(self, rank: int) -> None:
+        """``rank`` said BYE: it closed its optimizer (at the end of training, or on its way out)."""
+        record = self.ranks.get(rank)
+        if record is not None:
+            record.left = True
+
+    def all_left(self, world_size: int) -> bool:
+        """Whether every rank of the job registered and then said BYE."""
+        return len(self.ranks) == world_size and all(record.left for record in self.ranks.values())
+
+    def present(self) -> list[RankRecord]:
+        """The ranks that have not said BYE."""
+        return [record for record in self.ranks.values() if not record.left]
 
     def is_current(self, rank: int, peer: bytes, user_id: str | None = None) -> bool:
         """Whether ``peer`` is the connection of ``rank``'s current incarnation, with the key it

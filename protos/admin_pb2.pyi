@@ -31,7 +31,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite", "job_state", "drain_step")
+    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite", "job_state", "drain_step", "overrides", "jobs_let_go")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class GetStatusResponse(_message.Message):
     NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     JOB_STATE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_LET_GO_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_seconds: float
@@ -68,7 +70,19 @@ class GetStatusResponse(_message.Message):
     non_finite: NonFiniteStatus
     job_state: str
     drain_step: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ..., job_state: _Optional[str] = ..., drain_step: _Optional[int] = ...) -> None: ...
+    overrides: _containers.RepeatedCompositeFieldContainer[Override]
+    jobs_let_go: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ..., job_state: _Optional[str] = ..., drain_step: _Optional[int] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., jobs_let_go: _Optional[int] = ...) -> None: ...
+
+class Override(_message.Message):
+    __slots__ = ("name", "value", "origin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    origin: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class NonFiniteEvent(_message.Message):
     __slots__ = ("action", "step", "rank", "bucket", "values", "unix_time")
@@ -133,12 +147,14 @@ class GetHyperparametersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetHyperparametersResponse(_message.Message):
-    __slots__ = ("overrides", "last_applied")
+    __slots__ = ("overrides", "last_applied", "origins")
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     LAST_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ORIGINS_FIELD_NUMBER: _ClassVar[int]
     overrides: Hyperparameters
     last_applied: _containers.RepeatedCompositeFieldContainer[AppliedHyperparameters]
-    def __init__(self, overrides: _Optional[_Union[Hyperparameters, _Mapping]] = ..., last_applied: _Optional[_Iterable[_Union[AppliedHyperparameters, _Mapping]]] = ...) -> None: ...
+    origins: _containers.RepeatedCompositeFieldContainer[Override]
+    def __init__(self, overrides: _Optional[_Union[Hyperparameters, _Mapping]] = ..., last_applied: _Optional[_Iterable[_Union[AppliedHyperparameters, _Mapping]]] = ..., origins: _Optional[_Iterable[_Union[Override, _Mapping]]] = ...) -> None: ...
 
 class AppliedHyperparameters(_message.Message):
     __slots__ = ("group", "lr", "beta1", "beta2", "eps", "weight_decay")
@@ -247,3 +263,19 @@ class StepEvent(_message.Message):
     unix_time: float
     timings: StepTimings
     def __init__(self, step: _Optional[int] = ..., unix_time: _Optional[float] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("confirm_node_id",)
+    CONFIRM_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    confirm_node_id: str
+    def __init__(self, confirm_node_id: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("job", "step", "archived")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ARCHIVED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    archived: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., archived: _Optional[str] = ...) -> None: ...

@@ -84,6 +84,11 @@ class OptimizerNodeAdminStub:
                 request_serializer=protos_dot_admin__pb2.WatchStepsRequest.SerializeToString,
                 response_deserializer=protos_dot_admin__pb2.StepEvent.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/netoptim.admin.v1.OptimizerNodeAdmin/Reset',
+                request_serializer=protos_dot_admin__pb2.ResetRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.ResetResponse.FromString,
+                _registered_method=True)
 
 
 class OptimizerNodeAdminServicer:
@@ -158,6 +163,14 @@ class OptimizerNodeAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Let the registered job go (checkpointed first, its checkpoints archived under finished/) so the
+        node takes the next job, as if just started. Refused unless confirm_node_id is the node's id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OptimizerNodeAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +223,11 @@ def add_OptimizerNodeAdminServicer_to_server(servicer, server):
                     servicer.WatchSteps,
                     request_deserializer=protos_dot_admin__pb2.WatchStepsRequest.FromString,
                     response_serializer=protos_dot_admin__pb2.StepEvent.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=protos_dot_admin__pb2.ResetRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.ResetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -482,6 +500,33 @@ class OptimizerNodeAdmin:
             '/netoptim.admin.v1.OptimizerNodeAdmin/WatchSteps',
             protos_dot_admin__pb2.WatchStepsRequest.SerializeToString,
             protos_dot_admin__pb2.StepEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/netoptim.admin.v1.OptimizerNodeAdmin/Reset',
+            protos_dot_admin__pb2.ResetRequest.SerializeToString,
+            protos_dot_admin__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,

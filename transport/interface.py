@@ -74,6 +74,10 @@ class ServerEndpoint(ABC):
         backend without this check leaves it to its caller: by default it does nothing."""
         return None
 
+    def unlimit_payload(self) -> None:
+        """Back to the endpoint's own limit (max_message_bytes): the job that lowered it is over."""
+        return None
+
     def bind_same_host(self) -> str | None:
         """Also listen on a same-host fast path (for workers on this host) and return its address,
         served exactly like the main one; ``None`` where the backend has none or already is one."""

@@ -79,6 +79,7 @@ class MsgType(enum.IntEnum):
     READ_STATE = 16  # worker -> node: one part of a bucket's optimizer state (meta: part); reply STATE
     STATE = 17
     LOAD_STATE = 18  # rank 0 -> node: replace one part of a bucket's state (meta: part, segment_steps); reply ACK
+    BYE = 19  # worker -> node: this rank closed its optimizer (training over, or leaving); no reply
 
 
 class ErrorCode(enum.IntEnum):

@@ -232,6 +232,7 @@ class ZmqServer(ServerEndpoint):
         self._peers: OrderedDict[bytes, float] = OrderedDict()  # every peer heard -> when, least recent first
         self._max_peers = max_peers
         self._max_header_bytes = max_header_bytes
+        self._max_payload = max_message_bytes
         self._payload_limit = max_message_bytes
         self._payload_why = f"this node's limit of {max_message_bytes} bytes (--max-message-bytes)"
         self._authenticated = curve is not None  # CURVE: the ZAP handler tags each message with the sender's key
@@ -252,6 +253,10 @@ class ZmqServer(ServerEndpoint):
         """From now on refuse payloads over ``max_bytes`` (and over max_message_bytes), before they are viewed."""
         if max_bytes < self._payload_limit:
             self._payload_limit, self._payload_why = max_bytes, why
+
+    def unlimit_payload(self) -> None:
+        self._payload_limit = self._max_payload
+        self._payload_why = f"this node's limit of {self._max_payload} bytes (--max-message-bytes)"
 
     def _admit(self, routing_id: bytes) -> bytes:
         """The peer ``routing_id`` belongs to (a laned client's lanes are one peer), remembered as

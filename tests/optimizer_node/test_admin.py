@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -101,11 +102,13 @@ def test_hyperparameters_override_and_validation(admin_node):
     # lr = 0 from the next step: AdamW (decoupled decay included) leaves the parameters as they are.
     reply = stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(lr=0.0)), metadata=AUTH, timeout=10)
     assert reply.overrides.HasField("lr") and reply.overrides.lr == 0.0 and not reply.overrides.HasField("beta1")
+    listed = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10).overrides  # with who set it, and when
+    assert [(o.name, o.value) for o in listed] == [("lr", 0.0)] and listed[0].origin.startswith("netoptim admin set-hparams at 20")
     before = [p.detach().clone() for p in model.parameters()]
     one_step(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     cleared = stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(clear=True), metadata=AUTH, timeout=10)
-    assert not cleared.overrides.HasField("lr")
+    assert not cleared.overrides.HasField("lr") and not stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10).overrides
     one_step(model, opt)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     opt.close()
@@ -133,7 +136,7 @@ def test_shutdown_stops_the_node(admin_node):
 
 
 def admin_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "netoptim", "admin", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "netoptim", "admin", *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 
 def test_admin_command_line(admin_node):
@@ -146,6 +149,11 @@ def test_admin_command_line(admin_node):
     assert result.returncode == 0 and "step 0" in result.stdout
     result = admin_cli(*target, "set-hparams", "--lr-scale", "0.5")
     assert result.returncode == 0 and "lr_scale=0.5" in result.stdout
+    assert "override lr_scale=0.5 (set by netoptim admin set-hparams at" in admin_cli(*target, "get-hparams").stdout
+    result = admin_cli(*target, "reset")  # no one at the keyboard: not confirmed
+    assert result.returncode == 1 and "not confirmed" in result.stderr
+    result = admin_cli(*target, "reset", "--yes")
+    assert result.returncode == 0 and "no job was registered" in result.stdout
     result = admin_cli(*target, "set-hparams", "--beta2", "1.5")
     assert result.returncode == 1 and "INVALID_ARGUMENT" in result.stderr and "beta2" in result.stderr
     result = admin_cli("--target", node.admin_address, "--token", "nope", "status")
@@ -165,10 +173,17 @@ def test_prometheus_metrics(start_node):
     opt = make_optimizer(node, model)
     for _ in range(2):
         one_step(model, opt)
-    opt.close()
-    text = urllib.request.urlopen(node.metrics_url, timeout=10).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
-    assert values["netoptim_steps_total"] == 2 and values["netoptim_workers_connected"] == 1
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(node.metrics_url, timeout=10).read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+
+    assert scrape()["netoptim_workers_connected"] == 1
+    opt.close()  # its BYE: the worker has left
+    deadline = time.monotonic() + 10
+    while (values := scrape())["netoptim_workers_connected"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert values["netoptim_steps_total"] == 2 and values["netoptim_workers_connected"] == 0
     assert values["netoptim_bytes_received_total"] == 4 * 15 * 3  # initial values + two gradients of 15 fp32
     assert values["netoptim_bytes_sent_total"] == 4 * 15 * 3  # one pull + two updates
     assert values['netoptim_bucket_update_latency_seconds_bucket{le="+Inf"}'] == 2
@@ -249,3 +264,23 @@ def test_clipping_cannot_be_switched_on_one_node_of_several(admin_node, start_no
         stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(max_grad_norm=1.0)), metadata=AUTH, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without clipping over 2 nodes" in info.value.details()
     opt.close()
+
+
+def test_overrides_are_checkpointed_with_their_origin_and_listed_after_a_resume(start_node, tmp_path):
+    checkpoints = ("--admin", "127.0.0.1:0", "--admin-token", TOKEN, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1")
+    node = start_node("first", extra_args=checkpoints)
+    with grpc.insecure_channel(node.admin_address) as channel:
+        stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
+        stub.SetHyperparameters(admin_pb2.SetHyperparametersRequest(overrides=admin_pb2.Hyperparameters(lr_scale=0.5)), metadata=AUTH, timeout=10)
+        set_by = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10).overrides[0].origin
+        model = torch.nn.Linear(4, 3)
+        opt = make_optimizer(node, model)
+        one_step(model, opt)
+        opt.close()
+    assert node.stop() == 0
+    manifest = json.loads((tmp_path / "ckpt" / f"step-{1:010d}" / "manifest.json").read_text())
+    assert manifest["overrides"] == {"lr_scale": 0.5} and manifest["override_origins"] == {"lr_scale": set_by}
+    resumed = start_node("resumed", extra_args=(*checkpoints, "--resume"))
+    with grpc.insecure_channel(resumed.admin_address) as channel:
+        listed = admin_pb2_grpc.OptimizerNodeAdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10).overrides
+    assert [(o.name, o.value, o.origin) for o in listed] == [("lr_scale", 0.5, f"{set_by}, restored from step-{1:010d}")]
