@@ -16,8 +16,16 @@ Several hosts (two worker hosts with 4 workers each, optimizer nodes on two CPU 
         examples/train_gpt.py --nodes tcp://10.0.0.11:5555,tcp://10.0.0.12:5555 --global-batch 64 \\
         --curve-secret-key 'keys/worker{rank}.key_secret' --curve-server-key keys/node.key
 
-Every rank lists the nodes in the same order. A worker that dies is restarted with the same
-command (``torchrun --max-restarts 3`` does it): it starts at ``optimizer.remote_step``, the step the
+Every rank lists the nodes in the same order. Instead of the list, ``--nodes`` takes a host file (one
+address per line), and without ``--nodes`` the recipe reads ``$NETOPTIM_NODES`` or the host file
+``$NETOPTIM_NODE_FILE``: either is read on rank 0 only, which hands the list to the other ranks through
+torchrun's store (docs/launch.md; Slurm and Kubernetes in examples/slurm/ and examples/kubernetes/)::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job7 \\
+        examples/train_gpt.py --nodes nodes.txt --global-batch 64 \\
+        --curve-secret-key 'keys/worker{rank}.key_secret' --curve-server-key keys/node.key
+
+A worker that dies is restarted with the same command (``torchrun --max-restarts 3`` does it): it starts at ``optimizer.remote_step``, the step the
 nodes say this rank must (re)do, with the data of that step (a function of the step and the rank
 only), and pushes only what the nodes lack: the run ends bitwise where an uninterrupted one would. A
 node restarted with ``--resume`` on the same address is reconnected to by the running workers. See

@@ -104,6 +104,7 @@ class NodeConnections:
         self.timeouts = timeouts
         self.liveness = NodeLiveness(len(self.nodes), timeouts)
         self._job_wire = job_wire
+        self._hello_extra: dict = {}  # morph_at while a morph is under way
         self._curve = curve
         self._same_host = same_host
         lanes = {"connections_per_peer": connections_per_node} if connections_per_node != 1 else {}
@@ -126,12 +127,19 @@ class NodeConnections:
 
     # ---------------------------------------------------------------- registration
 
-    def set_job(self, job_wire: dict) -> None:
-        """The job every later HELLO declares (a param group was added)."""
+    def set_job(self, job_wire: dict, *, rank: int | None = None, morph_at: int | None = None) -> None:
+        """The job every later HELLO declares (a param group was added; or the job morphed to another
+        width, this worker now ``rank``, from step ``morph_at``: said in the HELLOs until :meth:`morphed`)."""
         self._job_wire = job_wire
+        if rank is not None:
+            self.rank = rank
+        self._hello_extra = {} if morph_at is None else {"morph_at": morph_at}
+
+    def morphed(self) -> None:
+        self._hello_extra = {}
 
     def send_hello(self, index: int) -> None:
-        meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index, "batches": self.asks_for_batches}
+        meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index, "batches": self.asks_for_batches, **self._hello_extra}
         self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta=meta))
 
     def registered(self, index: int, first_answer_s: float) -> Message:
@@ -146,7 +154,7 @@ class NodeConnections:
         what = f"registration (is a node running at that address and reachable from this host? {hint})"
         reply = self.expect(index, MsgType.HELLO_OK, what, first_answer_s=first_answer_s)
         same_host = reply.header.meta.get("same_host")
-        if self._same_host and isinstance(same_host, str) and reachable_here(same_host):
+        if self._same_host and isinstance(same_host, str) and self._clients[index].address != same_host and reachable_here(same_host):
             reply = self._switch_to_same_host(index, same_host, what)
         self.liveness.heard(index)
         return reply

@@ -10,13 +10,14 @@ from torch import nn
 
 from gpu_worker.remote_adamw import RemoteAdamW
 from gpu_worker.units import InitFn, plan_units
+from job.discovery import NodeSource
 
 
 def offload(
     model: nn.Module,
     units: Sequence[nn.Module] | nn.ModuleList,
     *,
-    nodes: Sequence[str],
+    nodes: NodeSource = None,
     params: Iterable[Any] | Callable[[nn.Module], Iterable[Any]] | None = None,
     prefetch: int = 1,
     init_fn: InitFn | None = None,
@@ -39,7 +40,8 @@ def offload(
             straight to the nodes. A model with real values registers those.
         units: the modules to stream, in the order the forward calls them (``model.blocks``). They
             must not nest; activation checkpointing inside or around them works.
-        nodes: the optimizer nodes' data-plane addresses, as for :class:`RemoteAdamW`.
+        nodes: the optimizer nodes: addresses, a host file's path, or ``None`` (the environment), as for
+            :class:`RemoteAdamW`.
         params: what to give the optimizer (param groups or named parameters), or a function of the
             model that returns it (needed for a meta model, whose parameters are replaced here);
             default ``model.named_parameters()``.

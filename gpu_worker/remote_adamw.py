@@ -38,8 +38,13 @@ class RemoteAdamW(RemoteOptimizer):
             unfrozen later; leave out the ones that never train (they would take node memory).
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``. The current values of each group
             travel with every step, so ``torch.optim.lr_scheduler`` works unchanged.
-        nodes: data-plane addresses of the job's optimizer nodes, like ``["tcp://10.0.0.5:5555"]``.
-            Every rank must list them in the same order.
+        nodes: where the job's optimizer nodes are (:mod:`job.discovery`). A list of data-plane
+            addresses, like ``["tcp://10.0.0.5:5555"]``, is used as given: every rank must list them
+            in the same order. A host file's path (one address per line, ``#`` comments) or ``None``
+            (the default: ``$NETOPTIM_NODES``, addresses separated by commas, else the host file
+            ``$NETOPTIM_NODE_FILE``) is resolved by rank 0 alone, which publishes the list in the
+            job's c10d store (``torch.distributed``'s, or ``torchrun``'s when no process group is
+            initialized); the other ranks take rank 0's list from there, within ``timeout_s``.
         rank, world_size: this worker's rank and the number of data-parallel workers. Default:
             ``torch.distributed``'s when it is initialized, else ``RANK``/``WORLD_SIZE`` (as set by
             ``torchrun``), else 0 and 1.
@@ -82,6 +87,9 @@ class RemoteAdamW(RemoteOptimizer):
             (initialize a process group; gloo is enough). Without ``module`` each rank keeps its own
             buffers. :func:`gpu_worker.offload` passes its model. See :mod:`gpu_worker.buffers`.
         broadcast_buffers: ``False`` leaves each rank's buffers its own (e.g. with SyncBatchNorm).
+        join_at_step: a worker joining a running job whose workers agreed to grow at that step
+            (:meth:`gpu_worker.elastic.ElasticGroup.join` gives it, with ``rank`` and ``world_size``);
+            see :meth:`morph` for the workers already in it.
 
     On construction, rank 0 registers the layout and its initial values with the nodes (unless they
     already hold state for this job, for example after a restart of the workers); every rank then

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +26,7 @@ from gpu_worker.optimizer_state import gather_state, load_state, state_entries
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
+from job.discovery import NodeSource, discover_nodes
 from job.hyper import AdamWHyper, validate_for_rule
 from job.spec import JobSpec
 from transport.security import CurveClientConfig
@@ -83,7 +84,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         defaults: dict[str, Any],
         *,
-        nodes: Sequence[str],
+        nodes: NodeSource = None,
         rank: int | None = None,
         world_size: int | None = None,
         wire_dtype: torch.dtype = torch.float32,
@@ -103,10 +104,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         connections_per_node: int = 1,
         module: torch.nn.Module | None = None,
         broadcast_buffers: bool = True,
+        join_at_step: int | None = None,
     ) -> None:
         """Register the job with the nodes and start; the optimizer's options are documented on the class."""
-        if isinstance(nodes, str) or not nodes or not all(isinstance(n, str) for n in nodes):
-            raise ValueError(f"nodes must be a non-empty list of addresses like ['tcp://127.0.0.1:5555'], got {nodes!r}")
+        nodes = discover_nodes(nodes, timeout_s=timeout_s)  # a list as given; a host file or None: resolved by rank 0, shared
         timeouts = WorkerTimeouts(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
         )
@@ -141,6 +142,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._sync_enabled = True
         self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push
         self._streamer: LayerStreamer | None = None
+        if join_at_step is not None:  # a worker joining a running job: the nodes take it, at the new width, from that step
+            if units is not None:
+                raise ValueError("a layer-wise job cannot change its width: join_at_step is for full-model jobs")
+            self._session.join_at(join_at_step)
         try:
             if units is None:
                 self._session.connect()
@@ -185,6 +190,25 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def remote_step(self) -> int:
         """The number of updates the nodes have applied: where to resume the data."""
         return self._session.step
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the job (it changes when the job morphs)."""
+        return self._session.rank
+
+    @property
+    def world_size(self) -> int:
+        """The job's data-parallel width (it changes when the job morphs)."""
+        return self._session.job.world_size
+
+    def morph(self, rank: int, world_size: int, at_step: int) -> None:
+        """Go on as ``rank`` of ``world_size`` workers from step ``at_step``, the step the job's workers
+        agreed to change its width at (:class:`gpu_worker.elastic.ElasticGroup` agrees on it and calls
+        this). Between steps only (after ``step()``, before the next step's gradients are pushed); the
+        nodes keep the parameters and moments and average the following steps over the new width."""
+        if self._buffers is not None:
+            raise RuntimeError("this optimizer broadcasts buffers over a torch.distributed group of a fixed size: pass broadcast_buffers=False to morph")
+        self._session.morph(rank, world_size, at_step)
 
     @property
     def stream_stats(self) -> StreamStats | None:

@@ -9,6 +9,7 @@ handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
@@ -190,6 +191,7 @@ class OffloadSession:
             needs_init += reply.header.meta.get("needs_init", [])
             resume[index] = (int(reply.header.meta["resume_step"]), [int(b) for b in reply.header.meta["contributed"]])
         self._resume_at(resume)
+        self._connections.morphed()  # a joiner's morph_at: said once
         self._said_hello = True
         return sorted(needs_init)
 
@@ -246,6 +248,36 @@ class OffloadSession:
     def connection_addresses(self) -> list[str]:
         """Where each node connection goes: the address given, or the node's same-host socket."""
         return self._connections.addresses
+
+    def join_at(self, at_step: int) -> None:
+        """Before :meth:`connect`: this worker joins a running job whose workers agreed to grow at ``at_step``."""
+        self._connections.set_job(self.job.to_wire(), morph_at=at_step)
+
+    def morph(self, rank: int, world_size: int, at_step: int) -> None:
+        """Between steps: go on as ``rank`` of ``world_size`` workers from step ``at_step``, the step the
+        job's workers agreed to change its width at (:mod:`gpu_worker.elastic`). Every node takes the new
+        width once it reaches that step (:mod:`optimizer_node.morphing`); the parameters stay as they are."""
+        if self.job.mode != "full":
+            raise ValueError("a layer-wise job cannot change its width: morphing is for full-model jobs")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if self._pushed or self._refusals.step_open:
+            raise RuntimeError(f"rank {self.rank} has pushed gradients of step {self.step}: a worker morphs between steps")
+        if self.step != at_step:
+            raise RuntimeError(f"rank {self.rank} is at step {self.step}, the morph is at step {at_step}: the agreement and this worker disagree")
+        self.job = dataclasses.replace(self.job, world_size=world_size)
+        self.rank = rank
+        self._connections.set_job(self.job.to_wire(), rank=rank, morph_at=at_step)
+        self._last_clip = None
+        self._norm_partials.clear()
+        for index in range(len(self._connections)):
+            self._connections.send_hello(index)
+        resume = {index: self._registered(index, self.timeout_s) for index in range(len(self._connections))}
+        self._connections.morphed()
+        self._resume_at({index: (int(r.header.meta["resume_step"]), [int(b) for b in r.header.meta["contributed"]]) for index, r in resume.items()})
+        if self.resume_step != at_step:
+            raise RuntimeError(f"the nodes resumed rank {rank} at step {self.resume_step} after the morph at step {at_step}")
+        log.info("rank %d of %d from step %d (the job changed its width)", rank, world_size, at_step)
 
     def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:
         """Rank 0: give a bucket its initial fp32 values (flat, ``numel`` of the bucket); waits for the ACK."""

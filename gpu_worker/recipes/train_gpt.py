@@ -23,6 +23,7 @@ from tqdm import tqdm
 from gpu_worker import RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
+from job.discovery import nodes_option
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,12 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Train a small byte-level GPT on the Python standard library with netoptim.")
-    parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank")
+    parser.add_argument(
+        "--nodes",
+        default=None,
+        help="optimizer nodes: addresses separated by commas (the same on every rank), or a host file (one address per line); "
+        "default: $NETOPTIM_NODES or $NETOPTIM_NODE_FILE. A host file or the variables are read on rank 0, which shares the list under torchrun",
+    )
     parser.add_argument("--steps", type=int, default=300, help="total training steps (a resumed run continues to this step)")
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all workers (default: 8 per worker)")
     add_model_flags(parser, block_size=128)
@@ -128,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = model_config(args)
-    options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=args.nodes.split(","), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
+    options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=nodes_option(args.nodes), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
     options.update(security_options(args, rank))
     if args.layerwise:
         with torch.device("meta"):  # rank 0 initializes one block at a time, straight to the nodes

@@ -35,6 +35,7 @@ from gpu_worker.recipes.train_gpt import (
     parse_recipe_args,
     security_options,
 )
+from job.discovery import discover_nodes, nodes_option
 
 __all__ = ["decay_groups", "main", "token_loss"]
 
@@ -43,7 +44,12 @@ log = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", required=True, help="comma-separated optimizer-node addresses, the same on every rank; a multiple of --stages")
+    parser.add_argument(
+        "--nodes",
+        default=None,
+        help="optimizer nodes, a multiple of --stages: addresses separated by commas (the same on every rank), or a host file read on rank 0 "
+        "(one address per line); default: $NETOPTIM_NODES or $NETOPTIM_NODE_FILE on rank 0",
+    )
     parser.add_argument("--stages", type=int, default=2, help="pipeline positions P (ranks per replica); the world size must be a multiple")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
@@ -88,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     micro_batches = replicas * args.microbatches  # the calibration runs on one micro-batch
     sample_x, _ = batch_for_step(tokens, 0, global_batch=global_batch, block_size=args.block_size, rank=0, world_size=micro_batches, seed=args.seed)
     trainer = PipelineTrainer(
-        model, token_loss, config, nodes=args.nodes.split(","), calibration_input=sample_x, device=device, param_groups=decay_groups,
+        model, token_loss, config, nodes=discover_nodes(nodes_option(args.nodes), timeout_s=args.timeout), calibration_input=sample_x, device=device, param_groups=decay_groups,
         lr=args.lr, betas=(0.9, 0.95), wire_dtype=WIRE_DTYPES[args.wire_dtype], timeout_s=args.timeout, **security_options(args, rank),
     )  # fmt: skip
     del model  # the blocks of other stages go; this rank keeps its own
