@@ -24,6 +24,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.step_bench import run
     elif args.bench == "cluster":
         from benchmarks.cluster_bench import run
+    elif args.bench == "morph":
+        from benchmarks.morph_bench import run
     else:
         raise AssertionError(args.bench)
     print(json.dumps(run(args), indent=2))

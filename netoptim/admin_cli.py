@@ -96,6 +96,12 @@ def _render_status(status: dict) -> str:
         f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM)",
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f})",
     ]
+    if int(status.get("morphs", 0)):
+        pause = float(status.get("last_morph_pause_seconds", -1))
+        lines.append(
+            f"width changed {status['morphs']} time(s); last at step {status['last_morph_step']}, from {status['last_morph_from']} to "
+            f"{status['world_size']} workers" + (f", {1e3 * pause:.1f} ms pause" if pause >= 0 else "")
+        )
     lines += _render_overrides(status.get("overrides", []))
     non_finite = status.get("non_finite")
     if non_finite:

@@ -102,5 +102,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--threads", type=positive_int, default=1, help="torch threads of the worker (the node runs one) (default: %(default)s)")
     step.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
     step.add_argument("--steps", type=positive_int, default=5, help="timed steps per bucket count; the median is reported (default: %(default)s)")
+    morph = which.add_parser(
+        "morph", help="an elastic job shrinking from 4 workers to 2 and growing to 3: bitwise against torch AdamW at the same widths, and each morph's pause"
+    )
+    morph.add_argument("--steps", type=positive_int, default=12, help="steps trained (default: %(default)s)")
+    morph.add_argument("--leave-after", type=positive_int, default=3, help="two workers are preempted once this step is done (default: %(default)s)")
+    morph.add_argument("--join-after", type=positive_int, default=7, help="a worker joins once this step is done (default: %(default)s)")
+    morph.add_argument("--width", type=positive_int, default=32, help="hidden width of the small model trained (default: %(default)s)")
     cluster = which.add_parser("cluster", help="tokens/s and bytes per link on an emulated cluster (root): netoptim vs torch FSDP and DDP over gloo")
     add_cluster_flags(cluster)

@@ -166,6 +166,10 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             drain_step=status["drain_step"],
             overrides=[admin_pb2.Override(**entry) for entry in status["overrides"]],
             jobs_let_go=status["jobs_let_go"],
+            morphs=status["morphs"],
+            last_morph_step=status["last_morph_step"],
+            last_morph_from=status["last_morph_from"],
+            last_morph_pause_seconds=status["last_morph_pause_s"],
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:

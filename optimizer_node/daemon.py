@@ -39,6 +39,7 @@ from optimizer_node.faults import CrashPoints
 from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.metrics import NodeMetrics
+from optimizer_node.morphing import MorphGate
 from optimizer_node.non_finite import NonFiniteStats, count_non_finite
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
@@ -200,6 +201,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._drain_step: int | None = None
         self._last_checkpoint: dict | None = None
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
+        self._morphs = MorphGate()  # the job's width changes, and morph HELLOs that came early
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -489,6 +491,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         """Take a checked push: refused only for NaN/inf (``--non-finite refuse``), else added."""
         job, bucket, state, absent, in_flight = check
         header = message.header
+        self._morphs.push_taken()
         # NaN/inf, before the gradient touches any state: one vectorized sum per view, counted exactly only when a sum is not finite.
         checking = time.perf_counter()
         non_finite = 0 if known_finite else count_non_finite(message.tensors)
@@ -695,6 +698,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.metrics.step_completed(self.clock.last, step)
         self._step_completed(step)
         self._maybe_finished()  # a rank's BYE can overtake its last pushes (on another of its connections)
+        self._morphs.update_sent()
+        for held in self._morphs.due(step):  # the workers agreed to morph at this step
+            self.handle(held)
 
     def _rank_rejoined(self, rank: int) -> None:
         """``rank`` is on a new connection (a new process, or the same one reconnecting): what the old

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.morphing import MorphGate
     from optimizer_node.non_finite import NonFiniteStats
     from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
@@ -54,6 +55,7 @@ class OperatorControls:
     _override_origins: dict[str, str]
     _finished_step: int | None
     jobs_let_go: int
+    _morphs: MorphGate
     non_finite: NonFiniteStats
 
     if TYPE_CHECKING:  # provided by NodeDaemon
@@ -195,6 +197,7 @@ class OperatorControls:
             "job_state": self.job_state(),
             "overrides": self.override_list(),
             "jobs_let_go": self.jobs_let_go,
+            **self._morphs.snapshot(),
             "drain_step": -1 if self._drain_step is None else self._drain_step,
         }
 

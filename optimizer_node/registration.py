@@ -27,6 +27,7 @@ from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
+from optimizer_node.morphing import MorphGate
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore
 from optimizer_node.waiting_hellos import WaitingHellos
@@ -122,9 +123,18 @@ class JobRegistration:
         def _job_initialized(self) -> None: ...
         def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool: ...
         def let_job_go(self, reason: str) -> dict: ...
+        def _flush_outbox(self, peer: bytes | None = None) -> None: ...
 
     _finished_step: int | None
     jobs_let_go: int
+    _morphs: MorphGate
+    _ready: list[int]
+    _deferred_pulls: dict[int, list[tuple[bytes, int]]]
+    _awaiting_clip: int | None
+    _norm_partial: Header | None
+    _buckets_done: dict[int, int]
+    _batching: dict[int, bytes]
+    _batching_peers: frozenset[bytes]
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
@@ -166,6 +176,10 @@ class JobRegistration:
                 self._hold_hello(message)
                 return
             self.let_job_go(f"it was finished and rank 0 of job {job_fingerprint(spec)} said HELLO")
+        at = self._morphs.requested_step(message)
+        if at is not None and self._job is not None and node_index == self._job.node_index and MorphGate.morphs_to(self._job.spec, spec):
+            if self._hold_or_morph(message, spec, at):
+                return
         if self._job is None:
             if header.rank != 0:
                 self._hold_hello(message)
@@ -236,6 +250,40 @@ class JobRegistration:
         if header.rank == 0 and self._deferred_hellos:
             for held in self._deferred_hellos.take_all():
                 self.handle(held)
+
+    def _hold_or_morph(self, message: Message, spec: JobSpec, at: int) -> bool:
+        """A HELLO of the registered job at another width, to take effect at step ``at``
+        (:mod:`optimizer_node.morphing`): held (True) until every owned bucket reached ``at``, then the
+        job morphs and the HELLO registers as usual (False)."""
+        job = self._job
+        assert job is not None
+        if job.spec.mode != "full":
+            raise WireError(ErrorCode.BAD_REQUEST, "a layer-wise job cannot change its width: morphing is for full-model jobs")
+        steps = {state.step for state in self._store}
+        if len(self._store) < len(job.owned) or max(steps, default=0) > at:
+            raise WireError(
+                ErrorCode.BAD_REQUEST,
+                f"node {self.node_id} is at step {self.step}{' (initial values missing)' if len(self._store) < len(job.owned) else ''}, past or "
+                f"not ready for the morph at step {at}: restart the workers at the new width (they resume at the nodes' step)",
+            )
+        if min(steps, default=0) < at:
+            self._morphs.hold(at, message)
+            notice = {"waiting_for": f"node {self.node_id} is at step {self.step}; the job changes its width at step {at}"}
+            self._send(message.peer, Header(msg_type=MsgType.NOTICE, rank=message.header.rank, meta=notice))
+            return True
+        self._flush_outbox()
+        dropped = sum(len(in_flight.reduction.received) for in_flight in self._in_flight.values())
+        self._in_flight.clear()  # gradients of step `at` from the old width: none is applied, none mixed in
+        self._ready.clear()
+        self._deferred_pulls.clear()
+        self._awaiting_clip, self._norm_partial = None, None
+        self._buckets_done.clear()
+        self._ledger = StepLedger()  # the old width's ranks are not part of the job any more
+        self._batching.clear()
+        self._batching_peers = frozenset()
+        self._job = ActiveJob.create(spec, job.node_index, base_step=job.base_step)  # the same buckets: the plan does not depend on the width
+        self._morphs.morphed(at, job.spec.world_size, spec.world_size, dropped)
+        return False
 
     def _extend_job(self, spec: JobSpec, node_index: int) -> None:
         """Rank 0 added a param group between steps (``add_param_group``): the job takes its
