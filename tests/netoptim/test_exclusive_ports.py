@@ -168,3 +168,27 @@ def test_operations_doc_names_only_real_flags_and_every_node_flag():
     table = doc.split("## Starting a node", 1)[1].split("\n## ", 1)[0]
     in_table = {flag for row in table.splitlines() if row.startswith("| `--") for flag in re.findall(r"--[a-z][a-z0-9-]*", row.split("|")[1])}
     assert node_flags - in_table == set(), "netoptim node flags missing from the flag table of docs/operations.md"
+
+
+def test_every_netoptim_command_the_docs_show_uses_real_flags():
+    """Each ``netoptim SUBCOMMAND ...`` the README and docs/ show (inline or in a code block, with
+    its continuation lines) names flags its command (or the training recipes) has."""
+    from gpu_worker.recipes.train_gpt import build_parser as recipe_parser
+    from gpu_worker.recipes.train_gpt_pipeline import build_parser as pipeline_parser
+
+    root = Path(__file__).parents[2]
+    parsers = {parser.prog.split(" ")[1]: parser for parser in _parsers(build_parser()) if len(parser.prog.split(" ")) == 2}
+    common = {option for parser in (build_parser(), recipe_parser(), pipeline_parser()) for action in parser._actions for option in action.option_strings}
+    wrong = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")  # a command continued over lines is one command
+        for command in re.findall(r"(?<![\w/.-])netoptim ([a-z][a-z-]*)([^`\n]*)", text):
+            name, rest = command
+            parser = parsers.get(name)
+            if parser is None:
+                continue  # "netoptim trains ..." in prose
+            sub = rest.split()[0] if rest.split() else ""
+            child = next((p for p in _parsers(parser) if p.prog.endswith(f" {sub}")), None)
+            known = {o for p in (parser, child) if p is not None for action in p._actions for o in action.option_strings} | common
+            wrong += [f"{path.name}: netoptim {name}{rest[:60]}: {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest) if flag not in known]
+    assert not wrong, "\n".join(wrong)
