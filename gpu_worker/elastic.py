@@ -79,6 +79,7 @@ class ElasticGroup:
         self._agreed: dict[int, int] = {}  # version -> the step it takes effect at
         self._leave_requested = False
         self._leave_proposed = False
+        self._followed: Any = None  # an optimizer whose leave_requested this member acts on
 
     # ---------------------------------------------------------------- membership
 
@@ -139,6 +140,11 @@ class ElasticGroup:
         """Leave at the next agreed boundary (safe in a signal handler: it only sets a flag)."""
         self._leave_requested = True
 
+    def follow(self, optimizer: Any) -> None:
+        """Leave also when an operator asks this worker to (``netoptim admin morph --leave RANK``: the
+        node tells ``optimizer``, see :attr:`gpu_worker.RemoteOptimizer.leave_requested`)."""
+        self._followed = optimizer
+
     def leave_on(self, signum: int = signal.SIGTERM) -> None:
         """Preemption with notice: on ``signum`` this member finishes its steps until the agreed boundary and leaves."""
         signal.signal(signum, lambda *_: self.request_leave())
@@ -147,6 +153,8 @@ class ElasticGroup:
 
     def at_boundary(self, step: int) -> Change | None:
         """Call before step ``step``: ``None`` to train it at the current width, or the change to make first."""
+        if self._followed is not None and self._followed.leave_requested is not None:
+            self._leave_requested = True
         if self._leave_requested and not self._leave_proposed:
             self._leave_proposed = True
             self._propose("leave")

@@ -201,6 +201,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """The job's data-parallel width (it changes when the job morphs)."""
         return self._session.job.world_size
 
+    @property
+    def leave_requested(self) -> str | None:
+        """Why an operator asked this worker to leave the job (``netoptim admin morph --leave``), or ``None``;
+        :meth:`gpu_worker.elastic.ElasticGroup.follow` acts on it."""
+        return self._session.leave_requested
+
     def morph(self, rank: int, world_size: int, at_step: int) -> None:
         """Go on as ``rank`` of ``world_size`` workers from step ``at_step``, the step the job's workers
         agreed to change its width at (:class:`gpu_worker.elastic.ElasticGroup` agrees on it and calls

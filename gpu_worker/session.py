@@ -72,6 +72,7 @@ class OffloadSession:
         # and broadcast), the second copy even after the step that awaited them ended.
         self._reconnected: set[int] = set()
         self._said_hello = False  # registered with the nodes: close() says BYE
+        self.leave_requested: str | None = None  # an operator asked this worker to leave (elastic jobs), and why
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
@@ -559,6 +560,11 @@ class OffloadSession:
                 error = NonFiniteGradientError(self.rank, error.refusals, self.describe_bucket, retry=False)
             raise error
         if header.msg_type == MsgType.NOTICE:
+            if isinstance(header.meta.get("leave"), str):  # an operator's preemption notice (netoptim admin morph --leave)
+                if self.leave_requested is None:
+                    log.warning("rank %d: node %s asks this worker to leave the job: %s", self.rank, self.nodes[index], header.meta["leave"])
+                self.leave_requested = header.meta["leave"]
+                return
             if isinstance(header.meta.get("job_dropped"), str):
                 raise RuntimeError(
                     f"node {self.nodes[index]} let this job go: {header.meta['job_dropped']}. Rank {self.rank} stops; to go on, restart the node "

@@ -41,7 +41,7 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
     admin.add_argument("--json", action="store_true", help="print the response as JSON, for scripts")
     admin.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default: %(default)s)")
     calls = admin.add_subparsers(
-        dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,reset,shutdown,watch,health}"
+        dest="call", required=True, metavar="{status,workers,get-hparams,set-hparams,pause,resume,checkpoint,drain,reset,morph,shutdown,watch,health}"
     )
     calls.add_parser("status", help="what the node is doing")
     calls.add_parser("workers", help="the worker ranks the node has heard from")
@@ -61,6 +61,13 @@ def add_admin_parser(subparsers: argparse._SubParsersAction) -> None:
         "checkpoint directory); asks for the node's id to confirm",
     )
     reset.add_argument("--yes", action="store_true", help="do not ask: confirm with the node's id as its status gives it (for scripts)")
+    morph = calls.add_parser(
+        "morph",
+        help="ask ranks of an elastic job to leave, as a preemption notice would: each leaves at the next step its group agrees on and the job "
+        "goes on narrower (growing takes a new worker process: docs/elastic.md)",
+    )
+    morph.add_argument("--leave", type=int, action="append", required=True, metavar="RANK", help="a rank to leave (repeat for several)")
+    morph.add_argument("--reason", default="", help="shown to the ranks and logged")
     calls.add_parser("shutdown", help="stop the node")
     watch = calls.add_parser("watch", help="print one line per completed step")
     watch.add_argument("--count", type=int, default=0, help="stop after this many steps (default: until interrupted)")
@@ -207,6 +214,12 @@ def run_admin(args: argparse.Namespace) -> int:
                         if r["job"]
                         else "no job was registered"
                     ),
+                )
+            elif args.call == "morph":
+                _print(
+                    args,
+                    stub.Morph(admin_pb2.MorphRequest(leave=args.leave, reason=args.reason), **call),
+                    lambda r: f"told rank(s) {r.get('told', [])} to leave; the job has {r['world_size']} workers until the agreed step",
                 )
             elif args.call == "shutdown":
                 _print(args, stub.Shutdown(admin_pb2.ShutdownRequest(), **call), lambda r: "the node is stopping")

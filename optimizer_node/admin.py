@@ -266,6 +266,13 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         dropped = self._call(context, lambda: self._daemon.let_job_go("an operator reset the node (netoptim admin reset)"))
         return admin_pb2.ResetResponse(job=dropped["job"], step=dropped["step"], archived=dropped["archived"])
 
+    def Morph(self, request: admin_pb2.MorphRequest, context: grpc.ServicerContext) -> admin_pb2.MorphResponse:
+        reason = request.reason
+        if len(reason) > MAX_REASON_CHARS or not reason.isprintable():
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the reason must be printable text on one line, at most {MAX_REASON_CHARS} characters")
+        told, width = self._call(context, lambda: (self._daemon.ask_to_leave(list(request.leave), reason), self._daemon.status()["world_size"]))
+        return admin_pb2.MorphResponse(told=told, world_size=width)
+
     def WatchSteps(self, request: admin_pb2.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[admin_pb2.StepEvent]:
         with self._long_call(context):
             events = self._daemon.clock.subscribe()

@@ -94,6 +94,22 @@ class OperatorControls:
             self._maybe_request_norm(job)
         return self.apply_all_ready()
 
+    def ask_to_leave(self, ranks: list[int], reason: str) -> list[int]:
+        """Tell ranks of an elastic job to leave (a preemption notice from the operator); returns those told."""
+        if self._job is None:
+            raise ValueError("no job is registered: there is nobody to ask to leave")
+        bad = [rank for rank in ranks if not 0 <= rank < self._job.spec.world_size]
+        if bad or not ranks:
+            raise ValueError(f"ranks {bad or ranks} are not ranks of the job (width {self._job.spec.world_size})")
+        told = []
+        for rank in sorted(set(ranks)):
+            record = self._ledger.ranks.get(rank)
+            if record is not None and not record.left:
+                self._send(record.peer, Header(msg_type=MsgType.NOTICE, rank=rank, step=self.step, meta={"leave": reason or "asked by an operator"}))
+                told.append(rank)
+        log.warning("asked rank(s) %s to leave the job: %s", told, reason or "asked by an operator")
+        return told
+
     def _notify_workers(self, meta: dict) -> None:
         for peer in self._ledger.connections():
             self._send(peer, Header(msg_type=MsgType.NOTICE, step=self.step, meta=meta))

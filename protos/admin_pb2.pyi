@@ -287,3 +287,19 @@ class ResetResponse(_message.Message):
     step: int
     archived: str
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., archived: _Optional[str] = ...) -> None: ...
+
+class MorphRequest(_message.Message):
+    __slots__ = ("leave", "reason")
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    leave: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, leave: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class MorphResponse(_message.Message):
+    __slots__ = ("told", "world_size")
+    TOLD_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    told: _containers.RepeatedScalarFieldContainer[int]
+    world_size: int
+    def __init__(self, told: _Optional[_Iterable[int]] = ..., world_size: _Optional[int] = ...) -> None: ...

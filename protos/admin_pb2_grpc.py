@@ -89,6 +89,11 @@ class OptimizerNodeAdminStub:
                 request_serializer=protos_dot_admin__pb2.ResetRequest.SerializeToString,
                 response_deserializer=protos_dot_admin__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.Morph = channel.unary_unary(
+                '/netoptim.admin.v1.OptimizerNodeAdmin/Morph',
+                request_serializer=protos_dot_admin__pb2.MorphRequest.SerializeToString,
+                response_deserializer=protos_dot_admin__pb2.MorphResponse.FromString,
+                _registered_method=True)
 
 
 class OptimizerNodeAdminServicer:
@@ -171,6 +176,14 @@ class OptimizerNodeAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Morph(self, request, context):
+        """Ask workers of an elastic job to leave (as a preemption notice would): each named rank leaves at
+        the next step its group agrees on, and the job goes on narrower (see docs/elastic.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OptimizerNodeAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +241,11 @@ def add_OptimizerNodeAdminServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=protos_dot_admin__pb2.ResetRequest.FromString,
                     response_serializer=protos_dot_admin__pb2.ResetResponse.SerializeToString,
+            ),
+            'Morph': grpc.unary_unary_rpc_method_handler(
+                    servicer.Morph,
+                    request_deserializer=protos_dot_admin__pb2.MorphRequest.FromString,
+                    response_serializer=protos_dot_admin__pb2.MorphResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +545,33 @@ class OptimizerNodeAdmin:
             '/netoptim.admin.v1.OptimizerNodeAdmin/Reset',
             protos_dot_admin__pb2.ResetRequest.SerializeToString,
             protos_dot_admin__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Morph(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/netoptim.admin.v1.OptimizerNodeAdmin/Morph',
+            protos_dot_admin__pb2.MorphRequest.SerializeToString,
+            protos_dot_admin__pb2.MorphResponse.FromString,
             options,
             channel_credentials,
             insecure,

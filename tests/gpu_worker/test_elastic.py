@@ -74,3 +74,58 @@ def test_a_member_that_never_acknowledges_is_named():
         a.at_boundary(8)
     thread.join(10)
     assert failures  # the joiner waited for an agreement that never came
+
+
+def test_an_operator_asks_a_rank_to_leave_and_the_job_goes_on_narrower(start_node):
+    import grpc
+
+    from benchmarks.morph_bench import GLOBAL_BATCH, LR, WEIGHT_DECAY, loss_of, make_model, reference, samples
+    from gpu_worker import RemoteAdamW
+    from protos import admin_pb2, admin_pb2_grpc
+
+    node = start_node(extra_args=("--admin", "127.0.0.1:0"))
+    stub = admin_pb2_grpc.OptimizerNodeAdminStub(grpc.insecure_channel(node.admin_address))
+    store = torch.distributed.HashStore()
+    ElasticGroup.create(store, ["a", "b", "c"])
+    steps, widths, finals, errors = 8, {}, {}, []
+    reached = threading.Event()
+
+    def member(name: str) -> None:
+        try:
+            group = ElasticGroup(store, name, timeout_s=30)
+            first = group.start()
+            model = make_model(16)
+            opt = RemoteAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, nodes=[node.address], rank=first.rank, world_size=first.world_size)
+            group.follow(opt)
+            step = 0
+            while step < steps:
+                change = group.at_boundary(step)
+                if change is not None and change.leaving:
+                    break
+                if change is not None:
+                    opt.morph(change.rank, change.world_size, change.at_step)
+                loss_of(model, *samples(shard(step, GLOBAL_BATCH, opt.rank, opt.world_size))).backward()
+                opt.step()
+                opt.zero_grad()
+                widths[step] = opt.world_size
+                step += 1
+                if step == 2:
+                    reached.set()
+            finals[name] = (step, [p.detach().clone() for p in model.parameters()])
+            opt.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(name,), daemon=True) for name in "abc"]
+    for thread in threads:
+        thread.start()
+    assert reached.wait(30)
+    reply = stub.Morph(admin_pb2.MorphRequest(leave=[2], reason="spot reclaim"), timeout=10)
+    assert list(reply.told) == [2] and reply.world_size == 3
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert finals["c"][0] < steps and finals["a"][0] == steps and widths[0] == 3 and widths[steps - 1] == 2
+    assert all(torch.equal(x, y) for x, y in zip(finals["a"][1], reference(widths, steps, 16), strict=True))
+    status = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+    assert (status.world_size, status.morphs, status.last_morph_from) == (2, 1, 3)
