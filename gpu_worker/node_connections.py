@@ -232,6 +232,21 @@ class NodeConnections:
             self.liveness.heard(index)
         return message
 
+    def say_bye(self, wait_s: float) -> list[int]:
+        """Tell every node this rank is done (BYE) and wait up to ``wait_s`` for each one's ACK, so that
+        a node knows before this process goes whether its job is finished; what else arrives meanwhile
+        is dropped. Returns the nodes that did not answer (gone, or slow)."""
+        for index in range(len(self._clients)):
+            self._clients[index].send(Header(msg_type=MsgType.BYE, rank=self.rank))
+        pending = set(range(len(self._clients)))
+        deadline = time.monotonic() + wait_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for index in self.wait_readable(min(left, 0.1)):
+                message = self.take(index)
+                if message is not None and message.header.msg_type in (MsgType.ACK, MsgType.ERROR) and message.header.meta.get("bye", True):
+                    pending.discard(index)  # an ERROR: the node does not count this rank (any more); nothing to wait for
+        return sorted(pending)
+
     def dropped(self) -> list[int]:
         """The nodes whose link dropped since the last call (what was in flight may be lost)."""
         return [index for index, client in enumerate(self._clients) if client.connection_dropped()]

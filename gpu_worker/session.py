@@ -34,6 +34,9 @@ from transport.wire import WIRE_DTYPES, Header, MsgType, WireError, tensor_heade
 
 log = logging.getLogger(__name__)
 
+BYE_WAIT_S = 5.0
+"""How long closing waits for the nodes to acknowledge BYE (a node that is gone costs this once)."""
+
 __all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession"]
 
 
@@ -760,9 +763,10 @@ class OffloadSession:
         is finished and can take the next), then close the connections."""
         if self._said_hello:
             self._said_hello = False
-            for index in range(len(self._connections)):
-                try:
-                    self._connections.send(index, Header(msg_type=MsgType.BYE, rank=self.rank))
-                except Exception as exc:  # a node already gone: nothing to tell it
-                    log.debug("rank %d: BYE to node %s not sent: %s", self.rank, self.nodes[index], exc)
+            try:
+                silent = self._connections.say_bye(min(self.timeout_s, BYE_WAIT_S))
+                if silent:
+                    log.debug("rank %d: no answer to BYE from node(s) %s", self.rank, [self.nodes[i] for i in silent])
+            except Exception as exc:  # a node already gone: nothing to tell it
+                log.debug("rank %d: BYE not sent: %s", self.rank, exc)
         self._connections.close()

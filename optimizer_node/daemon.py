@@ -281,6 +281,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         """A rank closed its optimizer. When every rank has, between steps, the job is finished."""
         self._require_rank(message)
         self._ledger.mark_left(message.header.rank)
+        self._send(message.peer, Header(msg_type=MsgType.ACK, rank=message.header.rank, step=self.step, meta={"bye": True}))
         log.info("rank %d closed its optimizer at step %d", message.header.rank, self.step)
         self._maybe_finished()
 

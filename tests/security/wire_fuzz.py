@@ -71,6 +71,7 @@ ANSWERS: dict[MsgType, frozenset[MsgType]] = {
     MsgType.PULL: frozenset({MsgType.PARAMS}),
     MsgType.QUERY: frozenset({MsgType.STATUS}),
     MsgType.ECHO: frozenset({MsgType.ECHO}),
+    MsgType.BYE: frozenset({MsgType.ACK}),
 }
 """Besides ERROR, and PARAMS and NOTICE, which a node may send at any time, the answers each request may get."""
 
