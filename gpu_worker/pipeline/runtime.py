@@ -128,28 +128,38 @@ class PipelineTrainer:
         param_groups: Callable[[list[tuple[str, nn.Parameter]]], list[dict[str, Any]]] | None = None,
         **optimizer_options: Any,
     ) -> None:
-        config.validate()
         if not dist.is_initialized():
             raise RuntimeError("initialize torch.distributed first (torchrun + dist.init_process_group('gloo' or 'nccl'))")
+        if isinstance(nodes, str):
+            raise ValueError(f"nodes must be a list of addresses, got the string {nodes!r}")
+        self.device = torch.device(device)
+        self.times = StepTimes()
+        self._loss_fn, self._nodes, self._param_groups, self._optimizer_options = loss_fn, list(nodes), param_groups, optimizer_options
+        self._build(model, config, calibration_input)
+
+    def _build(self, model: nn.Module, config: PipelineConfig, calibration_input: torch.Tensor | None) -> None:
+        """Deal out the stages of ``model`` by ``config`` (its cuts, or balanced on a calibration) and
+        register each position's parameters with its node group, from the values ``model`` holds."""
+        config.validate()
         world, rank = dist.get_world_size(), dist.get_rank()
         num_positions = config.num_stages
         if world % num_positions:
             raise ValueError(f"world size {world} is not a multiple of num_stages {num_positions}: launch num_stages x replicas ranks")
-        if isinstance(nodes, str) or len(nodes) % num_positions:
+        nodes, optimizer_options, param_groups, loss_fn = self._nodes, self._optimizer_options, self._param_groups, self._loss_fn
+        if len(nodes) % num_positions:
             raise ValueError(f"{len(nodes)} node addresses cannot be dealt out to {num_positions} pipeline positions: give a multiple of {num_positions}")
         if num_positions > 1 and optimizer_options.get("max_grad_norm") is not None:
             raise ValueError("max_grad_norm needs one norm over all stages, which stage-wise node groups do not compute; clip with P = 1")
         self.config = config
-        self.device = torch.device(device)
         self.num_replicas = world // num_positions
         self.position, self.replica = rank % num_positions, rank // num_positions
-        self.times = StepTimes()
         groups = [dist.new_group(ranks=[d * num_positions + s for s in range(num_positions)]) for d in range(self.num_replicas)]
         self._pipe_group = groups[self.replica]
 
         blocks = pipeline_blocks(model)
         total_stages = num_positions * config.stages_per_rank
         cuts = list(config.cuts) if config.cuts is not None else self._calibrated_cuts(blocks, total_stages, calibration_input)
+        self.cuts = tuple(cuts)
         self.stage_ranges = split_points(len(blocks), cuts, total_stages)
         self.stage_indices = [self.position + num_positions * v for v in range(config.stages_per_rank)]
         self.stage_modules = [StageModule(blocks[a:b]).to(self.device) for a, b in (self.stage_ranges[i] for i in self.stage_indices)]
@@ -241,6 +251,33 @@ class PipelineTrainer:
         done = time.perf_counter()
         self.times.pipeline_s, self.times.optimizer_s = pipelined - started, done - pipelined
         return float(total[0] / total[1])
+
+    def repartition(self, model: nn.Module, config: PipelineConfig, calibration_input: torch.Tensor | None = None) -> None:
+        """Morph the pipeline between steps (every rank calls it): another stage split, another number
+        of stages (the replicas follow: ``world / num_stages``), with the same training state. Each
+        position's parameters and optimizer state are gathered from its nodes and shared with every
+        rank, the old jobs end (the nodes take the new ones: ``netoptim node --next-job take``), and
+        the stages are rebuilt from ``model`` (the same architecture, built afresh: its values are
+        replaced by the trained ones). ``config.cuts`` ``None``: the planner balances the new stages
+        on a calibration (``calibration_input``). Training continues bit for bit as a job that had the
+        new split from this step would. An LR scheduler must be made again on the new ``optimizer``."""
+        from gpu_worker.pipeline.repartition import gather_training_state, load_training_state
+
+        state = gather_training_state(self)
+        self.optimizer.close()  # the nodes' old jobs are finished once every position's ranks said BYE
+        dist.barrier()
+        load_training_state(model, state)
+        self._build(model, config, calibration_input)
+        self.optimizer.load_state_dict(state.optimizer_state_for(self.optimizer, self._named))
+        dist.barrier()  # no rank pushes a gradient of the new split before every position's state is in
+        log.info(
+            "rank %d: pipeline repartitioned: %d stages, cuts %s, position %d of replica %d",
+            dist.get_rank(),
+            config.num_stages,
+            list(self.cuts),
+            self.position,
+            self.replica,
+        )
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their names in the whole model."""

@@ -100,11 +100,13 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 
 
 def decay_groups(named: list[tuple[str, nn.Parameter]]) -> list[dict]:
-    """Weight decay on matrices only; named, so checkpoints export with the model's own names."""
-    return [
+    """Weight decay on matrices only; named, so checkpoints export with the model's own names. A group
+    with no parameter is left out (a pipeline stage of embeddings alone has no vector)."""
+    groups = [
         {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]
 
 
 def param_groups(model: nn.Module) -> list[dict]:

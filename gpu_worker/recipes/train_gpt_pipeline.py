@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     parser.add_argument("--stages-per-rank", type=int, default=0, help="interleaved schedule: stages per rank (default 2 there, else 1)")
     parser.add_argument("--cuts", default="auto", help="first block of every stage but the first, comma-separated; 'auto' balances on a calibration")
+    parser.add_argument(
+        "--repartition-at",
+        type=int,
+        default=-1,
+        help="morph the pipeline before this step: another split (--repartition-cuts) and number of stages (--repartition-stages), the same "
+        "training state; -1: never",
+    )
+    parser.add_argument("--repartition-stages", type=int, default=0, help="pipeline positions after the morph (default: --stages); replicas follow")
+    parser.add_argument("--repartition-cuts", default="auto", help="cut points after the morph, as --cuts; 'auto': the planner balances the new stages")
     parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--global-batch", type=int, default=0, help="sequences per step over all replicas (default: 2 per micro-batch and replica)")
     add_model_flags(parser, block_size=64)  # the model has n_layer + 2 pipeline blocks
@@ -111,6 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in progress:
             if step == args.crash_at_step and rank == args.crash_rank:
                 os._exit(17)
+            if step == args.repartition_at:
+                stages = args.repartition_stages or args.stages
+                cuts = None if args.repartition_cuts == "auto" else tuple(int(c) for c in args.repartition_cuts.split(",") if c)
+                torch.manual_seed(args.seed)
+                trainer.repartition(GPT(model_config(args)), PipelineConfig(stages, args.microbatches, args.schedule, stages_per_rank, cuts), sample_x)
+                replicas = world // stages
+                if global_batch % (replicas * args.microbatches):
+                    raise SystemExit(f"--global-batch {global_batch} must be a multiple of replicas x micro-batches = {replicas * args.microbatches}")
+                scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s, base=step: schedule(s + base))
             x, y = batch_for_step(
                 tokens, step, global_batch=global_batch, block_size=args.block_size, rank=trainer.replica, world_size=replicas, seed=args.seed
             )

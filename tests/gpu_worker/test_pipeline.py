@@ -31,10 +31,13 @@ def pipeline_args(nodes: list[str], stages: int, microbatches: int, schedule: st
     ]  # fmt: skip
 
 
-def reference(replicas: int, microbatches: int, global_batch: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(
+    replicas: int, microbatches: int, global_batch: int, replicas_from: tuple[int, int] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(A) torch's fused AdamW fed the gradients the pipeline computes: per replica, micro-batch
     gradients accumulated and divided by their number (as the schedule does), then replicas summed
-    in order and divided by their number (as the node does); (B) the whole batch in one pass."""
+    in order and divided by their number (as the node does); (B) the whole batch in one pass.
+    ``replicas_from``: (step, replicas) from that step on (a pipeline repartitioned to another depth)."""
     tokens = load_stdlib_bytes()
     results = []
     threads = torch.get_num_threads()
@@ -51,15 +54,16 @@ def reference(replicas: int, microbatches: int, global_batch: int) -> tuple[dict
                 token_loss(model(x)[0], y).backward()
             else:
                 sums: list[torch.Tensor] = []
-                for replica in range(replicas):
+                width = replicas_from[1] if replicas_from is not None and step >= replicas_from[0] else replicas
+                for replica in range(width):
                     copy_ = copy.deepcopy(model)
-                    x, y = batch_for_step(tokens, step, global_batch=global_batch, block_size=MODEL["block_size"], rank=replica, world_size=replicas, seed=0)
+                    x, y = batch_for_step(tokens, step, global_batch=global_batch, block_size=MODEL["block_size"], rank=replica, world_size=width, seed=0)
                     for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches), strict=True):
                         token_loss(copy_(xm)[0], ym).backward()
                     grads = [p.grad.div_(microbatches) for p in copy_.parameters()]
                     sums = [g.clone() for g in grads] if not sums else [s + g for s, g in zip(sums, grads, strict=True)]
                 for param, total in zip(model.parameters(), sums, strict=True):
-                    param.grad = total / replicas
+                    param.grad = total / width
             opt.step()
             opt.zero_grad()
             scheduler.step()
@@ -141,3 +145,27 @@ def test_a_rank_that_dies_stops_every_other_rank(start_node, tmp_path):
     for rank, position, replica in ((0, 0, 0), (2, 0, 1), (3, 1, 1)):
         text = (tmp_path / f"rank{rank}.out").read_text()
         assert f"rank {rank}: stopping: rank {rank} (position {position}, replica {replica}): a peer rank stopped" in text, text[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("stages_after", "cuts_before", "cuts_after"),
+    [
+        pytest.param(2, "1", "2", id="P2-new-cuts"),
+        pytest.param(1, "2", "auto", id="P2-to-P1D2", marks=pytest.mark.slow),
+    ],
+)
+def test_a_pipeline_repartitioned_mid_run_continues_bitwise(start_node, tmp_path, stages_after, cuts_before, cuts_after):
+    """Morph P: before step 2 the pipeline takes another split (and maybe another depth, the replicas
+    following); its state moves between the node groups' jobs, and the run is bitwise that of torch's
+    AdamW fed the gradients of the split in force at each step."""
+    nodes = [start_node(f"node{i}").address for i in range(2)]
+    global_batch, microbatches, at = 4, 2, 2
+    args = pipeline_args(nodes, 2, microbatches, "1f1b", global_batch, tmp_path / "params")
+    args += ["--cuts", cuts_before, "--repartition-at", str(at), "--repartition-stages", str(stages_after), "--repartition-cuts", cuts_after]
+    status = run_workers(args, 2, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=180, quiet=True)
+    assert status == 0
+    params = gathered(tmp_path / "params", 2, stages_after)
+    replicas_after = 2 // stages_after
+    expected, _ = reference(1, microbatches, global_batch, replicas_from=(at, replicas_after))
+    assert params.keys() == expected.keys()
+    assert max(float((params[n] - expected[n]).abs().max()) for n in params) == 0.0
