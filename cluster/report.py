@@ -62,12 +62,14 @@ def per_rank_bytes(mode: str, params: int, root: int, world_size: int, *, gloo: 
     raise ValueError(f"mode {mode!r}: one of netoptim, fsdp, ddp")
 
 
-def model_link_bytes(mode: str, config: GPTConfig, params: int, shape: Shape, *, gloo: bool = True) -> dict[str, float]:
-    """Payload bytes per step each way on every host's link, by host name (``w0``..., ``n0``...)."""
+def model_link_bytes(mode: str, config: GPTConfig, params: int, shape: Shape, *, gloo: bool = True, host_groups: bool = False) -> dict[str, float]:
+    """Payload bytes per step each way on every host's link, by host name (``w0``..., ``n0``...).
+    ``host_groups`` (netoptim): a host's workers sum their gradients first, one flow per host."""
     rank = per_rank_bytes(mode, params, root_params(config), shape.world_size, gloo=gloo)
-    links = {f"w{i}": shape.workers_per_host * rank for i in range(shape.worker_hosts)}
+    pushing = 1 if mode == "netoptim" and host_groups else shape.workers_per_host  # flows leaving each worker host
+    links = {f"w{i}": pushing * rank for i in range(shape.worker_hosts)}
     for i in range(shape.node_hosts):
-        links[f"n{i}"] = shape.world_size * params * WIRE_BYTES / shape.node_hosts if mode == "netoptim" else 0.0
+        links[f"n{i}"] = shape.worker_hosts * pushing * params * WIRE_BYTES / shape.node_hosts if mode == "netoptim" else 0.0
     return links
 
 

@@ -53,6 +53,9 @@ class JobSpec:
     """netoptim: parameters per bucket (0: RemoteAdamW's default)."""
     save_params: str = ""
     """Rank 0 writes its trained parameters here (``torch.save``)."""
+    host_groups: bool = True
+    """netoptim with several workers per host: they sum their gradients in shared memory and one of
+    them talks to the nodes (:mod:`gpu_worker.hierarchical`); ``False``: every worker pushes its own."""
 
     def validate(self) -> None:
         if self.mode not in ("netoptim", "fsdp", "ddp"):
@@ -68,7 +71,7 @@ class JobSpec:
         flags = dict(
             mode=self.mode, warmup=self.warmup, steps=self.steps, micro_batch=self.micro_batch, block_size=self.block_size, n_layer=self.n_layer,
             n_embd=self.n_embd, n_head=self.n_head, lr=self.lr, seed=self.seed, threads=self.threads, timeout_s=self.timeout_s,
-            bucket_numel=self.bucket_numel,
+            bucket_numel=self.bucket_numel, host_groups=int(self.host_groups),
         )  # fmt: skip
         return [f"--{key.replace('_', '-')}={value}" for key, value in flags.items()] + ([f"--save-params={self.save_params}"] if self.save_params else [])
 
@@ -219,6 +222,8 @@ class _Job:
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.world_size),
                 "LOCAL_RANK": str(rank % self.spec.workers_per_host),
+                "LOCAL_WORLD_SIZE": str(self.spec.workers_per_host),
+                "NETOPTIM_CLUSTER_RUN": self.sync.name,  # names the host groups' shared files: unique per run
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(master_port),
                 "GLOO_SOCKET_IFNAME": self.placement.gloo_interface(),  # the host's own interface, not whatever the hostname resolves to

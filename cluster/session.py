@@ -153,8 +153,9 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
         "results": {},
     }
     for mode, result in results.items():
-        model = report.model_link_bytes(mode, run.config, params, run.shape)
-        ideal = report.model_link_bytes(mode, run.config, params, run.shape, gloo=False)
+        host_groups = job.host_groups and run.shape.workers_per_host > 1
+        model = report.model_link_bytes(mode, run.config, params, run.shape, host_groups=host_groups)
+        ideal = report.model_link_bytes(mode, run.config, params, run.shape, gloo=False, host_groups=host_groups)
         out["results"][mode] = {
             "tokens_per_s": result.tokens_per_s,
             "step_s": result.timed_s / job.steps,

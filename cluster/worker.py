@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this rank")
     parser.add_argument("--bucket-numel", type=int, default=0, help="netoptim: parameters per bucket (0: RemoteAdamW's default)")
+    parser.add_argument("--host-groups", type=int, default=1, help="netoptim: 1 to sum a host's gradients in shared memory first (one flow per host)")
     parser.add_argument("--save-params", default="", help="rank 0: write its trained parameters here (torch.save of name -> tensor; with fsdp, its shards)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting at a barrier after this long")
     return parser
@@ -83,6 +84,25 @@ def _build(args: argparse.Namespace, rank: int, world_size: int):
     torch.manual_seed(args.seed)  # every rank builds the same model
     model = GPT(config)
     hyper = dict(lr=args.lr, betas=(0.9, 0.95))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if args.mode == "netoptim" and args.host_groups and local_size > 1:
+        from gpu_worker.hierarchical import HostGroupAdamW
+        from gpu_worker.host_group import HostGroup
+
+        host, local = divmod(rank, local_size)
+        group = HostGroup(f"{os.environ.get('NETOPTIM_CLUSTER_RUN', 'cluster')}-{host}", local, local_size)
+        optimizer = HostGroupAdamW(
+            decay_groups(list(model.named_parameters())),
+            host_group=group,
+            nodes=args.nodes.split(","),
+            rank=host,
+            world_size=world_size // local_size,
+            same_host_ipc=False,
+            timeout_s=args.timeout_s,
+            **({"bucket_numel": args.bucket_numel} if args.bucket_numel else {}),
+            **hyper,
+        )
+        return model, model, optimizer
     if args.mode == "netoptim":
         from gpu_worker import RemoteAdamW
 

@@ -105,6 +105,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         module: torch.nn.Module | None = None,
         broadcast_buffers: bool = True,
         join_at_step: int | None = None,
+        local_size: int = 1,
     ) -> None:
         """Register the job with the nodes and start; the optimizer's options are documented on the class."""
         nodes = discover_nodes(nodes, timeout_s=timeout_s)  # a list as given; a host file or None: resolved by rank 0, shared
@@ -130,6 +131,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             mode="full" if units is None else "layerwise",
             unit_starts=tuple(unit_starts),
             rule=self.rule,
+            local_size=local_size,
         )
         self._params = tensors
         if bool(curve_secret_key) != bool(curve_server_key):

@@ -88,11 +88,21 @@ class JobSpec:
     mode: str = "full"
     unit_starts: tuple[int, ...] = ()  # layer-wise: index of each unit's first parameter
     rule: str = "adamw"  # the update rule the nodes apply (job.hyper.RULES)
+    # Workers behind each pushing rank (a host group whose gradients it sums first, gpu_worker.host_group):
+    # the nodes sum world_size contributions and average over world_size x local_size workers.
+    local_size: int = 1
+
+    @property
+    def workers(self) -> int:
+        """Data-parallel workers in all: the averaging divisor."""
+        return self.world_size * self.local_size
 
     def validate(self) -> None:
         """``ValueError`` for values no job can have."""
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.local_size < 1:
+            raise ValueError(f"local_size must be >= 1, got {self.local_size}")
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
         if self.bucket_numel < 1:
@@ -118,8 +128,8 @@ class JobSpec:
         """:class:`LimitError` when the job is over ``limits``, ``ValueError`` for a layout no plan
         can have. Costs O(parameters + dimensions), whatever sizes the job declares: every count is
         checked before it is used, and the buckets are counted from below, not planned."""
-        if self.world_size > limits.max_world_size:
-            raise LimitError(f"the job has {self.world_size} workers, this node takes at most {limits.max_world_size}", "--max-world-size")
+        if self.workers > limits.max_world_size:
+            raise LimitError(f"the job has {self.workers} workers, this node takes at most {limits.max_world_size}", "--max-world-size")
         if self.num_nodes > limits.max_nodes:
             raise LimitError(f"the job has {self.num_nodes} nodes, this node takes jobs of at most {limits.max_nodes}", "--max-job-nodes")
         if len(self.params) > limits.max_params:
@@ -169,6 +179,7 @@ class JobSpec:
             "mode": self.mode,
             "unit_starts": list(self.unit_starts),
             "rule": self.rule,
+            **({"local_size": self.local_size} if self.local_size != 1 else {}),
         }
 
     @classmethod
@@ -199,6 +210,9 @@ class JobSpec:
         mode = raw.get("mode", "full")
         unit_starts = raw.get("unit_starts", [])
         rule = raw.get("rule", "adamw")
+        local_size = raw.get("local_size", 1)
+        if not isinstance(local_size, int) or isinstance(local_size, bool):
+            raise ValueError("job spec field local_size must be an integer")
         if not isinstance(mode, str):
             raise ValueError("job spec field mode must be a string")
         if not isinstance(rule, str):
@@ -215,6 +229,7 @@ class JobSpec:
             mode=mode,
             unit_starts=tuple(unit_starts),
             rule=rule,
+            local_size=local_size,
         )
         spec.validate()
         return spec
@@ -224,7 +239,10 @@ class JobSpec:
         param group added mid-run), so that every bucket of this job keeps its place and node."""
         if other.mode != "full" or self.mode != "full" or len(other.params) <= len(self.params) or other.params[: len(self.params)] != self.params:
             return False
-        if any(getattr(self, name) != getattr(other, name) for name in ("rule", "world_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm")):
+        if any(
+            getattr(self, name) != getattr(other, name)
+            for name in ("rule", "world_size", "local_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm")
+        ):
             return False
         groups = {param.group for param in self.params}
         if any(param.group in groups for param in other.params[len(self.params) :]):
@@ -236,7 +254,7 @@ class JobSpec:
         """A sentence describing the first difference from ``other``, or ``None``."""
         if self.mode != other.mode:
             return f"the job was registered in {self.mode} mode, this worker runs in {other.mode} mode; every rank of a job must use the same mode"
-        for name in ("rule", "world_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
+        for name in ("rule", "world_size", "local_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs: registered {mine!r}, got {theirs!r}"

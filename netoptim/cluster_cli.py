@@ -57,6 +57,12 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layer", type=positive_int, default=2, help="transformer blocks of the GPT (default: %(default)s)")
     parser.add_argument("--n-embd", type=positive_int, default=128, help="width of the GPT (default: %(default)s)")
     parser.add_argument("--n-head", type=positive_int, default=4, help="attention heads of the GPT (default: %(default)s)")
+    parser.add_argument(
+        "--no-host-groups",
+        action="store_true",
+        help="netoptim with several workers per host: every worker pushes its own gradients (default: they sum them in shared memory first and "
+        "one flow per host goes to each node)",
+    )
     parser.add_argument("--bucket-numel", type=non_negative_int, default=0, help="netoptim: parameters per bucket (default: 0, the model in about 8 buckets)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker process (default: %(default)s)")
     parser.add_argument("--subnet", default="10.231.0.0/24", help="private IPv4 range of the emulated hosts (default: %(default)s)")
@@ -90,6 +96,7 @@ def cluster_run_from_args(args: argparse.Namespace, systems: tuple[str, ...]):
     job = JobSpec(
         mode=systems[0],
         workers_per_host=args.workers_per_host,
+        host_groups=not args.no_host_groups,
         n_layer=args.n_layer,
         n_embd=args.n_embd,
         n_head=args.n_head,

@@ -66,7 +66,7 @@ class GlobalNormClipping:
             for bucket_id in sorted(self._in_flight):
                 grad = self._in_flight[bucket_id].reduction.result
                 assert grad is not None
-                grad.div_(job.spec.world_size)
+                grad.div_(job.spec.workers)
                 partial += sum_of_squares(grad)
         if any(s.non_finite for s in self._in_flight.values()) and math.isfinite(partial):
             partial = math.inf  # skip policy: a non-finite total makes every node skip the step

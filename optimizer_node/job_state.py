@@ -39,7 +39,7 @@ class ActiveJob:
     node_index: int
     owned: dict[int, BucketSpec]  # bucket_id -> spec, only this node's buckets
     segments: dict[int, list[tuple[int, int]]]  # bucket_id -> (offset, numel) per parameter piece, for the update
-    divisor: torch.Tensor  # () fp32 world size: the averaging divisor, made once
+    divisor: torch.Tensor  # () fp32 workers in all (world size x local size): the averaging divisor, made once
     base_step: int = 0  # the step buckets created now start at: 0, or the step a param group was added at
 
     @classmethod
@@ -47,4 +47,4 @@ class ActiveJob:
         """This node's share of a job; the per-bucket update arguments are derived once here, not per step."""
         owned = {b.bucket_id: b for b in (plan if plan is not None else spec.plan()) if b.node == node_index}
         segments = {b.bucket_id: [(seg.bucket_offset, seg.numel) for seg in b.segments] for b in owned.values()}
-        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.world_size), dtype=torch.float32), base_step)
+        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.workers), dtype=torch.float32), base_step)
