@@ -87,6 +87,9 @@ class RemoteAdamW(RemoteOptimizer):
             (initialize a process group; gloo is enough). Without ``module`` each rank keeps its own
             buffers. :func:`gpu_worker.offload` passes its model. See :mod:`gpu_worker.buffers`.
         broadcast_buffers: ``False`` leaves each rank's buffers its own (e.g. with SyncBatchNorm).
+        node_bandwidths: each node's link bandwidth (any unit, one number per node, the same on every
+            rank): a node gets a share of the buckets in proportion, so a slower link is not the
+            step's bottleneck. Default: equal shares.
         join_at_step: a worker joining a running job whose workers agreed to grow at that step
             (:meth:`gpu_worker.elastic.ElasticGroup.join` gives it, with ``rank`` and ``world_size``);
             see :meth:`morph` for the workers already in it.

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -106,6 +106,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         broadcast_buffers: bool = True,
         join_at_step: int | None = None,
         local_size: int = 1,
+        node_bandwidths: Sequence[float] | None = None,
     ) -> None:
         """Register the job with the nodes and start; the optimizer's options are documented on the class."""
         nodes = discover_nodes(nodes, timeout_s=timeout_s)  # a list as given; a host file or None: resolved by rank 0, shared
@@ -132,6 +133,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             unit_starts=tuple(unit_starts),
             rule=self.rule,
             local_size=local_size,
+            node_weights=tuple(float(b) for b in node_bandwidths) if node_bandwidths else (),
         )
         self._params = tensors
         if bool(curve_secret_key) != bool(curve_server_key):

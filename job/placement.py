@@ -72,15 +72,22 @@ class BucketSpec:
     segments: tuple[Segment, ...]
 
 
-def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int, unit_starts: Sequence[int] = ()) -> list[BucketSpec]:
+def plan_buckets(
+    params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int, unit_starts: Sequence[int] = (), node_weights: Sequence[float] = ()
+) -> list[BucketSpec]:
     """Split ``params`` into buckets and assign each to one of ``num_nodes`` nodes.
 
     ``unit_starts`` are parameter indices where a new bucket must begin (the first parameter of each
     layer-wise unit), so that a unit's parameters travel in buckets of their own. A bucket also ends
     wherever the param group changes, so groups may interleave (layer-wise jobs order parameters by
-    unit). Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count,
-    for duplicate parameter names, or for unit starts out of range.
+    unit). ``node_weights`` (one per node, positive; empty: all equal) weighs each node's share, for
+    example by its link's bandwidth: a bucket goes to the node whose elements divided by its weight are
+    fewest, so a node twice as fast holds (and moves) about twice as many. Deterministic in its
+    inputs. Raises ``ValueError`` for a non-positive size or node count, for duplicate parameter
+    names, for unit starts out of range, or for weights that are not one positive number per node.
     """
+    if node_weights and (len(node_weights) != num_nodes or not all(math.isfinite(w) and w > 0 for w in node_weights)):
+        raise ValueError(f"node_weights must be {num_nodes} positive numbers, one per node, got {list(node_weights)}")
     if bucket_numel < SPLIT_ALIGNMENT:
         raise ValueError(f"bucket_numel must be at least {SPLIT_ALIGNMENT}, got {bucket_numel}")
     if num_nodes <= 0:
@@ -123,11 +130,20 @@ def plan_buckets(params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int,
 
     # The node with the fewest elements, ties to the lower index: a heap of (load, node) pops exactly
     # that one, in O(log nodes) per bucket rather than a scan of every node.
-    load = [(0, node) for node in range(min(num_nodes, len(raw_buckets)))]  # nodes past the bucket count get nothing
+    if not node_weights:
+        load = [(0, node) for node in range(min(num_nodes, len(raw_buckets)))]  # nodes past the bucket count get nothing
+        buckets = []
+        for bucket_id, (group, numel, segments) in enumerate(raw_buckets):
+            total, node = load[0]
+            heapq.heapreplace(load, (total + numel, node))
+            buckets.append(BucketSpec(bucket_id, group, numel, node, tuple(segments)))
+        return buckets
+    # Weighted: the node whose load after taking the bucket, over its weight, is least (ties to the lower index).
+    totals = [0] * num_nodes
     buckets = []
     for bucket_id, (group, numel, segments) in enumerate(raw_buckets):
-        total, node = load[0]
-        heapq.heapreplace(load, (total + numel, node))
+        node = min(range(num_nodes), key=lambda n: ((totals[n] + numel) / node_weights[n], n))
+        totals[node] += numel
         buckets.append(BucketSpec(bucket_id, group, numel, node, tuple(segments)))
     return buckets
 

@@ -91,6 +91,8 @@ class JobSpec:
     # Workers behind each pushing rank (a host group whose gradients it sums first, gpu_worker.host_group):
     # the nodes sum world_size contributions and average over world_size x local_size workers.
     local_size: int = 1
+    # Relative share of each node (e.g. its link's bandwidth), for the placement; empty: equal shares.
+    node_weights: tuple[float, ...] = ()
 
     @property
     def workers(self) -> int:
@@ -103,6 +105,8 @@ class JobSpec:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.local_size < 1:
             raise ValueError(f"local_size must be >= 1, got {self.local_size}")
+        if self.node_weights and (len(self.node_weights) != self.num_nodes or not all(math.isfinite(w) and w > 0 for w in self.node_weights)):
+            raise ValueError(f"node_weights must be {self.num_nodes} positive numbers, one per node, got {list(self.node_weights)}")
         if self.num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
         if self.bucket_numel < 1:
@@ -166,7 +170,7 @@ class JobSpec:
         return plan
 
     def plan(self) -> list[BucketSpec]:
-        return plan_buckets(self.params, self.bucket_numel, self.num_nodes, self.unit_starts)
+        return plan_buckets(self.params, self.bucket_numel, self.num_nodes, self.unit_starts, self.node_weights)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -180,6 +184,7 @@ class JobSpec:
             "unit_starts": list(self.unit_starts),
             "rule": self.rule,
             **({"local_size": self.local_size} if self.local_size != 1 else {}),
+            **({"node_weights": list(self.node_weights)} if self.node_weights else {}),
         }
 
     @classmethod
@@ -213,6 +218,13 @@ class JobSpec:
         local_size = raw.get("local_size", 1)
         if not isinstance(local_size, int) or isinstance(local_size, bool):
             raise ValueError("job spec field local_size must be an integer")
+        node_weights = raw.get("node_weights", [])
+        if (
+            not isinstance(node_weights, list)
+            or len(node_weights) > ints["num_nodes"]
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in node_weights)
+        ):
+            raise ValueError("job spec field node_weights must be a list of numbers, one per node")
         if not isinstance(mode, str):
             raise ValueError("job spec field mode must be a string")
         if not isinstance(rule, str):
@@ -230,6 +242,7 @@ class JobSpec:
             unit_starts=tuple(unit_starts),
             rule=rule,
             local_size=local_size,
+            node_weights=tuple(float(w) for w in node_weights),
         )
         spec.validate()
         return spec
@@ -254,7 +267,7 @@ class JobSpec:
         """A sentence describing the first difference from ``other``, or ``None``."""
         if self.mode != other.mode:
             return f"the job was registered in {self.mode} mode, this worker runs in {other.mode} mode; every rank of a job must use the same mode"
-        for name in ("rule", "world_size", "local_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
+        for name in ("rule", "world_size", "local_size", "num_nodes", "node_weights", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name} differs: registered {mine!r}, got {theirs!r}"

@@ -121,3 +121,20 @@ def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_pa
     if clip is None and wire == "float32":
         assert max_difference(out_of_core, reference_averaged(2, fused=True, steps=8)[0]) == 0.0
     assert len(list((tmp_path / "state0").glob("bucket-*.bin"))) > 2, "the state lives in files"
+
+
+def test_nodes_weighted_by_bandwidth_hold_shares_in_proportion_and_stay_bitwise(start_node):
+    """node_bandwidths: a node with a link three times as fast holds about three times the buckets."""
+    nodes = [start_node(f"node{i}").address for i in range(2)]
+    owned: dict[int, list[int]] = {}
+
+    def inspect(rank: int, opt) -> None:
+        if rank == 0:
+            for bucket in opt._session.buckets:
+                owned.setdefault(bucket.node, []).append(bucket.numel)
+
+    config = RunConfig(world_size=2, nodes=nodes, bucket_numel=128, extra={"node_bandwidths": [30.0, 10.0]}, inspect=inspect)
+    params, _ = run_offloaded(config)
+    assert max_difference(params, reference_averaged(2, fused=True)[0]) == 0.0
+    share = sum(owned[0]) / (sum(owned[0]) + sum(owned[1]))
+    assert 0.65 <= share <= 0.85, share
