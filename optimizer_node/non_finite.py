@@ -33,6 +33,17 @@ POLICIES = ("refuse", "skip")
 """What a node does with a non-finite gradient: refuse the push, or skip the step everywhere."""
 
 
+_local = threading.local()
+
+
+def _scratch() -> torch.Tensor:
+    """This thread's fp32 scalar for the sums (the node checks on its one thread; tests on others)."""
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = torch.empty((), dtype=torch.float32)
+    return scratch
+
+
 def count_non_finite(pieces: TensorPieces) -> int:
     """How many elements of a received gradient are NaN or +-inf (0 for a clean one).
 
@@ -41,8 +52,9 @@ def count_non_finite(pieces: TensorPieces) -> int:
     the slow path. bf16 has fp32's range and is summed as it is (fp32 accumulation inside).
     """
     count = 0
+    total = _scratch()
     for _offset, view in pieces:
-        total = torch.sum(view, dtype=torch.float32) if view.dtype == torch.float16 else torch.sum(view)
+        torch.sum(view, dim=0, dtype=torch.float32, out=total)  # into a reused scalar: no allocation per push (views are flat)
         if not math.isfinite(float(total)):
             count += int(view.numel() - torch.count_nonzero(torch.isfinite(view)))
     return count
