@@ -235,10 +235,13 @@ class NodeConnections:
     def say_bye(self, wait_s: float) -> list[int]:
         """Tell every node this rank is done (BYE) and wait up to ``wait_s`` for each one's ACK, so that
         a node knows before this process goes whether its job is finished; what else arrives meanwhile
-        is dropped. Returns the nodes that did not answer (gone, or slow)."""
+        is dropped; a node silent for ``silent_after_s`` already is not waited for. Returns the nodes that
+        did not answer (gone, or slow)."""
         for index in range(len(self._clients)):
             self._clients[index].send(Header(msg_type=MsgType.BYE, rank=self.rank))
-        pending = set(range(len(self._clients)))
+        # Not from a node already silent past the limit (gone: what stopped this worker, often): a
+        # worker's exit must not wait on it.
+        pending = {index for index in range(len(self._clients)) if self.liveness.silent_for(index) < self.timeouts.silent_after_s}
         deadline = time.monotonic() + wait_s
         while pending and (left := deadline - time.monotonic()) > 0:
             for index in self.wait_readable(min(left, 0.1)):
