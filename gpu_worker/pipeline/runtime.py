@@ -131,7 +131,7 @@ class PipelineTrainer:
         if not dist.is_initialized():
             raise RuntimeError("initialize torch.distributed first (torchrun + dist.init_process_group('gloo' or 'nccl'))")
         if isinstance(nodes, str):
-            raise ValueError(f"nodes must be a list of addresses, got the string {nodes!r}")
+            raise ValueError(f"the string {nodes!r} cannot be dealt out to {config.num_stages} pipeline positions: give a list of node addresses")
         self.device = torch.device(device)
         self.times = StepTimes()
         self._loss_fn, self._nodes, self._param_groups, self._optimizer_options = loss_fn, list(nodes), param_groups, optimizer_options

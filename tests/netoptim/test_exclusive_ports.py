@@ -187,8 +187,8 @@ def test_every_netoptim_command_the_docs_show_uses_real_flags():
             parser = parsers.get(name)
             if parser is None:
                 continue  # "netoptim trains ..." in prose
-            sub = rest.split()[0] if rest.split() else ""
-            child = next((p for p in _parsers(parser) if p.prog.endswith(f" {sub}")), None)
+            children = {p.prog.split(" ")[-1]: p for p in _parsers(parser) if p is not parser}
+            child = next((children[token] for token in rest.split() if token in children), None)  # `admin --target T morph ...`
             known = {o for p in (parser, child) if p is not None for action in p._actions for o in action.option_strings} | common
             wrong += [f"{path.name}: netoptim {name}{rest[:60]}: {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest) if flag not in known]
     assert not wrong, "\n".join(wrong)
