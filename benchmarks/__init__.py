@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
+    plot = getattr(args, "plot", "")
+    if plot:
+        from benchmarks.plot import PlotUnavailable, check_available
+
+        try:
+            check_available()  # before the benchmark runs for nothing
+        except PlotUnavailable as exc:
+            print(f"netoptim bench {args.bench}: {exc}", file=sys.stderr)
+            return 2
     if args.bench == "optimizer" and getattr(args, "rule", "adamw") != "adamw":
         from benchmarks.rule_bench import run
     elif args.bench == "optimizer":
@@ -28,5 +38,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.morph_bench import run
     else:
         raise AssertionError(args.bench)
-    print(json.dumps(run(args), indent=2))
+    result = run(args)
+    print(json.dumps(result, indent=2))
+    if plot:
+        from benchmarks.plot import plot_result
+
+        print(f"netoptim bench {args.bench}: comparison drawn in {plot_result(args.bench, result, plot)}", file=sys.stderr)
     return 0

@@ -10,13 +10,19 @@ import torch
 from tqdm import tqdm
 
 
+def _shown(label: str) -> dict:
+    """tqdm's ``disable`` only when there is no label: given explicitly, it would override TQDM_DISABLE
+    (what ``netoptim --no-progress`` sets)."""
+    return {} if label else {"disable": True}
+
+
 def median_seconds(run: Callable[[], None], repeats: int, *, setup: Callable[[], None] | None = None, label: str = "") -> float:
     """Median wall time of ``run`` over ``repeats`` timed calls after one warm-up; ``setup`` runs untimed before each."""
     if setup:
         setup()
     run()  # warm-up: page faults, allocator, thread pool
     times = []
-    for _ in tqdm(range(repeats), desc=label, leave=False, disable=not label):
+    for _ in tqdm(range(repeats), desc=label, leave=False, **_shown(label)):
         if setup:
             setup()
         started = time.perf_counter()
@@ -35,7 +41,7 @@ def interleaved_seconds(runs: dict[str, Callable[[], None]], repeats: int, *, la
     thread pool still spinning for work (torch's and numba's OpenMP runtimes are distinct), so each
     run is timed in its steady state."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in tqdm(range(repeats), desc=label, leave=False, disable=not label):
+    for _ in tqdm(range(repeats), desc=label, leave=False, **_shown(label)):
         for name, run in runs.items():
             run()
             started = time.perf_counter()

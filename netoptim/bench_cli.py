@@ -15,7 +15,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,step,cluster}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,step,cluster,morph}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -111,3 +111,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     morph.add_argument("--width", type=positive_int, default=32, help="hidden width of the small model trained (default: %(default)s)")
     cluster = which.add_parser("cluster", help="tokens/s and bytes per link on an emulated cluster (root): netoptim vs torch FSDP and DDP over gloo")
     add_cluster_flags(cluster)
+    for mode in which.choices.values():
+        mode.add_argument(
+            "--plot",
+            default="",
+            metavar="FILE.png",
+            help="also draw the comparison into this PNG (matplotlib: pip install 'netoptim[plot]'); the JSON on stdout is unchanged",
+        )

@@ -151,7 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = load_stdlib_bytes()
     tokens_per_step = global_batch * args.block_size
     losses: list[float] = []
-    progress = tqdm(range(start_step, args.steps), disable=rank != 0, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5)
+    progress = tqdm(
+        range(start_step, args.steps),
+        **({"disable": True} if rank != 0 else {}),
+        desc="training",
+        unit="step",
+        initial=start_step,
+        total=args.steps,
+        mininterval=0.5,
+    )
     started = time.perf_counter()
     for step in progress:
         x, y = batch_for_step(tokens, step, global_batch=global_batch, block_size=args.block_size, rank=rank, world_size=world_size, seed=args.seed)

@@ -114,7 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     step_times: list[float] = []
     phases: list[tuple[float, float, float]] = []  # per step: compute, pipeline, optimizer seconds
     progress = tqdm(
-        range(start_step, args.steps), disable=rank != 0 or args.quiet, desc="training", unit="step", initial=start_step, total=args.steps, mininterval=0.5
+        range(start_step, args.steps),
+        **({"disable": True} if rank != 0 or args.quiet else {}),
+        desc="training",
+        unit="step",
+        initial=start_step,
+        total=args.steps,
+        mininterval=0.5,
     )
     try:
         for step in progress:

@@ -189,6 +189,7 @@ def test_every_netoptim_command_the_docs_show_uses_real_flags():
                 continue  # "netoptim trains ..." in prose
             children = {p.prog.split(" ")[-1]: p for p in _parsers(parser) if p is not parser}
             child = next((children[token] for token in rest.split() if token in children), None)  # `admin --target T morph ...`
-            known = {o for p in (parser, child) if p is not None for action in p._actions for o in action.option_strings} | common
+            named = (parser, child) if child is not None else tuple(_parsers(parser))  # `bench ... --plot`: a flag of any of its modes
+            known = {o for p in named if p is not None for action in p._actions for o in action.option_strings} | common
             wrong += [f"{path.name}: netoptim {name}{rest[:60]}: {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest) if flag not in known]
     assert not wrong, "\n".join(wrong)
