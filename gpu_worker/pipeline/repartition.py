@@ -13,16 +13,13 @@ trains on CPU hosts here, a cost proportional to the model for large ones (a mor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gpu_worker.pipeline.blocks import pipeline_blocks
-
-if TYPE_CHECKING:
-    from gpu_worker.pipeline.runtime import PipelineTrainer
 
 
 @dataclass
@@ -42,14 +39,14 @@ class TrainingState:
         return state
 
 
-def gather_training_state(trainer: PipelineTrainer) -> TrainingState:
-    """Replica 0 of each position reads its parameters and their state (from its nodes); every rank
-    gets all of them."""
+def gather_training_state(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]], replica: int) -> TrainingState:
+    """Replica 0 of each position reads its parameters (``named``) and their state from its nodes
+    (``optimizer``); every rank gets all of them."""
     local: dict[str, Any] = {"values": {}, "moments": {}}
-    if trainer.replica == 0:
-        state = trainer.optimizer.state_dict()  # from the nodes
-        name_of = {id(param): name for name, param in trainer.named_parameters()}
-        params = [param for group in trainer.optimizer.param_groups for param in group["params"]]
+    if replica == 0:
+        state = optimizer.state_dict()  # from the nodes
+        name_of = {id(param): name for name, param in named}
+        params = [param for group in optimizer.param_groups for param in group["params"]]
         for index, param in enumerate(params):
             name = name_of[id(param)]
             local["values"][name] = param.detach().to("cpu", copy=True)

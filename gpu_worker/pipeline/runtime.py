@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from gpu_worker.pipeline.blocks import PipelineBlock, StageModule, pipeline_blocks, split_points
 from gpu_worker.pipeline.partition import calibrate
+from gpu_worker.pipeline.repartition import gather_training_state, load_training_state
 from gpu_worker.remote_adamw import RemoteAdamW
 from planning.partition import balance
 
@@ -261,9 +262,7 @@ class PipelineTrainer:
         replaced by the trained ones). ``config.cuts`` ``None``: the planner balances the new stages
         on a calibration (``calibration_input``). Training continues bit for bit as a job that had the
         new split from this step would. An LR scheduler must be made again on the new ``optimizer``."""
-        from gpu_worker.pipeline.repartition import gather_training_state, load_training_state
-
-        state = gather_training_state(self)
+        state = gather_training_state(self.optimizer, self._named, self.replica)
         self.optimizer.close()  # the nodes' old jobs are finished once every position's ranks said BYE
         dist.barrier()
         load_training_state(model, state)
