@@ -153,6 +153,9 @@ def test_duplicate_push_keeps_the_first(job):
 
 def test_mismatched_hyperparameters_between_ranks(job):
     job["rank0"].push(0, 0, torch.ones(128))
+    # The two ranks use separate connections: rank 0's answered pull (after its push, on its own
+    # connection) proves the node took rank 0's hyperparameters first, so the error is rank 1's.
+    job["rank0"].pull(1)
     job["rank1"].push(0, 0, torch.ones(128), hyper=type(HYPER)(5e-2, 0.9, 0.999, 1e-8, 0.1))
     assert_error(job["rank1"].reply(), ErrorCode.BAD_REQUEST, "hyperparameters")
 
