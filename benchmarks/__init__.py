@@ -30,6 +30,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.train_bench import run
     elif args.bench == "plan":
         from benchmarks.plan_bench import run
+    elif args.bench == "cost":
+        from benchmarks.cost_bench import run
     elif args.bench == "step":
         from benchmarks.step_bench import run
     elif args.bench == "cluster":

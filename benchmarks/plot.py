@@ -23,6 +23,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "train": (r"^tokens_per_s$", "tokens/s"),
     "cluster": (r"^tokens_per_s$", "tokens/s"),
     "plan": (r"^(measured|predicted)_step_s$", "s per step"),
+    "cost": (r"^(measured|predicted)_step_s$", "s per step"),
     "step": (r"^step_s$", "s per step"),
 }
 _LABEL_KEYS = ("buckets", "configuration", "workers")  # what tells the bars of one list apart

@@ -15,7 +15,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,step,cluster,morph}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,cost,step,cluster,morph}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -91,6 +91,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     planned.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
     planned.add_argument("--calibration", default="", help="JSON calibration file to reuse or write (as netoptim plan --calibration)")
     planned.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
+    cost = which.add_parser(
+        "cost", help="the cost planner's step-time model (netoptim plan --catalog) vs measured step times here, for a spread of configurations"
+    )
+    add_model_flags(cost)
+    cost.add_argument("--configs", type=positive_int, default=6, help="configurations measured, spread over those possible (default: %(default)s)")
+    cost.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration; the median is reported (default: %(default)s)")
+    cost.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
+    cost.add_argument("--profile", default="", help="a profile of netoptim plan --calibrate for this model (default: measure one now)")
+    cost.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
     step = which.add_parser("step", help="a bucket's cost per step, and each phase of a step on the worker and on the node; fewest vs most buckets")
     step.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters trained, as one fp32 tensor (default: %(default)s)")
     step.add_argument(

@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from netoptim.plan_cost_cli import add_cost_flags, cost_mode, run_calibrate, run_catalog
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +47,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--calibration", default="", help="JSON file: read the calibration from it if it exists, else measure and write it there")
     plan.add_argument("--top", type=int, default=10, help="configurations printed (default: %(default)s)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_cost_flags(plan)
 
 
 @contextlib.contextmanager
@@ -160,6 +163,11 @@ def _calibration_run(candidate, cuts: list[int], *, global_batch: int, model: di
 
 def run_plan(args: argparse.Namespace) -> int:
     validate_model_flags(args)  # before the imports: a bad flag answers at once
+    mode = cost_mode(args)
+    if mode == "calibrate":
+        return run_calibrate(args)
+    if mode == "catalog":
+        return run_catalog(args)
     from planning.planner import plan
 
     calibration = calibration_for(args)

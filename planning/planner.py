@@ -25,12 +25,16 @@ log = logging.getLogger(__name__)
 class OptimizerCost:
     """One node group's update of ``n`` parameters with ``replicas`` workers pushing: wall seconds
     ``intercept_s + per_param_s * n`` when it has the machine to itself, and the CPU seconds it
-    spends (workers' copies, the node's reduction and AdamW), which is what concurrent updates share."""
+    spends (workers' copies, the node's reduction and AdamW), which is what concurrent updates share;
+    ``node_cpu_*`` the part of those CPU seconds the node process spent (the cost planner's split
+    between a node's machine and the workers')."""
 
     intercept_s: float
     per_param_s: float
     cpu_intercept_s: float = 0.0
     cpu_per_param_s: float = 0.0
+    node_cpu_intercept_s: float = 0.0
+    node_cpu_per_param_s: float = 0.0
 
     def seconds(self, numel: int) -> float:
         return self.intercept_s + self.per_param_s * numel

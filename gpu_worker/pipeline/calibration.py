@@ -89,16 +89,18 @@ def measure_optimizer(
 ) -> OptimizerCost:
     """Time ``steps`` updates through a fresh node (``start_node`` yields its address and process id)
     for each layout (a factory of param groups), ``replicas`` workers (threads) pushing; fit
-    ``intercept + per_param * numel`` to the wall time and to the CPU time of workers and node."""
+    ``intercept + per_param * numel`` to the wall time, to the CPU time of workers and node, and to
+    the node's own CPU time (what a node on a machine of its own spends)."""
     points = []
     for make_groups in layouts:
         with start_node() as (address, pid):
             numel = sum(p.numel() for group in make_groups() for p in _tensors(group["params"]))
             points.append((numel, *_time_updates(address, pid, replicas, make_groups, steps)))
-    (n0, wall0, cpu0), (n1, wall1, cpu1) = points[0], points[-1]
+    (n0, wall0, cpu0, node0), (n1, wall1, cpu1, node1) = points[0], points[-1]
     intercept, per_param = _line(n0, wall0, n1, wall1)
     cpu_intercept, cpu_per_param = _line(n0, cpu0, n1, cpu1)
-    return OptimizerCost(intercept, per_param, cpu_intercept, cpu_per_param)
+    node_intercept, node_per_param = _line(n0, node0, n1, node1)
+    return OptimizerCost(intercept, per_param, cpu_intercept, cpu_per_param, node_intercept, node_per_param)
 
 
 def _line(n0: int, t0: float, n1: int, t1: float) -> tuple[float, float]:
@@ -121,10 +123,11 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _time_updates(address: str, node_pid: int, replicas: int, make_groups: Callable[[], list[dict[str, Any]]], steps: int) -> tuple[float, float]:
-    """Median wall seconds of a step, and CPU seconds per step of the workers plus the node."""
+def _time_updates(address: str, node_pid: int, replicas: int, make_groups: Callable[[], list[dict[str, Any]]], steps: int) -> tuple[float, float, float]:
+    """Median wall seconds of a step; mean CPU seconds per step of the workers plus the node, and of the node alone."""
     times: list[float] = []
     cpu: list[float] = []
+    node_cpu: list[float] = []
     barrier = threading.Barrier(replicas)
     errors: list[BaseException] = []
 
@@ -137,12 +140,15 @@ def _time_updates(address: str, node_pid: int, replicas: int, make_groups: Calla
                 param.grad = torch.randn(param.shape, generator=generator)
             for step in range(steps + 1):
                 barrier.wait()
-                started, cpu_started = time.perf_counter(), time.process_time() + _process_cpu_s(node_pid)
+                started, node_started = time.perf_counter(), _process_cpu_s(node_pid)
+                cpu_started = time.process_time() + node_started
                 opt.step()
                 barrier.wait()  # every replica done: the step's CPU is all spent
                 if rank == 0 and step:  # the first step is a warm-up
                     times.append(time.perf_counter() - started)
-                    cpu.append(time.process_time() + _process_cpu_s(node_pid) - cpu_started)
+                    node_now = _process_cpu_s(node_pid)
+                    cpu.append(time.process_time() + node_now - cpu_started)
+                    node_cpu.append(node_now - node_started)
             opt.close()
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
@@ -155,7 +161,9 @@ def _time_updates(address: str, node_pid: int, replicas: int, make_groups: Calla
         thread.join()
     if errors:
         raise errors[0]
-    return statistics.median(times), statistics.median(cpu)
+    # CPU time as means: the node's is read in clock ticks (10 ms), coarser than a small step; the
+    # mean of the ticked deltas is unbiased where their median is not
+    return statistics.median(times), statistics.fmean(cpu), statistics.fmean(node_cpu)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,52 @@
+"""How fast this machine runs the node's update pass: seconds per parameter for a given number of
+gradient terms (workers pushing) and update threads. The cost planner scales a node's measured cost
+to machines with more cores with it (``netoptim plan --calibrate``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from optimizer_node import compiled_update
+from optimizer_node.adamw import AdamWHyper
+from optimizer_node.reduce import OrderedReduction
+from optimizer_node.update_pass import reduce_and_update
+
+BUCKET_NUMEL = 1 << 20
+
+
+def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5) -> float:
+    """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
+    1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first)."""
+    if terms < 1 or threads < 1 or numel < BUCKET_NUMEL or repeats < 1:
+        raise ValueError(f"terms, threads and repeats must be >= 1 and numel >= {BUCKET_NUMEL}, got {terms}, {threads}, {repeats}, {numel}")
+    buckets = numel // BUCKET_NUMEL
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(BUCKET_NUMEL, generator=generator) for _ in range(buckets)]
+    moments = [(torch.zeros(BUCKET_NUMEL), torch.zeros(BUCKET_NUMEL)) for _ in range(buckets)]
+    steps = [torch.zeros(()) for _ in range(buckets)]
+    frames = [[torch.randn(BUCKET_NUMEL, generator=generator) for _ in range(terms)] for _ in range(buckets)]
+    scratch = torch.empty(BUCKET_NUMEL)
+    hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
+    divisor = torch.tensor(float(terms))
+
+    def one_pass() -> float:
+        started = time.perf_counter()
+        for index in range(buckets):
+            reduction = OrderedReduction(BUCKET_NUMEL, terms, lambda: scratch, defer=True)
+            for rank in range(terms):
+                reduction.add(rank, [(0, frames[index][rank])])
+            exp_avg, exp_avg_sq = moments[index]
+            reduce_and_update(reduction, params[index], exp_avg, exp_avg_sq, steps[index], hyper, grad_divisor=divisor)
+        return time.perf_counter() - started
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled_update.usable()  # numba's compilation and check, before any timing
+        one_pass()
+        return statistics.median(one_pass() for _ in range(repeats)) / numel
+    finally:
+        torch.set_num_threads(previous)
