@@ -36,4 +36,6 @@ def run(args: argparse.Namespace) -> dict:
         **{f"{system}_tokens_per_s": value for system, value in tokens.items()},
         "ratio": tokens["netoptim"] / tokens["fsdp"],
         "netoptim_over_ddp": tokens["netoptim"] / tokens["ddp"],
+        # the step-time model of planning.cluster_model against the measured steps
+        "prediction_errors": {system: report["results"][system]["prediction_error"] for system in SYSTEMS},
     }

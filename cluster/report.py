@@ -98,7 +98,10 @@ def format_text(report: dict) -> str:
         f"links: {report['links']['description']}",
     ]
     for mode, result in report["results"].items():
-        lines.append(f"{mode}: {result['tokens_per_s']:,.0f} tokens/s ({result['step_s']:.3f} s per step, loss {result['loss']:.3f})")
+        lines.append(
+            f"{mode}: {result['tokens_per_s']:,.0f} tokens/s ({result['step_s']:.3f} s per step, predicted {result['predicted_step_s']:.3f} s, "
+            f"loss {result['loss']:.3f})"
+        )
         for host, link in result["links"].items():
             model = link["model_bytes_per_step"]
             against = f"; model {model / 1e6:.3f} MB each way (up {link['up_over_model']:.2f}x, down {link['down_over_model']:.2f}x)" if model else ""

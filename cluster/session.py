@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from cluster import netns, report, scaling, shaping, topology
 from cluster.cleanup import new_prefix
 from cluster.runner import ClusterPlacement, JobSpec, run_job
 from gpu_worker.models import GPTConfig
+from planning.cluster_model import ClusterTiming, predict_step
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ def run_cluster(run: ClusterRun) -> dict:
     job = run.job if run.job.bucket_numel else replace(run.job, bucket_numel=auto_bucket_numel(params))
     links = link_scaling(run)
     log.info("%s", links.describe())
+    # the step-time prediction's calibration: one worker's compute alone (the scaling probe's, or a probe now)
+    compute_s = links.cpu_step_s or scaling.measure_step_seconds(run.config, run.job.micro_batch, run.job.block_size, threads=run.job.threads)
     topo = topology.plan_topology(run.shape.worker_hosts, run.shape.node_hosts, new_prefix(), run.subnet)
     results = {}
     with signals_raise():
@@ -125,10 +129,10 @@ def run_cluster(run: ClusterRun) -> dict:
         finally:
             with signals_deferred():
                 topology.teardown(topo)
-    return _report(run, job, topo, links, params, results)
+    return _report(run, job, topo, links, params, results, compute_s)
 
 
-def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scaling.LinkScaling, params: int, results: dict) -> dict:
+def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scaling.LinkScaling, params: int, results: dict, compute_s: float) -> dict:
     tokens_per_step = run.shape.world_size * job.micro_batch * job.block_size
     out: dict = {
         "cluster": {
@@ -150,15 +154,27 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
         "warmup": job.warmup,
         "steps": job.steps,
         "links": {**links.to_dict(), "description": links.describe()},
+        "compute_probe_s": compute_s,
         "results": {},
     }
+    timing = ClusterTiming(
+        compute_s=compute_s,
+        link_bit_s=links.emulated_bit_s,
+        ranks=run.shape.world_size,
+        cores=float(os.cpu_count() or 1),
+        buckets=-(-params // job.bucket_numel),
+    )
     for mode, result in results.items():
         host_groups = job.host_groups and run.shape.workers_per_host > 1
         model = report.model_link_bytes(mode, run.config, params, run.shape, host_groups=host_groups)
         ideal = report.model_link_bytes(mode, run.config, params, run.shape, gloo=False, host_groups=host_groups)
+        step_s = result.timed_s / job.steps
+        predicted = predict_step(mode, model, timing)
         out["results"][mode] = {
             "tokens_per_s": result.tokens_per_s,
-            "step_s": result.timed_s / job.steps,
+            "step_s": step_s,
+            **predicted.to_dict(),
+            "prediction_error": predicted.step_s / step_s - 1,
             "step_s_per_rank": result.step_s_per_rank,
             "loss": result.loss,
             "links": report.link_table(result, model, ideal),

@@ -69,3 +69,7 @@ def test_bench_compares_netoptim_fsdp_and_ddp_on_the_same_links():
         assert set(links) == {"w0", "w1", "n0"}
         assert links["w0"]["up_bytes_per_step"] >= links["w0"]["model_bytes_per_step"] > 0.4 * params_bytes
     assert report["results"]["fsdp"]["links"]["n0"]["up_bytes_per_step"] < 1000  # the baselines never touch the node host
+    for system in ("netoptim", "fsdp", "ddp"):  # the step-time model's prediction sits next to each measurement
+        result = report["results"][system]
+        assert result["predicted_step_s"] > result["predicted_compute_s"] > 0
+        assert report["prediction_errors"][system] == pytest.approx(result["predicted_step_s"] / result["step_s"] - 1)
