@@ -62,11 +62,18 @@ def per_rank_bytes(mode: str, params: int, root: int, world_size: int, *, gloo: 
     raise ValueError(f"mode {mode!r}: one of netoptim, fsdp, ddp")
 
 
-def model_link_bytes(mode: str, config: GPTConfig, params: int, shape: Shape, *, gloo: bool = True, host_groups: bool = False) -> dict[str, float]:
+def model_link_bytes(
+    mode: str, config: GPTConfig, params: int, shape: Shape, *, gloo: bool = True, host_groups: bool = False, ring: bool = False
+) -> dict[str, float]:
     """Payload bytes per step each way on every host's link, by host name (``w0``..., ``n0``...).
-    ``host_groups`` (netoptim): a host's workers sum their gradients first, one flow per host."""
+    ``host_groups`` (netoptim): a host's workers sum their gradients first, one flow per host.
+    ``ring`` (FSDP, DDP): the collectives run as rings over ranks numbered host by host, so one hop
+    per host crosses its link (none with one host); without it, ``G`` times a rank's (an upper bound)."""
     rank = per_rank_bytes(mode, params, root_params(config), shape.world_size, gloo=gloo)
-    pushing = 1 if mode == "netoptim" and host_groups else shape.workers_per_host  # flows leaving each worker host
+    if mode != "netoptim" and ring:
+        pushing = 1 if shape.worker_hosts > 1 else 0
+    else:
+        pushing = 1 if mode == "netoptim" and host_groups else shape.workers_per_host  # flows leaving each worker host
     links = {f"w{i}": pushing * rank for i in range(shape.worker_hosts)}
     for i in range(shape.node_hosts):
         links[f"n{i}"] = shape.worker_hosts * pushing * params * WIRE_BYTES / shape.node_hosts if mode == "netoptim" else 0.0

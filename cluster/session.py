@@ -14,13 +14,14 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cluster import netns, report, scaling, shaping, topology
 from cluster.cleanup import new_prefix
+from cluster.prediction import predict_cluster
 from cluster.runner import ClusterPlacement, JobSpec, run_job
 from gpu_worker.models import GPTConfig
-from planning.cluster_model import ClusterTiming, predict_step
+from planning.cluster_model import ClusterTiming
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ClusterRun:
     emulated_mbit: float = 0.0
     """A link rate given outright; 0: scale the target's."""
     subnet: str = topology.DEFAULT_SUBNET
+    link_efficiency: dict[str, float] = field(default_factory=dict)
+    """The step prediction's link efficiencies (from earlier reports: ``--calibration``); none: ideal links."""
 
     @property
     def config(self) -> GPTConfig:
@@ -155,6 +158,9 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
         "steps": job.steps,
         "links": {**links.to_dict(), "description": links.describe()},
         "compute_probe_s": compute_s,
+        "cores": float(os.cpu_count() or 1),
+        "host_groups": job.host_groups,
+        "link_efficiency": run.link_efficiency,
         "results": {},
     }
     timing = ClusterTiming(
@@ -163,13 +169,15 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
         ranks=run.shape.world_size,
         cores=float(os.cpu_count() or 1),
         buckets=-(-params // job.bucket_numel),
+        efficiency=run.link_efficiency,
     )
+    predictions = predict_cluster(run.config, run.shape, timing, results, host_groups=job.host_groups)
     for mode, result in results.items():
         host_groups = job.host_groups and run.shape.workers_per_host > 1
         model = report.model_link_bytes(mode, run.config, params, run.shape, host_groups=host_groups)
         ideal = report.model_link_bytes(mode, run.config, params, run.shape, gloo=False, host_groups=host_groups)
         step_s = result.timed_s / job.steps
-        predicted = predict_step(mode, model, timing)
+        predicted = predictions[mode]
         out["results"][mode] = {
             "tokens_per_s": result.tokens_per_s,
             "step_s": step_s,

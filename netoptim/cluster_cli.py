@@ -67,6 +67,13 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker process (default: %(default)s)")
     parser.add_argument("--subnet", default="10.231.0.0/24", help="private IPv4 range of the emulated hosts (default: %(default)s)")
     parser.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a system's run after this long (default: %(default)s)")
+    parser.add_argument(
+        "--calibration",
+        default="",
+        metavar="REPORTS",
+        help="comma-separated JSON reports of earlier runs on the same links: their measured link efficiencies go into the report's predicted step "
+        "times (default: none, ideal links)",
+    )
 
 
 def add_cluster_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -108,7 +115,16 @@ def cluster_run_from_args(args: argparse.Namespace, systems: tuple[str, ...]):
         timeout_s=args.timeout_s,
         bucket_numel=args.bucket_numel,
     )
+    efficiency: dict[str, float] = {}
+    if args.calibration:
+        from cluster.prediction import CalibrationError, efficiencies_from_reports
+
+        try:
+            efficiency = efficiencies_from_reports(p for p in args.calibration.split(",") if p)
+        except CalibrationError as exc:
+            raise SystemExit(str(exc)) from None
     return ClusterRun(
+        link_efficiency=efficiency,
         shape=Shape(args.worker_hosts, args.workers_per_host, args.node_hosts),
         job=job,
         modes=systems,

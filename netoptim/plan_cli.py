@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from netoptim.plan_cluster_cli import add_cluster_plan_flags, cluster_requested, run_cluster_plan
 from netoptim.plan_cost_cli import add_cost_flags, cost_mode, run_calibrate, run_catalog
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--top", type=int, default=10, help="configurations printed (default: %(default)s)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_cost_flags(plan)
+    add_cluster_plan_flags(plan)
 
 
 @contextlib.contextmanager
@@ -163,6 +165,8 @@ def _calibration_run(candidate, cuts: list[int], *, global_batch: int, model: di
 
 def run_plan(args: argparse.Namespace) -> int:
     validate_model_flags(args)  # before the imports: a bad flag answers at once
+    if cluster_requested(args):
+        return run_cluster_plan(args)
     mode = cost_mode(args)
     if mode == "calibrate":
         return run_calibrate(args)

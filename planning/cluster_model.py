@@ -14,11 +14,16 @@ The calibration is one worker's forward and backward of its micro-batch, timed a
   every rank's gradient of it is in, so the parameters of the last bucket start after the gradients
   of all buckets, and the busiest link's time is stretched by ``1 + 1/B``; the nodes' update (CPU
   time per parameter, from the calibration) adds to it where the nodes have no cores to themselves.
+- **Efficiency**: no system reaches its link's rate all through a step (TCP's ramp after each
+  pause, collectives one after another, the order in which a node can answer). Each system's
+  measured share of the ideal time, from earlier runs on the same links (:func:`calibrate_efficiency`,
+  ``netoptim plan --cluster ... --cluster-calibration REPORT``), divides its ideal communication time;
+  netoptim's is kept apart for steps bound by a node host's link and by a worker host's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TCP_PAYLOAD_SHARE = 1448 / (1448 + 66)
 """Payload per byte on an Ethernet link carrying full TCP segments (timestamps on)."""
@@ -41,12 +46,25 @@ class ClusterTiming:
     """netoptim: buckets per step."""
     node_update_s: float = 0.0
     """netoptim: the nodes' update of a step, where it is not hidden."""
+    efficiency: dict[str, float] = field(default_factory=dict)
+    """Measured share of the ideal communication time each system reaches, by :func:`bound_key`
+    (from earlier runs: :func:`calibrate_efficiency`); 1.0 where none was measured."""
 
     def __post_init__(self) -> None:
         if self.compute_s <= 0 or self.link_bit_s <= 0 or self.ranks < 1 or self.buckets < 1:
             raise ValueError(f"compute time, link rate, ranks and buckets must be positive: {self}")
         if self.cores is not None and self.cores <= 0:
             raise ValueError(f"cores must be positive, got {self.cores}")
+        if any(not 0 < value <= 2 for value in self.efficiency.values()):
+            raise ValueError(f"link efficiencies must be in (0, 2]: {self.efficiency}")
+
+    def efficiency_of(self, key: str) -> float:
+        """The calibrated efficiency for ``key``, else the mean of the same system's others, else 1."""
+        if key in self.efficiency:
+            return self.efficiency[key]
+        mode = key.split("/")[0]
+        same = [value for other, value in self.efficiency.items() if other.split("/")[0] == mode]
+        return sum(same) / len(same) if same else 1.0
 
     @property
     def payload_bytes_per_s(self) -> float:
@@ -81,4 +99,23 @@ def predict_step(mode: str, link_bytes: dict[str, float], timing: ClusterTiming)
     communication = link_bytes[busiest] / timing.payload_bytes_per_s
     if mode == "netoptim":
         communication = communication * (1 + 1 / timing.buckets) + timing.node_update_s
+    communication /= timing.efficiency_of(bound_key(mode, busiest))
     return StepPrediction(mode, compute + communication, compute, communication, busiest)
+
+
+def bound_key(mode: str, busiest_host: str) -> str:
+    """What a calibrated efficiency is kept under: the system, and for netoptim which links bound
+    the step (a node host's, ``n...``, carrying several workers' flows, or a worker host's, whose
+    parameters come back only after its gradients went out)."""
+    if mode != "netoptim":
+        return mode
+    return f"{mode}/{'node' if busiest_host.startswith('n') else 'worker'}-link"
+
+
+def calibrate_efficiency(mode: str, link_bytes: dict[str, float], timing: ClusterTiming, measured_step_s: float) -> tuple[str, float]:
+    """``(key, efficiency)`` of one measured run: the ideal communication time over the measured
+    step less the compute (clamped to (0, 2])."""
+    ideal = predict_step(mode, link_bytes, ClusterTiming(**{**timing.__dict__, "efficiency": {}}))
+    spent = measured_step_s - ideal.compute_s
+    efficiency = ideal.communication_s / spent if spent > 0 else 2.0
+    return bound_key(mode, ideal.busiest_link), min(2.0, max(1e-3, efficiency))
