@@ -95,11 +95,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "cost", help="the cost planner's step-time model (netoptim plan --catalog) vs measured step times here, for a spread of configurations"
     )
     add_model_flags(cost)
-    cost.add_argument("--configs", type=positive_int, default=6, help="configurations measured, spread over those possible (default: %(default)s)")
+    cost.add_argument("--configs", type=non_negative_int, default=6, help="configurations measured here, spread over those possible (default: %(default)s)")
     cost.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration; the median is reported (default: %(default)s)")
     cost.add_argument("--warmup", type=non_negative_int, default=5, help="untimed steps first (default: %(default)s)")
     cost.add_argument("--profile", default="", help="a profile of netoptim plan --calibrate for this model (default: measure one now)")
     cost.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a configuration after this long (default: %(default)s)")
+    cost.add_argument(
+        "--cluster-reports", default="", metavar="REPORTS", help="comma-separated netoptim cluster --json reports whose netoptim steps the model predicts too"
+    )
+    cost.add_argument(
+        "--cluster-calibration", default="", metavar="REPORTS", help="comma-separated cluster reports whose link efficiencies the cluster predictions use"
+    )
     step = which.add_parser("step", help="a bucket's cost per step, and each phase of a step on the worker and on the node; fewest vs most buckets")
     step.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters trained, as one fp32 tensor (default: %(default)s)")
     step.add_argument(

@@ -57,8 +57,8 @@ def add_cluster_plan_flags(plan: argparse.ArgumentParser) -> None:
 
 def cluster_requested(args: argparse.Namespace) -> bool:
     if args.cluster is None:
-        if args.link_mbit is not None or args.cluster_calibration:
-            raise SystemExit("--link-mbit and --cluster-calibration go with --cluster HxG+N")
+        if args.link_mbit is not None or (args.cluster_calibration and not args.catalog):
+            raise SystemExit("--link-mbit goes with --cluster HxG+N, --cluster-calibration with --cluster or --catalog")
         return False
     if args.link_mbit is None:
         raise SystemExit("--cluster needs --link-mbit: the links' rate, Mbit/s each way")

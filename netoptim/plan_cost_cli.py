@@ -117,8 +117,8 @@ def run_calibrate(args: argparse.Namespace, *, announce: bool = True) -> int:
         unscaled = predict(_with(calibration, optimizer_scale=1.0), candidate, args.global_batch)
         measured_update_s = calibration.optimizer_scale * unscaled.optimizer_s
         modeled = estimate_step(profile, candidate, args.global_batch, local_hardware(profile))
-        if modeled.update_s > 0:
-            profile.shared_update_scale = measured_update_s / modeled.update_s
+        if modeled.update_cpu_s > 0:
+            profile.shared_update_scale = measured_update_s / modeled.update_cpu_s
     path.write_text(json.dumps(profile.to_json()))
     (print if announce else log.info)(
         f"profile written to {path}: update pass {update_pass[1] * 1e9:.2f} / {update_pass[2] * 1e9:.2f} ns per parameter with 1 / 2 workers, "
@@ -164,7 +164,23 @@ def run_catalog(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     if profile.pipeline.model and profile.pipeline.model.get("n_layer") not in (None, args.n_layer):
         log.info("planning the model the profile measured: %s", profile.pipeline.model)
+    worker_efficiency = node_efficiency = 1.0
+    if args.cluster_calibration:
+        from cluster.prediction import CalibrationError, efficiencies_from_reports
+
+        try:
+            measured = efficiencies_from_reports(p for p in args.cluster_calibration.split(",") if p)
+        except CalibrationError as exc:
+            raise SystemExit(str(exc)) from None
+        found = [measured.get(f"netoptim/{side}-link") for side in ("worker", "node")]
+        known = [value for value in found if value is not None]
+        if not known:
+            raise SystemExit(f"{args.cluster_calibration}: no netoptim run in these reports")
+        worker_efficiency, node_efficiency = (value if value is not None else sum(known) / len(known) for value in found)
+        log.info("netoptim link efficiency: %.2f where a worker's link bounds, %.2f where a node's", worker_efficiency, node_efficiency)
     job = Job(
+        worker_link_efficiency=worker_efficiency,
+        node_link_efficiency=node_efficiency,
         steps=args.steps, global_batch=args.global_batch, deadline_h=args.deadline, budget=args.budget, max_machines=args.max_machines,
         max_microbatches=args.max_microbatches, replacement_s=args.replacement_s, morph_pause_steps=args.morph_pause_steps,
         checkpoint_interval_s=args.checkpoint_interval_s, spot_nodes=args.spot_nodes,

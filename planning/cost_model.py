@@ -19,6 +19,7 @@ threads. :func:`estimate_step` puts a configuration (P, D, M, schedule, nodes pe
 - on one shared host (this machine: :func:`local_hardware`) everything also shares the cores: the
   update takes at least the CPU time of all nodes and workers over the cores, scaled by the factor
   a real calibration run measured;
+- a link's transfers reach the efficiency measured on real links (``Hardware.*_link_efficiency``);
 - memory: a rank holds its stage's parameters and gradients and the activations in flight; a node
   ``400 MiB + N * (12 + 4 D + 4)`` bytes (state, received gradients, values kept for restarts).
 """
@@ -143,6 +144,10 @@ class Hardware:
     shared_cores: float | None = None
     """All ranks and nodes share these cores (one host); None: every rank has a device of its own
     and every node a machine of its own."""
+    worker_link_efficiency: float = 1.0
+    node_link_efficiency: float = 1.0
+    """The share of a link's rate the update's transfers reach, when a worker's link or a node's
+    bounds them (measured on real links: ``netoptim plan --cluster-calibration``; 1: ideal)."""
 
 
 def local_hardware(profile: CostProfile) -> Hardware:
@@ -161,6 +166,7 @@ class StepEstimate:
     step_s: float
     pipeline_s: float
     update_s: float
+    update_cpu_s: float  # on shared cores: the CPU time of all nodes and workers over the cores, unscaled
     network_s: float  # the slowest position's transfer time each way (part of update_s)
     node_s: float  # the slowest node's update time (part of update_s)
     bubble_fraction: float
@@ -244,19 +250,23 @@ def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int,
         per_node = math.ceil(numel / c.nodes_per_stage)
         t_node = nodes.node_s(per_node, c.replicas, node_cores)
         t_worker = nodes.worker_s(numel)
-        t_net = max(numel * WIRE_BYTES / hardware.worker_link_bytes_per_s, c.replicas * per_node * WIRE_BYTES / hardware.node_link_bytes_per_s)
+        t_net = max(
+            numel * WIRE_BYTES / (hardware.worker_link_bytes_per_s * hardware.worker_link_efficiency),
+            c.replicas * per_node * WIRE_BYTES / (hardware.node_link_bytes_per_s * hardware.node_link_efficiency),
+        )
         buckets = max(1, math.ceil(per_node * WIRE_BYTES / BUCKET_BYTES))
         slowest = max(t_worker, t_net, t_node)
         walls.append((t_worker + 2 * t_net + t_node) / buckets + (1 - 1 / buckets) * slowest + 2 * hardware.link_latency_s)
         cpu += c.nodes_per_stage * t_node + c.replicas * t_worker
         worst_net, worst_node = max(worst_net, t_net), max(worst_node, t_node)
     update_s = max(walls)
-    if shared:
-        update_s = profile.shared_update_scale * max(update_s, cpu / hardware.shared_cores)
+    update_cpu_s = cpu / hardware.shared_cores if hardware.shared_cores else 0.0
+    if shared:  # the CPU all processes need, as a real run on the shared host measured it
+        update_s = max(update_s, profile.shared_update_scale * update_cpu_s)
     step_s = pipeline.pipeline_s + update_s + cal.step_overhead_s
     params_per_node = max(math.ceil(n / c.nodes_per_stage) for n in position_numel)
     return StepEstimate(
-        candidate=c, step_s=step_s, pipeline_s=pipeline.pipeline_s, update_s=update_s, network_s=worst_net, node_s=worst_node,
+        candidate=c, step_s=step_s, pipeline_s=pipeline.pipeline_s, update_s=update_s, update_cpu_s=update_cpu_s, network_s=worst_net, node_s=worst_node,
         bubble_fraction=pipeline.bubble_fraction, cuts=pipeline.cuts, worker_memory_bytes=pipeline.peak_memory_bytes,
         node_memory_bytes=node_memory_bytes(params_per_node, c.replicas), params_per_node=params_per_node,
     )  # fmt: skip

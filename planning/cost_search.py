@@ -53,6 +53,10 @@ class Job:
     """Seconds between the nodes' checkpoints (what a preempted node loses: half of it)."""
     spot_nodes: bool = False
     """Also try optimizer nodes on spot machines (they restart from checkpoints when taken back)."""
+    worker_link_efficiency: float = 1.0
+    node_link_efficiency: float = 1.0
+    """The share of a link's rate netoptim's transfers reach when a worker's or a node's link bounds
+    them (from cluster runs: ``--cluster-calibration``); 1: the ideal."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.global_batch < 1:
@@ -65,6 +69,8 @@ class Job:
                 raise ValueError(f"{name} must be a positive number, got {value}")
         if self.max_machines < 1 or self.max_microbatches < 1:
             raise ValueError("max_machines and max_microbatches must be >= 1")
+        if not (0 < self.worker_link_efficiency <= 2 and 0 < self.node_link_efficiency <= 2):
+            raise ValueError(f"link efficiencies must be in (0, 2], got {self.worker_link_efficiency} and {self.node_link_efficiency}")
         if self.replacement_s < 0 or self.morph_pause_steps < 0 or self.checkpoint_interval_s <= 0:
             raise ValueError("replacement_s and morph_pause_steps must be >= 0, checkpoint_interval_s > 0")
 
@@ -132,11 +138,14 @@ def _rentals(machines: tuple[MachineType, ...], limit: int, spot_allowed: bool) 
                 yield Rental(machine, count, spot=True)
 
 
-def hardware(workers: Rental, nodes: Rental) -> Hardware:
+def hardware(workers: Rental, nodes: Rental, job: Job | None = None) -> Hardware:
     """How :func:`estimate_step` sees a rental: each rank a GPU of the worker type sharing its
-    machine's link with the other ranks there, each node a machine of its own."""
+    machine's link with the other ranks there, each node a machine of its own (links at the job's
+    measured efficiencies)."""
     w, n = workers.machine, nodes.machine
     return Hardware(
+        worker_link_efficiency=job.worker_link_efficiency if job else 1.0,
+        node_link_efficiency=job.node_link_efficiency if job else 1.0,
         worker_speed=w.gpu_speed,
         worker_link_bytes_per_s=w.network_bytes_per_s / w.gpu_count,
         node_link_bytes_per_s=n.network_bytes_per_s,
@@ -165,7 +174,7 @@ def price_options(profile: CostProfile, catalog: Catalog, job: Job) -> list[Opti
     for workers in _rentals(catalog.workers, job.max_machines, spot_allowed=True):
         ranks = workers.count * workers.machine.gpu_count
         for nodes in _rentals(catalog.nodes, job.max_machines, spot_allowed=job.spot_nodes):
-            link = hardware(workers, nodes)
+            link = hardware(workers, nodes, job)
             for candidate in candidates(ranks, job.global_batch, num_blocks, nodes.count, max_microbatches=job.max_microbatches):
                 if candidate.layerwise:
                     continue

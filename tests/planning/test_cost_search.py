@@ -93,6 +93,8 @@ def test_each_machine_property_moves_the_step_the_way_it_must():
     assert faster_gpu.pipeline_s < base.pipeline_s and faster_gpu.update_s == pytest.approx(base.update_s)
     slower_link = estimate_step(p, c, 16, hw(node_link_bytes_per_s=3e8, worker_link_bytes_per_s=1.25e8))
     assert slower_link.network_s > base.network_s and slower_link.step_s > base.step_s
+    measured_links = estimate_step(p, c, 16, hw(node_link_efficiency=0.5, worker_link_efficiency=0.5))
+    assert measured_links.network_s == pytest.approx(2 * base.network_s)
     fewer_cores = estimate_step(p, c, 16, hw(node_cores=1.0))
     assert fewer_cores.node_s > base.node_s
     two_nodes = estimate_step(p, dataclasses.replace(c, nodes_per_stage=2), 16, hw())
@@ -110,7 +112,8 @@ def test_on_one_shared_host_the_update_is_bounded_by_the_cpu_all_processes_need(
     assert shared.shared_cores == 2.0
     one = estimate_step(p, Candidate(1, 1, 1, "gpipe", 1), 4, shared)
     four = estimate_step(p, Candidate(1, 4, 1, "gpipe", 1), 4, dataclasses.replace(shared, shared_cores=1.0))
-    assert four.update_s > one.update_s
+    assert four.update_s > one.update_s and four.update_s >= four.update_cpu_s * p.shared_update_scale
+    assert one.update_cpu_s > 0
 
 
 def job(**changes) -> Job:
