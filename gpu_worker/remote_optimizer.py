@@ -139,6 +139,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if bool(curve_secret_key) != bool(curve_server_key):
             raise ValueError("curve_secret_key and curve_server_key go together")
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
+        self._session_owner = id(self)  # see __del__
         self._session = OffloadSession(
             nodes, job, rank, tensors, timeouts=timeouts, curve=curve, same_host=same_host_ipc, connections_per_node=connections_per_node
         )
@@ -236,6 +237,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._step_hypers is None:
             self._step_hypers = self._group_hypers()
         return self._step_hypers
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global norm the nodes clip the averaged gradient to (``max_grad_norm=``), or ``None``."""
+        return self._session.job.max_grad_norm
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -425,6 +431,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._session.close()
 
     def __del__(self) -> None:
+        # Only the optimizer that opened the session closes it when collected: a wrapper made from a
+        # copy of its __dict__ (Lightning's LightningOptimizer subclasses the optimizer's class) shares
+        # the session and may be collected while the optimizer trains on.
         session = getattr(self, "_session", None)
-        if session is not None:
+        if session is not None and getattr(self, "_session_owner", id(self)) == id(self):
             session.close()

@@ -130,6 +130,18 @@ def run_threads(target: Callable[[int], None], count: int, timeout_s: float = 12
         assert not thread.is_alive(), "a worker thread hung"
 
 
+def average_in_rank_order(shard_grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """What the nodes compute from ``shard_grads[rank][i]``: each parameter's gradients summed in rank
+    order (rank 0's first), then divided by the number of ranks."""
+    averaged = []
+    for index in range(len(shard_grads[0])):
+        total = shard_grads[0][index].clone()
+        for grads in shard_grads[1:]:
+            total += grads[index]
+        averaged.append(total / len(shard_grads))
+    return averaged
+
+
 def reference_averaged(
     world_size: int,
     *,
@@ -152,11 +164,8 @@ def reference_averaged(
             replica = copy.deepcopy(model)
             loss_fn(replica, *shard(step, rank, world_size)).backward()
             shard_grads.append([p.grad for p in replica.parameters()])
-        for index, param in enumerate(params):
-            total = shard_grads[0][index].clone()
-            for rank in range(1, world_size):
-                total += shard_grads[rank][index]
-            param.grad = total / world_size
+        for param, grad in zip(params, average_in_rank_order(shard_grads), strict=True):
+            param.grad = grad
         if max_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
         opt.step()
