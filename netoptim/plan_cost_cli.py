@@ -117,8 +117,8 @@ def run_calibrate(args: argparse.Namespace, *, announce: bool = True) -> int:
         unscaled = predict(_with(calibration, optimizer_scale=1.0), candidate, args.global_batch)
         measured_update_s = calibration.optimizer_scale * unscaled.optimizer_s
         modeled = estimate_step(profile, candidate, args.global_batch, local_hardware(profile))
-        if modeled.update_cpu_s > 0:
-            profile.shared_update_scale = measured_update_s / modeled.update_cpu_s
+        if modeled.update_s > 0:  # the CPU parts of the update scale with it (the loopback link's share is small)
+            profile.shared_update_scale = measured_update_s / modeled.update_s
     path.write_text(json.dumps(profile.to_json()))
     (print if announce else log.info)(
         f"profile written to {path}: update pass {update_pass[1] * 1e9:.2f} / {update_pass[2] * 1e9:.2f} ns per parameter with 1 / 2 workers, "

@@ -16,9 +16,9 @@ threads. :func:`estimate_step` puts a configuration (P, D, M, schedule, nodes pe
   ``t_net = max(numel_p * 4 / worker_link, D * N * 4 / node_link)`` each way, pipelined over the
   ``B`` buckets: ``(t_worker + 2 t_net + t_node) / B + (1 - 1/B) * max(t_worker, t_net, t_node)``;
   the slowest position sets the update time;
-- on one shared host (this machine: :func:`local_hardware`) everything also shares the cores: the
-  update takes at least the CPU time of all nodes and workers over the cores, scaled by the factor
-  a real calibration run measured;
+- on one shared host (this machine: :func:`local_hardware`) everything also shares the cores: node
+  and worker CPU times are scaled by the factor a real calibration run measured, and the update takes
+  at least the CPU time of all of them over the cores;
 - a link's transfers reach the efficiency measured on real links (``Hardware.*_link_efficiency``);
 - memory: a rank holds its stage's parameters and gradients and the activations in flight; a node
   ``400 MiB + N * (12 + 4 D + 4)`` bytes (state, received gradients, values kept for restarts).
@@ -166,7 +166,7 @@ class StepEstimate:
     step_s: float
     pipeline_s: float
     update_s: float
-    update_cpu_s: float  # on shared cores: the CPU time of all nodes and workers over the cores, unscaled
+    update_cpu_s: float  # on shared cores: the CPU time of all nodes and workers over the cores
     network_s: float  # the slowest position's transfer time each way (part of update_s)
     node_s: float  # the slowest node's update time (part of update_s)
     bubble_fraction: float
@@ -245,11 +245,13 @@ def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int,
     position_numel = [sum(stage_numel[s] for s in range(p, total_stages, c.stages)) for p in range(c.stages)]
     nodes = profile.node_costs()
     node_cores = 1.0 if shared else hardware.node_cores
+    cpu_scale = profile.shared_update_scale if shared else 1.0
     walls, cpu, worst_net, worst_node = [], 0.0, 0.0, 0.0
     for numel in position_numel:
         per_node = math.ceil(numel / c.nodes_per_stage)
-        t_node = nodes.node_s(per_node, c.replicas, node_cores)
-        t_worker = nodes.worker_s(numel)
+        # on the shared host, the CPU parts as a real run there measured them (the links are not scaled)
+        t_node = cpu_scale * nodes.node_s(per_node, c.replicas, node_cores)
+        t_worker = cpu_scale * nodes.worker_s(numel)
         t_net = max(
             numel * WIRE_BYTES / (hardware.worker_link_bytes_per_s * hardware.worker_link_efficiency),
             c.replicas * per_node * WIRE_BYTES / (hardware.node_link_bytes_per_s * hardware.node_link_efficiency),
@@ -261,8 +263,8 @@ def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int,
         worst_net, worst_node = max(worst_net, t_net), max(worst_node, t_node)
     update_s = max(walls)
     update_cpu_s = cpu / hardware.shared_cores if hardware.shared_cores else 0.0
-    if shared:  # the CPU all processes need, as a real run on the shared host measured it
-        update_s = max(update_s, profile.shared_update_scale * update_cpu_s)
+    if shared:  # at least the CPU all processes need
+        update_s = max(update_s, update_cpu_s)
     step_s = pipeline.pipeline_s + update_s + cal.step_overhead_s
     params_per_node = max(math.ceil(n / c.nodes_per_stage) for n in position_numel)
     return StepEstimate(
