@@ -79,7 +79,8 @@ def cluster_rows(profile: CostProfile, reports: list[str], calibration: list[str
         )  # fmt: skip
         workers, nodes = shape["worker_hosts"], shape["node_hosts"]
         global_batch = raw["batch"]["global_batch"]
-        estimate = estimate_step(profile, Candidate(1, workers, 1, "gpipe", nodes), global_batch, hardware)
+        bucket_bytes = 4 * int(raw["netoptim_bucket_numel"])
+        estimate = estimate_step(profile, Candidate(1, workers, 1, "gpipe", nodes), global_batch, hardware, bucket_bytes=bucket_bytes)
         step_s = raw["results"]["netoptim"]["step_s"]
         rows.append({
             "configuration": f"emulated cluster {workers}x1+{nodes}, {raw['links']['emulated_bit_s'] / 1e6:.3g} Mbit/s: P=1 D={workers}",

@@ -213,8 +213,9 @@ def node_memory_bytes(params: int, replicas: int) -> int:
     return NODE_FIXED_BYTES + params * (NODE_STATE_BYTES_PER_PARAM + replicas * WIRE_BYTES + WIRE_BYTES)
 
 
-def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int, hardware: Hardware) -> StepEstimate:
-    """Step time, memory per rank and per node of ``candidate`` on ``hardware`` (see the module's docstring)."""
+def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int, hardware: Hardware, *, bucket_bytes: int = BUCKET_BYTES) -> StepEstimate:
+    """Step time, memory per rank and per node of ``candidate`` on ``hardware`` (see the module's
+    docstring), the job's gradients in buckets of ``bucket_bytes``."""
     c = candidate
     if c.layerwise:
         raise ValueError("the cost model covers full-model pipelines, not layer-wise mode")
@@ -256,7 +257,7 @@ def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int,
             numel * WIRE_BYTES / (hardware.worker_link_bytes_per_s * hardware.worker_link_efficiency),
             c.replicas * per_node * WIRE_BYTES / (hardware.node_link_bytes_per_s * hardware.node_link_efficiency),
         )
-        buckets = max(1, math.ceil(per_node * WIRE_BYTES / BUCKET_BYTES))
+        buckets = max(1, math.ceil(per_node * WIRE_BYTES / bucket_bytes))
         slowest = max(t_worker, t_net, t_node)
         walls.append((t_worker + 2 * t_net + t_node) / buckets + (1 - 1 / buckets) * slowest + 2 * hardware.link_latency_s)
         cpu += c.nodes_per_stage * t_node + c.replicas * t_worker
