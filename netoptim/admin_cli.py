@@ -225,6 +225,8 @@ def run_admin(args: argparse.Namespace) -> int:
                 _print(args, stub.Shutdown(admin_pb2.ShutdownRequest(), **call), lambda r: "the node is stopping")
             elif args.call == "watch":
                 stream = stub.WatchSteps(admin_pb2.WatchStepsRequest(), metadata=metadata)
+                stream.initial_metadata()  # subscribed: every step from now on is printed
+                print(f"netoptim admin watch: watching {args.target}'s steps (Ctrl-C stops)", file=sys.stderr, flush=True)
                 for count, event in enumerate(stream, start=1):
                     _print(
                         args,

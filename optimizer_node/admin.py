@@ -277,6 +277,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         with self._long_call(context):
             events = self._daemon.clock.subscribe()
             context.add_callback(lambda: events.put(None))  # a cancelled call unblocks the loop
+            context.send_initial_metadata(())  # the watcher knows it is subscribed before any step
             try:
                 while (event := events.get()) is not None:
                     yield admin_pb2.StepEvent(step=event.step, unix_time=event.unix_time, timings=_timings(event.timings))

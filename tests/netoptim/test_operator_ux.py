@@ -8,10 +8,23 @@ import sys
 import time
 
 
+def start_watch(address: str) -> subprocess.Popen:
+    """``netoptim admin watch`` on ``address``, returned once it says it is subscribed (not before:
+    a process still starting up would take a signal elsewhere)."""
+    watch = subprocess.Popen([sys.executable, "-m", "netoptim", "admin", "--target", address, "watch"], stderr=subprocess.PIPE, text=True)
+    assert watch.stderr is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = watch.stderr.readline()
+        if "watching" in line:
+            return watch
+        assert line, f"the watch ended before subscribing (exit {watch.wait()})"
+    raise AssertionError("the watch did not subscribe within 60 s")
+
+
 def test_watch_exits_non_zero_when_the_node_goes_away(start_node):
     node = start_node(extra_args=("--admin", "127.0.0.1:0"))
-    watch = subprocess.Popen([sys.executable, "-m", "netoptim", "admin", "--target", node.admin_address, "watch"], stderr=subprocess.PIPE, text=True)
-    time.sleep(3.0)  # the watch is connected and waiting for steps
+    watch = start_watch(node.admin_address)
     assert node.stop() == 0
     _, stderr = watch.communicate(timeout=30)
     assert watch.returncode == 1, stderr
@@ -20,8 +33,7 @@ def test_watch_exits_non_zero_when_the_node_goes_away(start_node):
 
 def test_ctrl_c_is_quiet(start_node):
     node = start_node(extra_args=("--admin", "127.0.0.1:0"))
-    watch = subprocess.Popen([sys.executable, "-m", "netoptim", "admin", "--target", node.admin_address, "watch"], stderr=subprocess.PIPE, text=True)
-    time.sleep(3.0)
+    watch = start_watch(node.admin_address)
     watch.send_signal(signal.SIGINT)
     _, stderr = watch.communicate(timeout=30)
     assert watch.returncode == 130 and "Traceback" not in stderr, stderr
