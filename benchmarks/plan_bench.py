@@ -15,7 +15,8 @@ import statistics
 from tqdm import tqdm
 
 from launch.processes import run_pipeline_job
-from netoptim.plan_cli import calibration_for, validate_model_flags
+from netoptim.plan_calibration import calibration_for
+from netoptim.plan_cli import validate_model_flags
 from planning.planner import Prediction, plan
 
 

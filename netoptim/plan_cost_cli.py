@@ -93,7 +93,7 @@ def cost_mode(args: argparse.Namespace) -> str:
 def run_calibrate(args: argparse.Namespace, *, announce: bool = True) -> int:
     """Measure the cost profile of the model and write it to ``args.calibrate`` (and say so on
     stdout unless ``announce`` is false: a benchmark's stdout is its JSON)."""
-    from netoptim.plan_cli import calibration_for
+    from netoptim.plan_calibration import calibration_for
     from optimizer_node.update_profile import update_pass_seconds_per_param
     from planning.cost_model import CostProfile, estimate_step, local_hardware
     from planning.planner import Candidate, predict
