@@ -11,7 +11,15 @@ import time
 def start_watch(address: str) -> subprocess.Popen:
     """``netoptim admin watch`` on ``address``, returned once it says it is subscribed (not before:
     a process still starting up would take a signal elsewhere)."""
-    watch = subprocess.Popen([sys.executable, "-m", "netoptim", "admin", "--target", address, "watch"], stderr=subprocess.PIPE, text=True)
+    # A child inherits an ignored SIGINT, and Python then leaves it ignored: libraries that run
+    # in-process in this test worker (teardown code of distributed frameworks) may have left it so.
+    # The watch starts as a shell's foreground command does, with SIGINT at its default.
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "netoptim", "admin", "--target", address, "watch"],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert watch.stderr is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
