@@ -68,8 +68,11 @@ from transport.wire import (
 )
 
 MAX_MESSAGE_BYTES = 1 << 20
-NODE_ARGS = ("--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-header-bytes", str(MAX_HEADER_BYTES))
-"""Headers as large as the protocol allows (the node's default is smaller): the decoder's own bounds are what is fuzzed."""
+NODE_ARGS = ("--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-header-bytes", str(MAX_HEADER_BYTES), "--next-job", "refuse")
+"""Headers as large as the protocol allows (the node's default is smaller): the decoder's own bounds
+are what is fuzzed. ``--next-job refuse``: the fuzzer's model holds one job for the node's life, so
+a replayed BYE (which finishes the job) followed by another job's HELLO must be refused, as it is
+with this flag (tests/optimizer_node cover a node taking the next job)."""
 
 RSS_GROWTH_BOUND = 384 << 20
 """How far a fuzzed node's peak resident memory may rise above its peak once ready: a 16 MiB header
