@@ -49,6 +49,7 @@ def efficiencies_from_reports(paths: Iterable[str | Path]) -> dict[str, float]:
             timing = ClusterTiming(
                 compute_s=float(raw["compute_probe_s"]),
                 link_bit_s=float(raw["links"]["emulated_bit_s"]),
+                node_link_bit_s=float(raw["links"].get("node_emulated_bit_s", 0.0)),
                 ranks=shape.world_size,
                 cores=float(raw.get("cores") or 0) or None,
                 buckets=-(-param_count(config) // int(raw["netoptim_bucket_numel"])),

@@ -104,6 +104,9 @@ def format_text(report: dict) -> str:
         f"{report['batch']['tokens_per_step']:,} tokens per step",
         f"links: {report['links']['description']}",
     ]
+    node_rate = report["links"].get("node_emulated_bit_s", 0.0)
+    if node_rate and abs(node_rate - report["links"]["emulated_bit_s"]) > 1:
+        lines.append(f"node hosts' links: {node_rate / 1e6:.3g} Mbit/s each way")
     for mode, result in report["results"].items():
         lines.append(
             f"{mode}: {result['tokens_per_s']:,.0f} tokens/s ({result['step_s']:.3f} s per step, predicted {result['predicted_step_s']:.3f} s, "

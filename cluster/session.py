@@ -40,6 +40,8 @@ class ClusterRun:
     target_tflops: float = 100.0
     emulated_mbit: float = 0.0
     """A link rate given outright; 0: scale the target's."""
+    node_link_ratio: float = 1.0
+    """The node hosts' link rate over the worker hosts' (CPU hosts with a faster port, or two)."""
     subnet: str = topology.DEFAULT_SUBNET
     link_efficiency: dict[str, float] = field(default_factory=dict)
     """The step prediction's link efficiencies (from earlier reports: ``--calibration``); none: ideal links."""
@@ -54,7 +56,7 @@ class ClusterRun:
             raise ValueError(f"modes {self.modes}: some of netoptim, fsdp, ddp")
         if "netoptim" in self.modes and self.shape.node_hosts < 1:
             raise ValueError("netoptim needs at least one node host")
-        if self.emulated_mbit < 0 or (not self.emulated_mbit and min(self.target_link_gbit, self.target_tflops) <= 0):
+        if self.emulated_mbit < 0 or self.node_link_ratio <= 0 or (not self.emulated_mbit and min(self.target_link_gbit, self.target_tflops) <= 0):
             raise ValueError("link rates and TFLOP/s must be positive")
         topology.plan_topology(self.shape.worker_hosts, self.shape.node_hosts, new_prefix(), self.subnet)  # counts and subnet
 
@@ -124,7 +126,7 @@ def run_cluster(run: ClusterRun) -> dict:
     with signals_raise():
         try:
             topology.build(topo)
-            shaping.shape_all(topo, links.emulated_bit_s)
+            shaping.shape_all(topo, links.emulated_bit_s, node_rate_bit_s=links.emulated_bit_s * run.node_link_ratio)
             placement = ClusterPlacement(topo)
             for mode in run.modes:
                 log.info("cluster %s: training with %s", topo.prefix, mode)
@@ -156,7 +158,7 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
         "netoptim_bucket_numel": job.bucket_numel,
         "warmup": job.warmup,
         "steps": job.steps,
-        "links": {**links.to_dict(), "description": links.describe()},
+        "links": {**links.to_dict(), "node_emulated_bit_s": links.emulated_bit_s * run.node_link_ratio, "description": links.describe()},
         "compute_probe_s": compute_s,
         "cores": float(os.cpu_count() or 1),
         "host_groups": job.host_groups,
@@ -166,6 +168,7 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
     timing = ClusterTiming(
         compute_s=compute_s,
         link_bit_s=links.emulated_bit_s,
+        node_link_bit_s=links.emulated_bit_s * run.node_link_ratio,
         ranks=run.shape.world_size,
         cores=float(os.cpu_count() or 1),
         buckets=-(-params // job.bucket_numel),

@@ -44,11 +44,20 @@ def shape_link(topology: Topology, host: Host, rate_bit_s: float) -> None:
     netns.run("tc", "-n", host.namespace, "qdisc", "replace", "dev", HOST_IFACE, "root", *args)  # from the host
 
 
-def shape_all(topology: Topology, rate_bit_s: float) -> None:
-    """Every link of the cluster at ``rate_bit_s`` each way."""
-    for host in topology.hosts:
+def shape_all(topology: Topology, rate_bit_s: float, *, node_rate_bit_s: float | None = None) -> None:
+    """Every worker host's link at ``rate_bit_s`` each way, every node host's at ``node_rate_bit_s``
+    (None: the same)."""
+    node_rate = node_rate_bit_s or rate_bit_s
+    for host in topology.worker_hosts:
         shape_link(topology, host, rate_bit_s)
-    log.info("cluster %s: every link shaped to %.3g Mbit/s each way", topology.prefix, rate_bit_s / 1e6)
+    for host in topology.node_hosts:
+        shape_link(topology, host, node_rate)
+    if node_rate == rate_bit_s:
+        log.info("cluster %s: every link shaped to %.3g Mbit/s each way", topology.prefix, rate_bit_s / 1e6)
+    else:
+        log.info(
+            "cluster %s: worker hosts' links shaped to %.3g Mbit/s, node hosts' to %.3g Mbit/s, each way", topology.prefix, rate_bit_s / 1e6, node_rate / 1e6
+        )
 
 
 def link_rates(topology: Topology, host: Host) -> tuple[float, float]:

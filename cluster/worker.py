@@ -97,6 +97,7 @@ def _build(args: argparse.Namespace, rank: int, world_size: int):
             nodes=args.nodes.split(","),
             rank=host,
             world_size=world_size // local_size,
+            push_during_backward=True,  # each bucket summed and pushed as backward finishes it, as the flat job below
             same_host_ipc=False,
             timeout_s=args.timeout_s,
             **({"bucket_numel": args.bucket_numel} if args.bucket_numel else {}),

@@ -8,11 +8,18 @@ ordinary netoptim job of ``H`` ranks with ``local_size`` ``G``; the nodes sum th
 host order and divide by ``H x G``. With fp32 on the wire the result is bitwise that of torch's AdamW
 fed ``(((g00 + g01 + ...) + (g10 + g11 + ...)) + ...) / (H x G)``: each host's gradients summed in
 local-rank order, the hosts' sums in host order.
+
+With ``push_during_backward=True`` the exchange follows backward: each member publishes a parameter's
+gradient as soon as it is final, the leader adds its followers' gradients of that parameter at once
+(the same sums, element by element) and pushes each bucket whose parameters are all summed, so the
+host's gradients travel to the nodes while backward computes the rest.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +45,8 @@ class HostGroupAdamW(torch.optim.Optimizer):
         rank, world_size: this host's index and the number of hosts.
         options: the leader's :class:`~gpu_worker.RemoteAdamW` options (``nodes``, ``wire_dtype``,
             ``timeout_s``, ...); ``timeout_s`` also bounds the waits inside the group.
+        push_during_backward: exchange and push each parameter's gradient as backward finishes it
+            (one backward per step: accumulate in ``step()``-less passes is refused with an error).
     """
 
     def __init__(
@@ -51,6 +60,7 @@ class HostGroupAdamW(torch.optim.Optimizer):
         host_group: HostGroup,
         rank: int,
         world_size: int,
+        push_during_backward: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
@@ -60,9 +70,20 @@ class HostGroupAdamW(torch.optim.Optimizer):
             raise TypeError("a host group exchanges fp32 gradients and parameters: keep the parameters fp32")
         numel = sum(p.numel() for p in self._params)
         self._flat = torch.empty(numel, dtype=torch.float32)
-        self._exchange = HostExchange(host_group, numel, float(options.get("timeout_s", 300.0)))
+        self._offsets = [0]
+        for param in self._params[:-1]:
+            self._offsets.append(self._offsets[-1] + param.numel())
+        self._streaming = push_during_backward
+        self._exchange = HostExchange(host_group, numel, float(options.get("timeout_s", 300.0)), pieces=len(self._params) if push_during_backward else 0)
         self._seq = 1  # the initial parameters; each step is the next
         self._remote: RemoteAdamW | None = None
+        self._exchanged = [False] * len(self._params)  # this step's gradient of each parameter went through the exchange
+        self._owner_thread = threading.get_ident()
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if push_during_backward:  # before the leader's RemoteAdamW registers its own: a bucket is pushed once summed
+            self._hooks = [
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i, p in enumerate(self._params) if p.requires_grad
+            ]
         try:
             if host_group.leader:
                 self._remote = RemoteAdamW(
@@ -74,6 +95,7 @@ class HostGroupAdamW(torch.optim.Optimizer):
                     rank=rank,
                     world_size=world_size,
                     local_size=host_group.local_size,
+                    push_during_backward=push_during_backward,
                     **options,
                 )
                 self._gather(self._params, self._flat)
@@ -85,7 +107,32 @@ class HostGroupAdamW(torch.optim.Optimizer):
         except BaseException:
             self._exchange.fail()
             self._exchange.close()
+            for hook in self._hooks:
+                hook.remove()
             raise
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Backward finished ``param``'s gradient: publish it (follower) or add the followers' (leader)."""
+        if threading.get_ident() != self._owner_thread:
+            return
+        if self._exchanged[index]:
+            self._exchange.fail()
+            raise RuntimeError(
+                "a parameter got a second gradient before step(): a host group with push_during_backward=True takes one "
+                "backward per step (accumulate with push_during_backward=False)"
+            )
+        self._exchange_piece(index, param.grad)
+
+    def _exchange_piece(self, index: int, gradient: torch.Tensor) -> None:
+        try:
+            if self._remote is None:
+                self._exchange.publish_piece(index, self._offsets[index], gradient, self._seq + 1)
+            else:
+                self._exchange.add_piece(index, self._offsets[index], gradient, self._seq + 1)
+        except BaseException:
+            self._exchange.fail()
+            raise
+        self._exchanged[index] = True
 
     @property
     def remote_step(self) -> int:
@@ -117,6 +164,8 @@ class HostGroupAdamW(torch.optim.Optimizer):
         missing = [i for i, p in enumerate(self._params) if p.grad is None]
         if missing:
             raise ValueError(f"parameters {missing[:5]} have no gradient: in a host group every parameter needs one at each step")
+        if self._streaming:
+            return self._streamed_step(loss)
         self._seq += 1
         try:
             self._gather([p.grad for p in self._params], self._flat)
@@ -138,8 +187,34 @@ class HostGroupAdamW(torch.optim.Optimizer):
             raise
         return loss
 
+    def _streamed_step(self, loss: Any) -> Any:
+        """The gradients went through the exchange during backward (those whose hook did not fire go now);
+        the leader's optimizer pushed each summed bucket then and pushes the rest here."""
+        for index, param in enumerate(self._params):
+            if not self._exchanged[index]:
+                self._exchange_piece(index, param.grad)
+        self._seq += 1
+        self._exchanged = [False] * len(self._params)
+        try:
+            if self._remote is None:
+                self._remote_step = self._exchange.take_parameters(self._flat, self._seq)
+                self._scatter(self._flat, self._params)
+                return loss
+            for mine, theirs in zip(self.param_groups, self._remote.param_groups, strict=True):
+                theirs.update({key: mine[key] for key in _HYPER_KEYS})
+            self._remote.step()
+            self._gather(self._params, self._flat)
+            self._remote_step = self._remote.remote_step
+            self._exchange.publish_parameters(self._flat, self._seq, self._remote_step)
+        except BaseException:
+            self._exchange.fail()
+            raise
+        return loss
+
     def close(self) -> None:
         """The leader closes its connections to the nodes; the group's shared file goes with it."""
+        for hook in self._hooks:
+            hook.remove()
         if self._remote is not None:
             self._remote.close()
         self._exchange.close()

@@ -4,7 +4,9 @@ reduce inside the small, fast group first, then send one flow per host).
 A host group of ``local_size`` workers shares one file in ``/dev/shm``: a gradient slot per follower,
 the parameters, and a few counters. Each step, every follower copies its flat gradient into its slot
 and bumps its counter; the leader (local rank 0) adds the slots to its own gradient in local-rank
-order, so the host's sum is ``((g0 + g1) + g2) + ...``, the same on every run. After the nodes' update
+order, so the host's sum is ``((g0 + g1) + g2) + ...``, the same on every run. Gradients may also go
+piece by piece (one piece a parameter, as backward finishes it), each piece with its own counter, so the
+leader adds and pushes the first pieces while backward still computes the rest. After the nodes' update
 the leader copies the new parameters into the shared area and bumps the parameters' counter; the
 followers copy them out. Only the leader talks to the optimizer nodes.
 
@@ -50,17 +52,18 @@ class HostGroup:
 class HostExchange:
     """The shared area of one host group, for flat fp32 gradients and parameters of ``numel`` elements."""
 
-    def __init__(self, group: HostGroup, numel: int, timeout_s: float) -> None:
+    def __init__(self, group: HostGroup, numel: int, timeout_s: float, pieces: int = 0) -> None:
         self.group = group
         self.numel = numel
         self.timeout_s = timeout_s
+        self.pieces = pieces
         size = group.local_size
         self._data_path = Path(group.directory) / f"netoptim-host-{group.name}.data"
         self._ctrl_path = Path(group.directory) / f"netoptim-host-{group.name}.ctrl"
         if group.leader:  # made afresh: a file left by an earlier run must not be read as this one's
             for path in (self._data_path, self._ctrl_path):
                 path.unlink(missing_ok=True)
-            self._ctrl_path.with_suffix(".tmp").write_bytes(bytes(8 * (size + 2)))
+            self._ctrl_path.with_suffix(".tmp").write_bytes(bytes(8 * (size + 2 + size * pieces)))
             self._data_path.write_bytes(b"")
             os.truncate(self._data_path, 4 * numel * size)
             os.replace(self._ctrl_path.with_suffix(".tmp"), self._ctrl_path)  # followers attach once both exist
@@ -68,9 +71,11 @@ class HostExchange:
             self._wait(lambda: self._ctrl_path.exists(), f"the leader of host group {group.name!r} to create {self._ctrl_path}")
         data = torch.from_file(str(self._data_path), shared=True, size=numel * size, dtype=torch.float32)
         self._slots = data.view(size, numel)  # slot 0: the parameters (the leader's own gradient stays with it)
-        self._ctrl = torch.from_file(str(self._ctrl_path), shared=True, size=size + 2, dtype=torch.int64)
+        self._ctrl = torch.from_file(str(self._ctrl_path), shared=True, size=size + 2 + size * pieces, dtype=torch.int64)
         # ctrl[r], r >= 1: the step whose gradient follower r published; ctrl[0]: the step whose
-        # parameters the leader published; ctrl[size]: the nodes' step then; ctrl[size + 1]: an error flag.
+        # parameters the leader published; ctrl[size]: the nodes' step then; ctrl[size + 1]: an error flag;
+        # then one counter per follower and piece: the step whose piece it published.
+        self._piece_seq = self._ctrl[size + 2 :].view(size, pieces)
 
     def _wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -97,6 +102,13 @@ class HostExchange:
         self._slots[rank].copy_(flat)
         self._ctrl[rank] = seq
 
+    def publish_piece(self, piece: int, offset: int, gradient: torch.Tensor, seq: int) -> None:
+        """One piece of the follower's gradient of ``seq`` (elements ``offset`` on of its flat gradient).
+        Its place is free for the reason :meth:`publish_gradient` gives."""
+        rank = self.group.local_rank
+        self._slots[rank, offset : offset + gradient.numel()].copy_(gradient.reshape(-1))
+        self._piece_seq[rank, piece] = seq
+
     def take_parameters(self, flat: torch.Tensor, seq: int) -> int:
         """The parameters the leader published for ``seq``, into ``flat``; returns the nodes' step."""
         self._wait(lambda: int(self._ctrl[0]) >= seq, f"the leader's parameters of step {seq}")
@@ -110,6 +122,13 @@ class HostExchange:
         for rank in range(1, self.group.local_size):
             self._wait(lambda rank=rank: int(self._ctrl[rank]) >= seq, f"local rank {rank}'s gradient of step {seq}")
             flat.add_(self._slots[rank])
+
+    def add_piece(self, piece: int, offset: int, gradient: torch.Tensor, seq: int) -> None:
+        """Add the followers' piece ``piece`` of ``seq`` to ``gradient`` (the leader's own), in local-rank
+        order: element by element the sum :meth:`add_gradients` makes."""
+        for rank in range(1, self.group.local_size):
+            self._wait(lambda rank=rank: int(self._piece_seq[rank, piece]) >= seq, f"local rank {rank}'s gradient piece {piece} of step {seq}")
+            gradient.add_(self._slots[rank, offset : offset + gradient.numel()].view(gradient.shape))
 
     def publish_parameters(self, flat: torch.Tensor, seq: int, remote_step: int) -> None:
         # Every follower's gradient of seq has been read (add_gradients) before the parameters go out.

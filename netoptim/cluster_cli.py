@@ -42,13 +42,21 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         "--link-gbit", type=_positive_float, default=25.0, help="the target cluster's link rate per host, Gbit/s each way (default: %(default)s)"
     )
     parser.add_argument(
+        "--node-link-gbit",
+        type=_positive_float,
+        default=None,
+        help="the target's link rate per optimizer-node host, Gbit/s each way, scaled as --link-gbit (default: --link-gbit; CPU hosts often have a "
+        "faster port, or two)",
+    )
+    parser.add_argument(
         "--target-tflops", type=_positive_float, default=100.0, help="the target GPU's effective TFLOP/s (default: %(default)s, an A100 in practice)"
     )
     parser.add_argument(
         "--emulated-mbit",
         type=_positive_float,
         default=None,
-        help="run the links at this many Mbit/s instead of scaling the target's by this CPU's speed",
+        help="run the worker hosts' links at this many Mbit/s instead of scaling the target's by this CPU's speed (the node hosts' at this "
+        "times --node-link-gbit / --link-gbit)",
     )
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps (default: %(default)s)")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
@@ -131,6 +139,7 @@ def cluster_run_from_args(args: argparse.Namespace, systems: tuple[str, ...]):
         target_link_gbit=args.link_gbit,
         target_tflops=args.target_tflops,
         emulated_mbit=args.emulated_mbit or 0.0,
+        node_link_ratio=(args.node_link_gbit or args.link_gbit) / args.link_gbit,
         subnet=args.subnet,
     )
 

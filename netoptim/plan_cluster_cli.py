@@ -38,7 +38,10 @@ def add_cluster_plan_flags(plan: argparse.ArgumentParser) -> None:
         "--cluster HxG+N --link-mbit R predicts each system's step on H worker hosts of G workers and N node hosts (docs/planning.md)",
     )
     group.add_argument("--cluster", type=cluster_shape, default=None, metavar="HxG+N", help="predict the step on this cluster shape, like 4x2+2")
-    group.add_argument("--link-mbit", type=_rate, default=None, help="with --cluster: every host's link, Mbit/s each way")
+    group.add_argument("--link-mbit", type=_rate, default=None, help="with --cluster: every worker host's link, Mbit/s each way")
+    group.add_argument(
+        "--node-link-mbit", type=_rate, default=None, help="with --cluster: every optimizer-node host's link, Mbit/s each way (default: --link-mbit)"
+    )
     group.add_argument("--micro-batch", type=int, default=8, help="with --cluster: sequences per worker per step (default: %(default)s)")
     group.add_argument(
         "--cluster-calibration",
@@ -57,8 +60,8 @@ def add_cluster_plan_flags(plan: argparse.ArgumentParser) -> None:
 
 def cluster_requested(args: argparse.Namespace) -> bool:
     if args.cluster is None:
-        if args.link_mbit is not None or (args.cluster_calibration and not args.catalog):
-            raise SystemExit("--link-mbit goes with --cluster HxG+N, --cluster-calibration with --cluster or --catalog")
+        if args.link_mbit is not None or args.node_link_mbit is not None or (args.cluster_calibration and not args.catalog):
+            raise SystemExit("--link-mbit and --node-link-mbit go with --cluster HxG+N, --cluster-calibration with --cluster or --catalog")
         return False
     if args.link_mbit is None:
         raise SystemExit("--cluster needs --link-mbit: the links' rate, Mbit/s each way")
@@ -88,7 +91,13 @@ def run_cluster_plan(args: argparse.Namespace) -> int:
     params = param_count(config)
     buckets = -(-params // auto_bucket_numel(params))  # netoptim cluster's default
     timing = ClusterTiming(
-        compute_s=compute_s, link_bit_s=args.link_mbit * 1e6, ranks=shape.world_size, cores=args.cluster_cores or None, buckets=buckets, efficiency=efficiency
+        compute_s=compute_s,
+        link_bit_s=args.link_mbit * 1e6,
+        node_link_bit_s=(args.node_link_mbit or 0.0) * 1e6,
+        ranks=shape.world_size,
+        cores=args.cluster_cores or None,
+        buckets=buckets,
+        efficiency=efficiency,
     )
     predictions = predict_cluster(config, shape, timing)
     tokens = shape.world_size * args.micro_batch * args.block_size
@@ -97,10 +106,24 @@ def run_cluster_plan(args: argparse.Namespace) -> int:
         for mode, p in predictions.items()
     }
     if args.json:
-        print(json.dumps({"shape": args.cluster, "link_mbit": args.link_mbit, "params": params, "compute_probe_s": compute_s, "systems": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "shape": args.cluster,
+                    "link_mbit": args.link_mbit,
+                    "node_link_mbit": args.node_link_mbit or args.link_mbit,
+                    "params": params,
+                    "compute_probe_s": compute_s,
+                    "systems": rows,
+                },
+                indent=2,
+            )
+        )
         return 0
     print(
-        f"{shape.worker_hosts} worker host(s) x {shape.workers_per_host}, {shape.node_hosts} node host(s), links {args.link_mbit:g} Mbit/s; "
+        f"{shape.worker_hosts} worker host(s) x {shape.workers_per_host}, {shape.node_hosts} node host(s), links {args.link_mbit:g} Mbit/s"
+        + (f" (node hosts' {args.node_link_mbit:g})" if args.node_link_mbit else "")
+        + "; "
         f"GPT of {params:,} parameters, {tokens:,} tokens per step; a worker's compute {compute_s * 1e3:.1f} ms here"
         + ("" if efficiency else "; no --cluster-calibration: ideal link rates (a lower bound on the step)")
     )

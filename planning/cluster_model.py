@@ -1,4 +1,5 @@
-"""Step time of a data-parallel job on a cluster of hosts joined by links of one rate: netoptim
+"""Step time of a data-parallel job on a cluster of hosts joined by links (one rate for worker hosts,
+possibly another for node hosts): netoptim
 (workers push to node hosts), FSDP (full shard) and DDP, from a calibration and the bytes each link
 carries per step.
 
@@ -8,7 +9,8 @@ The calibration is one worker's forward and backward of its micro-batch, timed a
 - **Compute**: every rank computes its micro-batch; ranks that share ``cores`` (one host standing in
   for a cluster) share them, so the compute takes ``compute_s x max(1, ranks / cores)``.
 - **Communication**: the busiest link's payload at the link's payload rate (the bit rate less the
-  TCP/IP headers, 66 bytes per 1448-byte segment). FSDP's and DDP's collectives run after, or
+  TCP/IP headers, 66 bytes per 1448-byte segment); the busiest is the one whose bytes take longest
+  at its own rate. FSDP's and DDP's collectives run after, or
   between, the computations they serve, so their step is compute plus communication.
 - **netoptim** streams a step's ``B`` buckets: a node sends a bucket's parameters back only once
   every rank's gradient of it is in, so the parameters of the last bucket start after the gradients
@@ -37,7 +39,7 @@ class ClusterTiming:
     compute_s: float
     """One worker's forward and backward of its micro-batch, alone."""
     link_bit_s: float
-    """Every link's rate, each way."""
+    """Every worker host's link rate, each way (and every node host's, unless ``node_link_bit_s``)."""
     ranks: int
     """Worker ranks in all."""
     cores: float | None = None
@@ -46,6 +48,8 @@ class ClusterTiming:
     """netoptim: buckets per step."""
     node_update_s: float = 0.0
     """netoptim: the nodes' update of a step, where it is not hidden."""
+    node_link_bit_s: float = 0.0
+    """The node hosts' link rate, each way; 0: ``link_bit_s``."""
     efficiency: dict[str, float] = field(default_factory=dict)
     """Measured share of the ideal communication time each system reaches, by :func:`bound_key`
     (from earlier runs: :func:`calibrate_efficiency`); 1.0 where none was measured."""
@@ -53,6 +57,8 @@ class ClusterTiming:
     def __post_init__(self) -> None:
         if self.compute_s <= 0 or self.link_bit_s <= 0 or self.ranks < 1 or self.buckets < 1:
             raise ValueError(f"compute time, link rate, ranks and buckets must be positive: {self}")
+        if self.node_link_bit_s < 0:
+            raise ValueError(f"the node hosts' link rate must be positive (or 0: the workers'), got {self.node_link_bit_s}")
         if self.cores is not None and self.cores <= 0:
             raise ValueError(f"cores must be positive, got {self.cores}")
         if any(not 0 < value <= 2 for value in self.efficiency.values()):
@@ -68,7 +74,13 @@ class ClusterTiming:
 
     @property
     def payload_bytes_per_s(self) -> float:
+        """A worker host's link, payload bytes per second each way."""
         return self.link_bit_s / 8 * TCP_PAYLOAD_SHARE
+
+    def payload_rate_of(self, host: str) -> float:
+        """Host ``host``'s link (``w...`` a worker host, ``n...`` a node host), payload bytes per second."""
+        rate = self.node_link_bit_s if host.startswith("n") and self.node_link_bit_s else self.link_bit_s
+        return rate / 8 * TCP_PAYLOAD_SHARE
 
 
 @dataclass(frozen=True)
@@ -95,8 +107,8 @@ def predict_step(mode: str, link_bytes: dict[str, float], timing: ClusterTiming)
     if not link_bytes:
         raise ValueError("no links")
     compute = timing.compute_s * (max(1.0, timing.ranks / timing.cores) if timing.cores else 1.0)
-    busiest = max(link_bytes, key=lambda host: link_bytes[host])
-    communication = link_bytes[busiest] / timing.payload_bytes_per_s
+    busiest = max(link_bytes, key=lambda host: link_bytes[host] / timing.payload_rate_of(host))
+    communication = link_bytes[busiest] / timing.payload_rate_of(busiest)
     if mode == "netoptim":
         communication = communication * (1 + 1 / timing.buckets) + timing.node_update_s
     communication /= timing.efficiency_of(bound_key(mode, busiest))

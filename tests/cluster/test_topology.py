@@ -71,6 +71,9 @@ def test_links_are_shaped_both_ways_counted_and_removed():
         upload = _transfer(worker, node)
         download = _transfer(node, worker)
         carried = counters.difference(counters.read_counters(topo), before)
+        shaping.shape_all(topo, RATE_BIT_S, node_rate_bit_s=2 * RATE_BIT_S)  # a node host with a faster port
+        assert shaping.link_rates(topo, node) == (2 * RATE_BIT_S, 2 * RATE_BIT_S)
+        assert shaping.link_rates(topo, worker) == (RATE_BIT_S, RATE_BIT_S)
     finally:
         topology.teardown(topo)
     print(f"\nshaped at {RATE_BIT_S / 1e6:.0f} Mbit/s: {upload / 1e6:.2f} up, {download / 1e6:.2f} down; counted {carried}")

@@ -55,7 +55,8 @@ def reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node):
+@pytest.mark.parametrize("push_during_backward", [False, True], ids=["at-step", "during-backward"])
+def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node, push_during_backward):
     node = start_node(extra_args=("--metrics-port", "0"))
     name = uuid.uuid4().hex[:8]
     models = [make_model() for _ in range(HOSTS * LOCAL)]
@@ -66,7 +67,7 @@ def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node):
         host, local = divmod(index, LOCAL)
         opt = HostGroupAdamW(
             models[index].parameters(), lr=1e-2, weight_decay=0.1, host_group=HostGroup(f"{name}-{host}", local, LOCAL), rank=host, world_size=HOSTS,
-            nodes=[node.address], timeout_s=30,
+            nodes=[node.address], timeout_s=30, push_during_backward=push_during_backward,
         )  # fmt: skip
         start.wait()
         for step in range(opt.remote_step, STEPS):
@@ -112,3 +113,28 @@ def test_a_member_that_does_not_arrive_is_named():
             nodes=["tcp://127.0.0.1:9"],
             timeout_s=0.2,
         )
+
+
+def test_a_second_backward_before_step_is_refused_when_pushing_during_backward(start_node):
+    """One backward per step: a second one would add the followers' gradients twice."""
+    node = start_node()
+    name = uuid.uuid4().hex[:8]
+    models = [make_model() for _ in range(LOCAL)]
+    errors: dict[int, str] = {}
+
+    def worker(local: int) -> None:
+        opt = HostGroupAdamW(
+            models[local].parameters(), host_group=HostGroup(name, local, LOCAL), rank=0, world_size=1, nodes=[node.address], timeout_s=5,
+            push_during_backward=True,
+        )  # fmt: skip
+        try:
+            for _ in range(2):
+                loss_fn(models[local], *shard(0, local, LOCAL)).backward()
+        except RuntimeError as error:
+            errors[local] = str(error)
+        finally:
+            opt.close()
+
+    run_threads(worker, LOCAL)
+    assert sorted(errors) == [0, 1]
+    assert all("second gradient before step()" in error and "push_during_backward=False" in error for error in errors.values())

@@ -26,6 +26,16 @@ def test_a_step_is_compute_plus_the_busiest_links_time():
     assert with_update.step_s == pytest.approx(netoptim.step_s + 0.25)
 
 
+def test_faster_node_links_move_the_bound_to_the_link_whose_bytes_take_longest():
+    links = {"w0": 1e6, "w1": 1e6, "n0": 2e6}
+    rate = 1e6 * TCP_PAYLOAD_SHARE
+    even = predict_step("netoptim", links, timing(node_link_bit_s=16e6))  # twice the workers': n0's 2 MB take as long as w0's 1 MB
+    assert even.communication_s == pytest.approx(1e6 / rate * (1 + 1 / 8))
+    faster = predict_step("netoptim", links, timing(node_link_bit_s=32e6))
+    assert faster.busiest_link == "w0" and faster.communication_s == pytest.approx(even.communication_s)
+    assert predict_step("netoptim", links, timing(node_link_bit_s=0.0)).busiest_link == "n0"  # 0: the workers' rate
+
+
 def test_ranks_beyond_the_shared_cores_stretch_the_compute():
     links = {"w0": 1e6}
     assert predict_step("ddp", links, timing(ranks=8)).compute_s == pytest.approx(0.5 * 4)
@@ -33,7 +43,10 @@ def test_ranks_beyond_the_shared_cores_stretch_the_compute():
     assert predict_step("ddp", links, timing(ranks=1)).compute_s == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(("changes", "message"), [({"compute_s": 0.0}, "positive"), ({"cores": -1.0}, "cores"), ({"buckets": 0}, "positive")])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"compute_s": 0.0}, "positive"), ({"cores": -1.0}, "cores"), ({"buckets": 0}, "positive"), ({"node_link_bit_s": -1.0}, "node hosts")],
+)
 def test_bad_timings_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         timing(**changes)
