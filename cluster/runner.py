@@ -51,6 +51,9 @@ class JobSpec:
     timeout_s: float = 600.0
     bucket_numel: int = 0
     """netoptim: parameters per bucket (0: RemoteAdamW's default)."""
+    pace_window_bytes: int | None = None
+    """netoptim: gradient bytes a pushing worker may have in flight whose values have not come back
+    (``RemoteAdamW(pace_window_bytes=...)``); 0: no window; None: :data:`PACE_WINDOW_BUCKETS` buckets."""
     save_params: str = ""
     """Rank 0 writes its trained parameters here (``torch.save``)."""
     host_groups: bool = True
@@ -64,14 +67,14 @@ class JobSpec:
             raise ValueError(f"sizes, steps and threads must be positive: {self}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-        if self.warmup < 0 or self.bucket_numel < 0:
-            raise ValueError(f"warmup and bucket_numel must be >= 0, got {self.warmup} and {self.bucket_numel}")
+        if self.warmup < 0 or self.bucket_numel < 0 or (self.pace_window_bytes or 0) < 0:
+            raise ValueError(f"warmup, bucket_numel and pace_window_bytes must be >= 0, got {self.warmup}, {self.bucket_numel} and {self.pace_window_bytes}")
 
     def worker_args(self) -> list[str]:
         flags = dict(
             mode=self.mode, warmup=self.warmup, steps=self.steps, micro_batch=self.micro_batch, block_size=self.block_size, n_layer=self.n_layer,
             n_embd=self.n_embd, n_head=self.n_head, lr=self.lr, seed=self.seed, threads=self.threads, timeout_s=self.timeout_s,
-            bucket_numel=self.bucket_numel, host_groups=int(self.host_groups),
+            bucket_numel=self.bucket_numel, host_groups=int(self.host_groups), pace_window_bytes=self.pace_window_bytes or 0,
         )  # fmt: skip
         return [f"--{key.replace('_', '-')}={value}" for key, value in flags.items()] + ([f"--save-params={self.save_params}"] if self.save_params else [])
 

@@ -25,7 +25,10 @@ from planning.cluster_model import ClusterTiming
 
 log = logging.getLogger(__name__)
 
-BUCKETS_WHEN_AUTO = 8
+BUCKETS_WHEN_AUTO = 32
+PACE_WINDOW_BUCKETS = 6
+"""netoptim's push window when none is given, in buckets: measured best of 4-16 on 4 x 2 + 2 hosts
+(docs/cluster.md); it keeps the hosts' flows into a node's link in step."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class ClusterRun:
 
 
 def auto_bucket_numel(params: int) -> int:
-    """netoptim's bucket size when none is given: the model in about 8 buckets. A real model has
+    """netoptim's bucket size when none is given: the model in about 32 buckets. A real model has
     hundreds at the default 4 MiB; with one, a node would receive every gradient before it could send
     anything back, serializing the two directions of its link (a toy-size effect, not a real one)."""
     return max(64, -(-params // BUCKETS_WHEN_AUTO // 64) * 64)
@@ -117,6 +120,8 @@ def run_cluster(run: ClusterRun) -> dict:
     netns.require_root()
     params = scaling.param_count(run.config)
     job = run.job if run.job.bucket_numel else replace(run.job, bucket_numel=auto_bucket_numel(params))
+    if job.pace_window_bytes is None:
+        job = replace(job, pace_window_bytes=PACE_WINDOW_BUCKETS * job.bucket_numel * 4)
     links = link_scaling(run)
     log.info("%s", links.describe())
     # the step-time prediction's calibration: one worker's compute alone (the scaling probe's, or a probe now)
@@ -156,6 +161,7 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
             "tokens_per_step": tokens_per_step,
         },
         "netoptim_bucket_numel": job.bucket_numel,
+        "netoptim_pace_window_bytes": job.pace_window_bytes,
         "warmup": job.warmup,
         "steps": job.steps,
         "links": {**links.to_dict(), "node_emulated_bit_s": links.emulated_bit_s * run.node_link_ratio, "description": links.describe()},

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this rank")
     parser.add_argument("--bucket-numel", type=int, default=0, help="netoptim: parameters per bucket (0: RemoteAdamW's default)")
+    parser.add_argument("--pace-window-bytes", type=int, default=0, help="netoptim: RemoteAdamW's pace_window_bytes (0: none)")
     parser.add_argument("--host-groups", type=int, default=1, help="netoptim: 1 to sum a host's gradients in shared memory first (one flow per host)")
     parser.add_argument("--save-params", default="", help="rank 0: write its trained parameters here (torch.save of name -> tensor; with fsdp, its shards)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up waiting at a barrier after this long")
@@ -101,6 +102,7 @@ def _build(args: argparse.Namespace, rank: int, world_size: int):
             same_host_ipc=False,
             timeout_s=args.timeout_s,
             **({"bucket_numel": args.bucket_numel} if args.bucket_numel else {}),
+            **({"pace_window_bytes": args.pace_window_bytes} if args.pace_window_bytes else {}),
             **hyper,
         )
         return model, model, optimizer
@@ -118,6 +120,7 @@ def _build(args: argparse.Namespace, rank: int, world_size: int):
             same_host_ipc=False,
             timeout_s=args.timeout_s,
             **({"bucket_numel": args.bucket_numel} if args.bucket_numel else {}),
+            **({"pace_window_bytes": args.pace_window_bytes} if args.pace_window_bytes else {}),
             **hyper,
         )
         return model, model, optimizer

@@ -76,6 +76,12 @@ class RemoteAdamW(RemoteOptimizer):
         push_window_bytes: layer-wise mode: gradient bytes this worker may have pushed that the
             nodes have not used up yet; backward waits beyond it, so a slow node (out of core) is
             never flooded. Each node holds at most this much per worker of unconsumed gradients.
+        pace_window_bytes: full-model mode with ``push_during_backward``: gradient bytes this worker
+            may have pushed whose new values have not come back; a push beyond waits. Keeps the
+            ranks' flows into a shared node link in step, so the node answers all through the
+            step (docs/cluster.md); ``None`` (the default): no window. Not with ``max_grad_norm``
+            (clipped values come back only once every gradient is in). A gradient the nodes refuse
+            (``--non-finite refuse``) is reported from backward when a push waits for room.
         same_host_ipc: when a node runs on this host, move to the ipc:// socket it advertises at
             HELLO (a Unix socket: no TCP stack, no loopback retransmissions); ``False`` stays on
             the address given.

@@ -23,6 +23,7 @@ from gpu_worker.buffers import BufferBroadcast
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import gather_state, load_state, state_entries
+from gpu_worker.push_pacing import PushPacer
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
@@ -100,6 +101,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         curve_server_key: str | None = None,
         units: UnitPlan | None = None,
         push_window_bytes: int = 1 << 30,
+        pace_window_bytes: int | None = None,
         same_host_ipc: bool = True,
         connections_per_node: int = 1,
         module: torch.nn.Module | None = None,
@@ -151,6 +153,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if units is not None:
                 raise ValueError("a layer-wise job cannot change its width: join_at_step is for full-model jobs")
             self._session.join_at(join_at_step)
+        if pace_window_bytes is not None:
+            if units is not None or not push_during_backward:
+                raise ValueError("pace_window_bytes paces the pushes of a full-model worker that pushes during backward (push_during_backward=True)")
+            if max_grad_norm is not None:  # no values come back before every gradient is in: a window would wait for ever
+                raise ValueError("pace_window_bytes cannot go with max_grad_norm: clipped values come back only once every gradient is in")
+            self._session.pacer = PushPacer(pace_window_bytes)
         try:
             if units is None:
                 self._session.connect()

@@ -21,6 +21,7 @@ import torch
 from gpu_worker.layout import gather_bucket, scatter_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
+from gpu_worker.push_pacing import PushPacer
 from gpu_worker.refusals import RefusedGradients
 from gpu_worker.send_buffers import SendBuffers
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
@@ -89,6 +90,7 @@ class OffloadSession:
         self.push_window_bytes: int | None = None
         self._unconsumed: dict[int, int] = {}
         self._unconsumed_bytes = 0
+        self.pacer: PushPacer | None = None  # full mode, pushes during backward: see gpu_worker.push_pacing
         self._norm_partials: dict[int, float] = {}
         # This process, to the nodes: a restarted worker is a new incarnation of its rank, which redoes
         # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
@@ -358,6 +360,8 @@ class OffloadSession:
             sending = time.perf_counter()
             self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta))
         else:
+            if self.pacer is not None:
+                self._wait_for_room(bucket.numel * self._wire_dtype.itemsize)
             started = time.perf_counter()
             buffer = self._send_buffers.take(bucket.numel)
             gather_bucket(bucket, grads, buffer)
@@ -367,9 +371,24 @@ class OffloadSession:
             self.timings.gather_s += sending - started
             header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta)
             self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
+            if self.pacer is not None:
+                self.pacer.pushed(bucket_id, buffer.numel() * buffer.element_size())
         self._pushed[bucket_id] = step
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Paced pushes: wait until ``nbytes`` more fit the window, keeping the values that come meanwhile."""
+        pacer = self.pacer
+        assert pacer is not None
+        if pacer.has_room(nbytes) or self.on_params is not None:  # values arriving now go to their step's handler
+            return
+        pacer.waits += 1
+        self.on_params = pacer.keep
+        try:
+            self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"the values of {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
+        finally:
+            self.on_params = None
 
     def _push_remaining(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet: runs of small ones for one node (same param group, every
@@ -466,6 +485,8 @@ class OffloadSession:
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
         self._refusals.collecting = True
         try:
+            if self.pacer is not None:
+                self.pacer.replay(self.on_params)
             # Done when every bucket is back, or, after a refusal of this rank's gradient, when each one
             # still missing waits for a refused gradient (this rank's, or another's it was told about).
             self.receive_until(
@@ -479,6 +500,8 @@ class OffloadSession:
             self.on_params = None
             self._refusals.collecting = False
             if not self._refusals.step_open:
+                if self.pacer is not None:
+                    self.pacer.clear()
                 self._pushed.clear()
                 self._step_grads = None
                 self._waiting = set()
@@ -612,6 +635,8 @@ class OffloadSession:
             )
         if self._requests.get(header.bucket_id) == header.step:
             del self._requests[header.bucket_id]
+        if self.pacer is not None:
+            self.pacer.returned(header.bucket_id)
         self.on_params(index, message)
 
     def _refusal_collected(self, error: NonFiniteGradientError) -> bool:

@@ -71,7 +71,14 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
         help="netoptim with several workers per host: every worker pushes its own gradients (default: they sum them in shared memory first and "
         "one flow per host goes to each node)",
     )
-    parser.add_argument("--bucket-numel", type=non_negative_int, default=0, help="netoptim: parameters per bucket (default: 0, the model in about 8 buckets)")
+    parser.add_argument("--bucket-numel", type=non_negative_int, default=0, help="netoptim: parameters per bucket (default: 0, the model in about 32 buckets)")
+    parser.add_argument(
+        "--pace-window-kib",
+        type=non_negative_int,
+        default=None,
+        help="netoptim: KiB of gradients a pushing worker may have in flight whose new values have not come back; keeps the flows into a shared "
+        "node link in step (default: 6 buckets' worth; 0: no window)",
+    )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker process (default: %(default)s)")
     parser.add_argument("--subnet", default="10.231.0.0/24", help="private IPv4 range of the emulated hosts (default: %(default)s)")
     parser.add_argument("--timeout-s", type=positive_int, default=600, help="give up on a system's run after this long (default: %(default)s)")
@@ -122,6 +129,7 @@ def cluster_run_from_args(args: argparse.Namespace, systems: tuple[str, ...]):
         threads=args.threads,
         timeout_s=args.timeout_s,
         bucket_numel=args.bucket_numel,
+        pace_window_bytes=None if args.pace_window_kib is None else args.pace_window_kib * 1024,
     )
     efficiency: dict[str, float] = {}
     if args.calibration:

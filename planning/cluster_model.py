@@ -12,9 +12,10 @@ The calibration is one worker's forward and backward of its micro-batch, timed a
   TCP/IP headers, 66 bytes per 1448-byte segment); the busiest is the one whose bytes take longest
   at its own rate. FSDP's and DDP's collectives run after, or
   between, the computations they serve, so their step is compute plus communication.
-- **netoptim** streams a step's ``B`` buckets: a node sends a bucket's parameters back only once
-  every rank's gradient of it is in, so the parameters of the last bucket start after the gradients
-  of all buckets, and the busiest link's time is stretched by ``1 + 1/B``; the nodes' update (CPU
+- **netoptim** streams a step's ``B`` buckets, ``B / N`` on each of ``N`` node hosts: a node sends a
+  bucket's parameters back only once every rank's gradient of it is in, so the parameters of its last
+  bucket start after the gradients of all of its buckets, and the busiest link's time is stretched by
+  ``1 + N/B``; the nodes' update (CPU
   time per parameter, from the calibration) adds to it where the nodes have no cores to themselves.
 - **Efficiency**: no system reaches its link's rate all through a step (TCP's ramp after each
   pause, collectives one after another, the order in which a node can answer). Each system's
@@ -110,7 +111,8 @@ def predict_step(mode: str, link_bytes: dict[str, float], timing: ClusterTiming)
     busiest = max(link_bytes, key=lambda host: link_bytes[host] / timing.payload_rate_of(host))
     communication = link_bytes[busiest] / timing.payload_rate_of(busiest)
     if mode == "netoptim":
-        communication = communication * (1 + 1 / timing.buckets) + timing.node_update_s
+        nodes = max(1, sum(1 for host in link_bytes if host.startswith("n")))
+        communication = communication * (1 + nodes / timing.buckets) + timing.node_update_s
     communication /= timing.efficiency_of(bound_key(mode, busiest))
     return StepPrediction(mode, compute + communication, compute, communication, busiest)
 

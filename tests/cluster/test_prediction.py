@@ -76,6 +76,9 @@ def test_plan_predicts_a_cluster_and_refuses_half_a_request(tmp_path):
     assert set(systems) == {"netoptim", "fsdp", "ddp"}
     assert systems["netoptim"]["busiest_link"] == "n0" and systems["netoptim"]["efficiency"] < 1
     assert all(s["predicted_step_s"] > s["predicted_communication_s"] > 0 for s in systems.values())
-    for flags, message in ((["--cluster", "2x1+1"], "--cluster needs --link-mbit"), (["--link-mbit", "10"], "--link-mbit and --node-link-mbit go with --cluster")):
+    for flags, message in (
+        (["--cluster", "2x1+1"], "--cluster needs --link-mbit"),
+        (["--link-mbit", "10"], "--link-mbit and --node-link-mbit go with --cluster"),
+    ):
         refused = subprocess.run([sys.executable, "-m", "netoptim", "plan", *flags], capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and message in refused.stderr

@@ -53,6 +53,25 @@ def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_no
     assert diff_whole <= 1e-5
 
 
+def test_paced_pushes_match_adamw_fed_the_averaged_gradients(start_node):
+    """A push window of one bucket: every push after the first of a step waits for values to come back
+    (kept until step() installs them); the result is bitwise the same."""
+    nodes = [start_node(f"paced{i}").address for i in range(2)]
+    pacers = []
+    config = RunConfig(
+        world_size=4,
+        nodes=nodes,
+        extra={"push_during_backward": True, "pace_window_bytes": 300 * 4},
+        inspect=lambda _rank, opt: pacers.append(opt._session.pacer),
+    )
+    params, _ = run_offloaded(config)
+    assert sum(p.waits for p in pacers) > 0 and sum(p.kept_total for p in pacers) > 0, "the window must have held pushes back and kept values"
+    fused_ref, _ = reference_averaged(4, fused=True)
+    assert max_difference(params, fused_ref) == 0.0
+    with pytest.raises(ValueError, match="cannot go with max_grad_norm"):
+        run_offloaded(RunConfig(world_size=1, nodes=nodes[:1], max_grad_norm=1.0, extra={"push_during_backward": True, "pace_window_bytes": 1200}))
+
+
 @pytest.mark.parametrize("wire_dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_wire_converges_like_fp32(start_node, wire_dtype):
     """bf16/fp16 gradients and parameters on the wire, fp32 master on the node: within 2e-2 of the fp32
