@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpu_worker.models import GPTConfig
+from planning.cluster_model import TCP_PAYLOAD_SHARE
 
 if TYPE_CHECKING:
     from cluster.runner import JobResult
@@ -81,17 +82,22 @@ def model_link_bytes(
 
 
 def link_table(result: JobResult, model: dict[str, float], ideal: dict[str, float]) -> dict[str, dict]:
-    """Measured bytes per step on each link next to the model's."""
+    """Measured bytes per step on each link next to the model's: its payload, and the frames that carry
+    it (``wire_model``: Ethernet, IP and TCP headers of full-size segments on top)."""
     table = {}
     for host, measured in result.bytes_per_step.items():
         expected = model.get(host, 0.0)
+        wire = expected / TCP_PAYLOAD_SHARE
         table[host] = {
             "up_bytes_per_step": measured.up,
             "down_bytes_per_step": measured.down,
             "model_bytes_per_step": expected,
+            "wire_model_bytes_per_step": wire,
             "ideal_model_bytes_per_step": ideal.get(host, 0.0),
             "up_over_model": measured.up / expected if expected else None,
             "down_over_model": measured.down / expected if expected else None,
+            "up_over_wire_model": measured.up / wire if wire else None,
+            "down_over_wire_model": measured.down / wire if wire else None,
         }
     return table
 
@@ -114,7 +120,12 @@ def format_text(report: dict) -> str:
         )
         for host, link in result["links"].items():
             model = link["model_bytes_per_step"]
-            against = f"; model {model / 1e6:.3f} MB each way (up {link['up_over_model']:.2f}x, down {link['down_over_model']:.2f}x)" if model else ""
+            against = (
+                f"; model {model / 1e6:.3f} MB payload each way, {link['wire_model_bytes_per_step'] / 1e6:.3f} MB in frames "
+                f"(up {link['up_over_wire_model']:.3f}x, down {link['down_over_wire_model']:.3f}x)"
+                if model
+                else ""
+            )
             lines.append(f"  {host}: up {link['up_bytes_per_step'] / 1e6:.3f} MB, down {link['down_bytes_per_step'] / 1e6:.3f} MB per step{against}")
     if "ratio" in report:
         lines.append(f"netoptim / FSDP tokens/s: {report['ratio']:.3f}")

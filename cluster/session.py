@@ -183,7 +183,7 @@ def _report(run: ClusterRun, job: JobSpec, topo: topology.Topology, links: scali
     predictions = predict_cluster(run.config, run.shape, timing, results, host_groups=job.host_groups)
     for mode, result in results.items():
         host_groups = job.host_groups and run.shape.workers_per_host > 1
-        model = report.model_link_bytes(mode, run.config, params, run.shape, host_groups=host_groups)
+        model = report.model_link_bytes(mode, run.config, params, run.shape, host_groups=host_groups, ring=True)
         ideal = report.model_link_bytes(mode, run.config, params, run.shape, gloo=False, host_groups=host_groups)
         step_s = result.timed_s / job.steps
         predicted = predictions[mode]
