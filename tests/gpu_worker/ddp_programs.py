@@ -105,20 +105,24 @@ def average_existing_gradients(params: list[torch.Tensor]) -> None:
             param.grad = grad.div_(WORLD_SIZE)
 
 
-def main(rank: int, runs: list[tuple[str, str, str, str, str]]) -> None:
-    """Every run of ``runs`` (scenario, system, init file, node address, output) in turn."""
-    for scenario_name, system, init_file, node, out in runs:
-        Path(init_file).with_suffix(f".rank{rank}.running").touch()  # for the test's account of a run that hangs
-        run(rank, scenario_name, system, init_file, node, out.format(rank=rank))
+def main(rank: int, store_port: int, runs: list[tuple[str, str, str, str, str]]) -> None:
+    """Every run of ``runs`` (scenario, system, marker file, node address, output) in turn; the ranks
+    meet at the test's TCPStore on ``store_port``, each run under a prefix of its own. (A FileStore
+    per run hung now and then: a rank that finished first deleted the file the other's
+    ``destroy_process_group`` still read, and the other waited out its timeout.)"""
+    store = dist.TCPStore("127.0.0.1", store_port, WORLD_SIZE, is_master=False, timeout=timedelta(seconds=60))
+    for scenario_name, system, marker, node, out in runs:
+        Path(marker).with_suffix(f".rank{rank}.running").touch()  # for the test's account of a run that hangs
+        run(rank, scenario_name, system, dist.PrefixStore(f"{scenario_name}-{system}", store), node, out.format(rank=rank))
 
 
-def run(rank: int, scenario_name: str, system: str, init_file: str, node: str, out: str) -> None:
+def run(rank: int, scenario_name: str, system: str, store: dist.Store, node: str, out: str) -> None:
     """One rank of one scenario under ``system`` ("torch" or "netoptim"); writes ``out``."""
     from gpu_worker import RemoteAdamW
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     try:
         scenario = SCENARIOS[scenario_name]
         torch.manual_seed(0)

@@ -5,10 +5,12 @@ groups with a scheduler per group. fp32 on the wire: every value must be equal b
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from launch.processes import NodeProcess
@@ -24,11 +26,12 @@ def outcomes(tmp_path_factory) -> dict[tuple[str, str], list[dict[str, torch.Ten
     root = tmp_path_factory.mktemp("semantics")
     nodes = {name: NodeProcess(root, name=f"node-{name}").start() for name in SCENARIOS}
     runs = []
+    store = dist.TCPStore("127.0.0.1", 0, ddp_programs.WORLD_SIZE + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     try:
         for name in SCENARIOS:
             for system in ("torch", "netoptim"):
                 runs.append((name, system, str(root / f"{name}-{system}.init"), nodes[name].address, str(root / f"{name}-{system}-{{rank}}.pt")))
-        context = mp.start_processes(ddp_programs.main, args=(runs,), nprocs=ddp_programs.WORLD_SIZE, start_method="spawn", join=False)
+        context = mp.start_processes(ddp_programs.main, args=(store.port, runs), nprocs=ddp_programs.WORLD_SIZE, start_method="spawn", join=False)
         deadline = time.monotonic() + DEADLINE_S
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
