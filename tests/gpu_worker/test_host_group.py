@@ -55,8 +55,10 @@ def reference() -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("push_during_backward", [False, True], ids=["at-step", "during-backward"])
-def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node, push_during_backward):
+@pytest.mark.parametrize(
+    ("push_during_backward", "pace_window_bytes"), [(False, None), (True, None), (True, 64)], ids=["at-step", "during-backward", "during-backward-paced"]
+)
+def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node, push_during_backward, pace_window_bytes):
     node = start_node(extra_args=("--metrics-port", "0"))
     name = uuid.uuid4().hex[:8]
     models = [make_model() for _ in range(HOSTS * LOCAL)]
@@ -68,6 +70,7 @@ def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node, 
         opt = HostGroupAdamW(
             models[index].parameters(), lr=1e-2, weight_decay=0.1, host_group=HostGroup(f"{name}-{host}", local, LOCAL), rank=host, world_size=HOSTS,
             nodes=[node.address], timeout_s=30, push_during_backward=push_during_backward,
+            **({"pace_window_bytes": pace_window_bytes, "bucket_numel": 64} if pace_window_bytes else {}),
         )  # fmt: skip
         start.wait()
         for step in range(opt.remote_step, STEPS):
@@ -75,9 +78,14 @@ def test_host_groups_sum_locally_push_once_per_host_and_match_torch(start_node, 
             opt.step()
             opt.zero_grad()
         results[index] = [p.detach().clone() for p in models[index].parameters()]
+        if opt._remote is not None and opt._remote._session.pacer is not None:
+            paced_waits[index] = opt._remote._session.pacer.waits
         opt.close()
 
+    paced_waits: dict[int, int] = {}
     run_threads(worker, HOSTS * LOCAL)
+    if pace_window_bytes:
+        assert sorted(paced_waits) == [0, LOCAL] and sum(paced_waits.values()) > 0, paced_waits  # the leaders' pushes waited for room
     expected = reference()
     for index in range(HOSTS * LOCAL):  # every worker of every host holds the same parameters
         assert all(torch.equal(a, b) for a, b in zip(results[index], expected, strict=True)), index
