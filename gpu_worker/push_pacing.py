@@ -43,8 +43,9 @@ class PushPacer:
         return not self._in_flight or self._in_flight_bytes + nbytes <= self.window_bytes
 
     def pushed(self, bucket_id: int, nbytes: int) -> None:
+        """The bucket's gradient went out (again, to a node that restarted: counted once)."""
+        self._in_flight_bytes += nbytes - self._in_flight.get(bucket_id, 0)
         self._in_flight[bucket_id] = nbytes
-        self._in_flight_bytes += nbytes
 
     def returned(self, bucket_id: int) -> None:
         """The bucket's new values arrived (or the node said they are unchanged)."""

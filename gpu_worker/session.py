@@ -361,7 +361,7 @@ class OffloadSession:
             self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta))
         else:
             if self.pacer is not None:
-                self._wait_for_room(bucket.numel * self._wire_dtype.itemsize)
+                self._wait_for_room(bucket.numel * self._wire_dtype.itemsize, grads, hypers)
             started = time.perf_counter()
             buffer = self._send_buffers.take(bucket.numel)
             gather_bucket(bucket, grads, buffer)
@@ -377,18 +377,25 @@ class OffloadSession:
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
 
-    def _wait_for_room(self, nbytes: int) -> None:
-        """Paced pushes: wait until ``nbytes`` more fit the window, keeping the values that come meanwhile."""
+    def _wait_for_room(self, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Paced pushes: wait until ``nbytes`` more fit the window, keeping the values that come meanwhile.
+        A node that restarts meanwhile gets this step's pushes again from ``grads`` (final for every
+        bucket pushed so far)."""
         pacer = self.pacer
         assert pacer is not None
         if pacer.has_room(nbytes) or self.on_params is not None:  # values arriving now go to their step's handler
             return
         pacer.waits += 1
         self.on_params = pacer.keep
+        holding = self._step_grads is None
+        if holding:
+            self._step_grads = (grads, hypers)
         try:
             self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"the values of {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
         finally:
             self.on_params = None
+            if holding:
+                self._step_grads = None
 
     def _push_remaining(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet: runs of small ones for one node (same param group, every

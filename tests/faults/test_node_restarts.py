@@ -33,8 +33,15 @@ def uninterrupted(tmp_path_factory):
     return params
 
 
-@pytest.mark.parametrize("crash_at", ["push:7", "update:5"])
-def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, tmp_path, uninterrupted, crash_at):
+PACED = dict(push_during_backward=True, pace_window_bytes=128 * 4)  # one bucket in flight: pushes wait for values during backward
+
+
+@pytest.mark.parametrize(
+    ("crash_at", "options"),
+    [("push:7", {}), ("update:5", {}), ("push:7", PACED), ("update:5", PACED)],
+    ids=["push:7", "update:5", "push:7-paced", "update:5-paced"],
+)
+def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, tmp_path, uninterrupted, crash_at, options):
     checkpoints = str(tmp_path / "checkpoints")
     node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", crash_at))
     address = node.address
@@ -45,7 +52,7 @@ def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, 
 
     restarter = threading.Thread(target=restart_when_dead)
     restarter.start()
-    params, errors = train(address, **FAST)
+    params, errors = train(address, **FAST, **options)
     restarter.join()
     assert not errors, errors
     assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))
