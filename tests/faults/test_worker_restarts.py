@@ -60,7 +60,10 @@ def assert_continues_bitwise(tmp_path, reference: dict, mode: str, deaths: dict[
         job.close()
 
 
-@pytest.mark.parametrize("mode", ["full", pytest.param("early", marks=pytest.mark.slow), pytest.param("layerwise", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode",
+    ["full", pytest.param("early", marks=pytest.mark.slow), pytest.param("paced", marks=pytest.mark.slow), pytest.param("layerwise", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_one_worker_killed_and_restarted_continues_bitwise(tmp_path, reference, mode, seed):
     rng = random.Random(f"{mode}-{seed}")

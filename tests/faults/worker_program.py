@@ -109,7 +109,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--mode", choices=["full", "early", "layerwise"], default="full", help="early: push during backward")
+    parser.add_argument(
+        "--mode", choices=["full", "early", "paced", "layerwise"], default="full", help="early: push during backward; paced: also with a two-bucket push window"
+    )
     parser.add_argument("--die-at", default=None, help="PHASE:STEP:N, see the module docstring")
     parser.add_argument("--out", default=None, help="rank 0: where to save the final parameters")
     parser.add_argument("--signal-at", default=None, help="PHASE:STEP:N at which to send --signal to --to")
@@ -139,7 +141,9 @@ def main() -> None:
     if args.mode == "layerwise":
         opt = offload(model, model.blocks, prefetch=1, **options)
     else:
-        opt = RemoteAdamW(model.named_parameters(), push_during_backward=args.mode == "early", **options)
+        if args.mode == "paced":
+            options["pace_window_bytes"] = 2 * BUCKET_NUMEL * 4
+        opt = RemoteAdamW(model.named_parameters(), push_during_backward=args.mode in ("early", "paced"), **options)
     for step in range(opt.remote_step, args.steps):
         plan.current_step, plan.count = step, 0
         _logits, loss = model(*batch(step, args.rank, args.world))
