@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--layerwise", action="store_true", help="stream the blocks from the nodes (layer-wise mode): the model is never whole on a worker")
     parser.add_argument("--prefetch", type=int, default=1, help="layer-wise: blocks fetched ahead of the one computing")
+    parser.add_argument("--bucket-numel", type=int, default=0, help="parameters per bucket (default: 0, RemoteAdamW's default of 1 Mi)")
+    parser.add_argument("--push-during-backward", action="store_true", help="full model: push each bucket of gradients as backward finishes it, not at step()")
+    parser.add_argument(
+        "--pace-window-kib",
+        type=int,
+        default=0,
+        help="full model, with --push-during-backward: KiB of pushed gradients whose new values have not come back that a worker may have in "
+        "flight (paced pushes: docs/launch.md); 0: no window",
+    )
     add_security_flags(parser)
     return parser
 
@@ -134,17 +143,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     global_batch = args.global_batch or 8 * world_size
     if global_batch % world_size:
         raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
+    if args.layerwise and (args.push_during_backward or args.pace_window_kib):
+        raise SystemExit("--push-during-backward and --pace-window-kib are for the full model: layer-wise workers always push as backward goes")
+    if args.pace_window_kib < 0 or (args.pace_window_kib and not args.push_during_backward):
+        raise SystemExit("--pace-window-kib needs --push-during-backward and a positive size")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = model_config(args)
     options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=nodes_option(args.nodes), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
     options.update(security_options(args, rank))
+    if args.bucket_numel < 0:
+        raise SystemExit(f"--bucket-numel must be positive (or 0: the default), got {args.bucket_numel}")
+    if args.bucket_numel:
+        options["bucket_numel"] = args.bucket_numel
     if args.layerwise:
         with torch.device("meta"):  # rank 0 initializes one block at a time, straight to the nodes
             model = GPT(config)
         optimizer = offload(model, model.blocks, params=param_groups, init_fn=gpt_initializer(config), prefetch=args.prefetch, **options)
     else:
         model = GPT(config)
-        optimizer = RemoteAdamW(param_groups(model), **options)
+        if args.pace_window_kib:
+            options["pace_window_bytes"] = args.pace_window_kib * 1024
+        optimizer = RemoteAdamW(param_groups(model), push_during_backward=args.push_during_backward, **options)
     start_step = optimizer.remote_step  # non-zero when the nodes already trained this job
     schedule = lr_lambda(args.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step + start_step))
