@@ -107,9 +107,7 @@ def average_existing_gradients(params: list[torch.Tensor]) -> None:
 
 def main(rank: int, store_port: int, runs: list[tuple[str, str, str, str, str]]) -> None:
     """Every run of ``runs`` (scenario, system, marker file, node address, output) in turn; the ranks
-    meet at the test's TCPStore on ``store_port``, each run under a prefix of its own. (A FileStore
-    per run hung now and then: a rank that finished first deleted the file the other's
-    ``destroy_process_group`` still read, and the other waited out its timeout.)"""
+    meet at the test's TCPStore on ``store_port``, each run under a prefix of its own."""
     store = dist.TCPStore("127.0.0.1", store_port, WORLD_SIZE, is_master=False, timeout=timedelta(seconds=60))
     for scenario_name, system, marker, node, out in runs:
         Path(marker).with_suffix(f".rank{rank}.running").touch()  # for the test's account of a run that hangs
@@ -167,4 +165,9 @@ def run(rank: int, scenario_name: str, system: str, store: dist.Store, node: str
         if system == "netoptim":
             opt.close()  # type: ignore[attr-defined]
     finally:
+        # Both ranks past their last collective before either tears the group down (a store barrier,
+        # not a gloo one): a rank that returned from the last all-reduce and closed its group first
+        # left the other waiting for the rest of it until gloo's timeout.
+        store.set(f"done/{rank}", b"1")
+        store.wait([f"done/{peer}" for peer in range(WORLD_SIZE)], timedelta(seconds=60))
         dist.destroy_process_group()
