@@ -164,45 +164,28 @@ class HostGroupAdamW(torch.optim.Optimizer):
         missing = [i for i, p in enumerate(self._params) if p.grad is None]
         if missing:
             raise ValueError(f"parameters {missing[:5]} have no gradient: in a host group every parameter needs one at each step")
-        if self._streaming:
-            return self._streamed_step(loss)
-        self._seq += 1
         try:
-            self._gather([p.grad for p in self._params], self._flat)
+            if self._streaming:  # the gradients went through the exchange during backward; those whose hook did not fire go now
+                for index, param in enumerate(self._params):
+                    if not self._exchanged[index]:
+                        self._exchange_piece(index, param.grad)
+                self._exchanged = [False] * len(self._params)
+                self._seq += 1
+            else:
+                self._seq += 1
+                self._gather([p.grad for p in self._params], self._flat)
+                if self._remote is None:
+                    self._exchange.publish_gradient(self._flat, self._seq)
+                else:
+                    self._exchange.add_gradients(self._flat, self._seq)
+                    self._scatter(self._flat, [p.grad for p in self._params])
             if self._remote is None:
-                self._exchange.publish_gradient(self._flat, self._seq)
                 self._remote_step = self._exchange.take_parameters(self._flat, self._seq)
                 self._scatter(self._flat, self._params)
                 return loss
-            self._exchange.add_gradients(self._flat, self._seq)
-            self._scatter(self._flat, [p.grad for p in self._params])
             for mine, theirs in zip(self.param_groups, self._remote.param_groups, strict=True):
                 theirs.update({key: mine[key] for key in _HYPER_KEYS})  # a scheduler steps this optimizer's groups
-            self._remote.step()
-            self._gather(self._params, self._flat)
-            self._remote_step = self._remote.remote_step
-            self._exchange.publish_parameters(self._flat, self._seq, self._remote_step)
-        except BaseException:
-            self._exchange.fail()
-            raise
-        return loss
-
-    def _streamed_step(self, loss: Any) -> Any:
-        """The gradients went through the exchange during backward (those whose hook did not fire go now);
-        the leader's optimizer pushed each summed bucket then and pushes the rest here."""
-        for index, param in enumerate(self._params):
-            if not self._exchanged[index]:
-                self._exchange_piece(index, param.grad)
-        self._seq += 1
-        self._exchanged = [False] * len(self._params)
-        try:
-            if self._remote is None:
-                self._remote_step = self._exchange.take_parameters(self._flat, self._seq)
-                self._scatter(self._flat, self._params)
-                return loss
-            for mine, theirs in zip(self.param_groups, self._remote.param_groups, strict=True):
-                theirs.update({key: mine[key] for key in _HYPER_KEYS})
-            self._remote.step()
+            self._remote.step()  # pushes what backward did not (all of it, without push_during_backward)
             self._gather(self._params, self._flat)
             self._remote_step = self._remote.remote_step
             self._exchange.publish_parameters(self._flat, self._seq, self._remote_step)

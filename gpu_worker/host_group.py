@@ -69,6 +69,11 @@ class HostExchange:
             os.replace(self._ctrl_path.with_suffix(".tmp"), self._ctrl_path)  # followers attach once both exist
         else:
             self._wait(lambda: self._ctrl_path.exists(), f"the leader of host group {group.name!r} to create {self._ctrl_path}")
+            if self._ctrl_path.stat().st_size != 8 * (size + 2 + size * pieces):  # the leader's layout, or another
+                raise ValueError(
+                    f"host group {group.name!r}: the leader exchanges gradients otherwise than local rank {group.local_rank} "
+                    "(give every member the same parameters and the same push_during_backward)"
+                )
         data = torch.from_file(str(self._data_path), shared=True, size=numel * size, dtype=torch.float32)
         self._slots = data.view(size, numel)  # slot 0: the parameters (the leader's own gradient stays with it)
         self._ctrl = torch.from_file(str(self._ctrl_path), shared=True, size=size + 2 + size * pieces, dtype=torch.int64)

@@ -1,5 +1,7 @@
-"""Paced pushes: a full-model worker that pushes during backward keeps at most a window of gradient
-bytes whose new values have not come back yet.
+"""A worker's push window: at most so many gradient bytes pushed and not yet acknowledged.
+
+Layer-wise workers acknowledge a push by the node's CONSUMED (a slow node, out of core, is never
+flooded). Paced full-model workers, pushing during backward, by the bucket's new values:
 
 Why: the ranks' flows into one node share that node's link, and TCP does not share it evenly. A node
 can send a bucket's new values only once every rank's gradient of it is in, so when one rank's flow

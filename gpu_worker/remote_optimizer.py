@@ -31,7 +31,7 @@ from job.discovery import NodeSource, discover_nodes
 from job.hyper import AdamWHyper, validate_for_rule
 from job.spec import JobSpec
 from transport.security import CurveClientConfig
-from transport.wire import dtype_name
+from transport.wire import MsgType, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +153,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if units is not None:
                 raise ValueError("a layer-wise job cannot change its width: join_at_step is for full-model jobs")
             self._session.join_at(join_at_step)
-        if pace_window_bytes is not None:
-            if units is not None or not push_during_backward:
-                raise ValueError("pace_window_bytes paces the pushes of a full-model worker that pushes during backward (push_during_backward=True)")
-            if max_grad_norm is not None:  # no values come back before every gradient is in: a window would wait for ever
-                raise ValueError("pace_window_bytes cannot go with max_grad_norm: clipped values come back only once every gradient is in")
-            self._session.pacer = PushPacer(pace_window_bytes)
         try:
+            if pace_window_bytes is not None:  # inside: a refusal closes the connections the session opened
+                if units is not None or not push_during_backward:
+                    raise ValueError("pace_window_bytes paces the pushes of a full-model worker that pushes during backward (push_during_backward=True)")
+                if max_grad_norm is not None:  # no values come back before every gradient is in: a window would wait for ever
+                    raise ValueError("pace_window_bytes cannot go with max_grad_norm: clipped values come back only once every gradient is in")
+                self._session.pacer, self._session.pacer_ack = PushPacer(pace_window_bytes), MsgType.PARAMS
             if units is None:
                 self._session.connect()
             else:
                 if push_window_bytes <= 0:
                     raise ValueError(f"push_window_bytes must be positive, got {push_window_bytes}")
-                self._session.push_window_bytes = push_window_bytes
+                self._session.pacer = PushPacer(push_window_bytes)  # acknowledged by the nodes' CONSUMED
                 self._streamer = LayerStreamer(units, self._session, hypers=self._hypers_of_step, sync_enabled=lambda: self._sync_enabled)
                 self._streamer.connect()
         except BaseException:

@@ -85,12 +85,11 @@ class OffloadSession:
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
         self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
-        # Layer-wise flow control: gradient bytes pushed and not yet consumed by their node; a push
-        # that would exceed the window first waits for CONSUMED messages.
-        self.push_window_bytes: int | None = None
-        self._unconsumed: dict[int, int] = {}
-        self._unconsumed_bytes = 0
-        self.pacer: PushPacer | None = None  # full mode, pushes during backward: see gpu_worker.push_pacing
+        # Flow control (gpu_worker.push_pacing): gradient bytes pushed and not yet acknowledged; a push
+        # that would exceed the window first waits. Layer-wise, a node's CONSUMED acknowledges a push;
+        # paced full-model pushes, the bucket's new values do.
+        self.pacer: PushPacer | None = None
+        self.pacer_ack = MsgType.CONSUMED
         self._norm_partials: dict[int, float] = {}
         # This process, to the nodes: a restarted worker is a new incarnation of its rank, which redoes
         # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
@@ -341,15 +340,10 @@ class OffloadSession:
             self._skipped.add(bucket_id)
             self._pushed[bucket_id] = self.bucket_steps[bucket_id]
             return
-        if self.push_window_bytes is not None:
+        if self.pacer is not None:
             nbytes = bucket.numel * self._wire_dtype.itemsize if any(grads[seg.param_index] is not None for seg in bucket.segments) else 0
-            window = self.push_window_bytes
-            self.receive_until(
-                lambda: not self._unconsumed or self._unconsumed_bytes + nbytes <= window,
-                lambda: f"the nodes have not consumed {self._unconsumed_bytes} bytes of gradients",
-            )
-            self._unconsumed[bucket_id] = nbytes
-            self._unconsumed_bytes += nbytes
+            self._wait_for_room(self.pacer, nbytes, grads, hypers)
+            self.pacer.pushed(bucket_id, nbytes)
         meta: dict = {"hyper": self._hyper_for(bucket.group, hypers)}
         # Parameters without a gradient on this rank: zeros in the sum, as with DDP; not stepped if no rank has one.
         absent = [index for index, seg in enumerate(bucket.segments) if grads[seg.param_index] is None]
@@ -360,8 +354,6 @@ class OffloadSession:
             sending = time.perf_counter()
             self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta))
         else:
-            if self.pacer is not None:
-                self._wait_for_room(bucket.numel * self._wire_dtype.itemsize, grads, hypers)
             started = time.perf_counter()
             buffer = self._send_buffers.take(bucket.numel)
             gather_bucket(bucket, grads, buffer)
@@ -371,29 +363,30 @@ class OffloadSession:
             self.timings.gather_s += sending - started
             header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta)
             self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
-            if self.pacer is not None:
-                self.pacer.pushed(bucket_id, buffer.numel() * buffer.element_size())
         self._pushed[bucket_id] = step
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
 
-    def _wait_for_room(self, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
-        """Paced pushes: wait until ``nbytes`` more fit the window, keeping the values that come meanwhile.
-        A node that restarts meanwhile gets this step's pushes again from ``grads`` (final for every
-        bucket pushed so far)."""
-        pacer = self.pacer
-        assert pacer is not None
-        if pacer.has_room(nbytes) or self.on_params is not None:  # values arriving now go to their step's handler
+    def _wait_for_room(self, pacer: PushPacer, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Wait until ``nbytes`` more fit the push window. Values that come while nothing awaits them
+        (a full-model worker pushing during backward) are kept for ``finish_step``; a node that restarts
+        meanwhile gets this step's full-model pushes again from ``grads`` (final for every bucket pushed
+        so far)."""
+        if pacer.has_room(nbytes):
             return
         pacer.waits += 1
-        self.on_params = pacer.keep
-        holding = self._step_grads is None
+        keeping = self.on_params is None
+        if keeping:
+            self.on_params = pacer.keep
+        holding = self._step_grads is None and self.job.mode != "layerwise"
         if holding:
             self._step_grads = (grads, hypers)
+        awaited = "the nodes have not consumed" if self.pacer_ack == MsgType.CONSUMED else "no new values yet for"
         try:
-            self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"the values of {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
+            self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"{awaited} {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
         finally:
-            self.on_params = None
+            if keeping:
+                self.on_params = None
             if holding:
                 self._step_grads = None
 
@@ -409,7 +402,7 @@ class OffloadSession:
             batchable = (
                 bucket.node in self._batching_nodes
                 and nbytes < BATCH_BYTES
-                and self.push_window_bytes is None
+                and (self.pacer is None or self.pacer_ack == MsgType.PARAMS)
                 and not (bucket.bucket_id in self._contributed and self.bucket_steps[bucket.bucket_id] == self.resume_step)
                 and all(grads[seg.param_index] is not None for seg in bucket.segments)
             )
@@ -609,7 +602,8 @@ class OffloadSession:
                 self._refusals.note_blocked(refused["bucket"], refused["step"], refused["rank"])
             return
         if header.msg_type == MsgType.CONSUMED:
-            self._unconsumed_bytes -= self._unconsumed.pop(header.bucket_id, 0)
+            if self.pacer is not None and self.pacer_ack == MsgType.CONSUMED:
+                self.pacer.returned(header.bucket_id)
             return
         if header.msg_type == MsgType.NORM_PARTIAL:
             self._on_norm_partial(index, header)
@@ -642,7 +636,7 @@ class OffloadSession:
             )
         if self._requests.get(header.bucket_id) == header.step:
             del self._requests[header.bucket_id]
-        if self.pacer is not None:
+        if self.pacer is not None and self.pacer_ack == MsgType.PARAMS:
             self.pacer.returned(header.bucket_id)
         self.on_params(index, message)
 

@@ -146,3 +146,16 @@ def test_a_second_backward_before_step_is_refused_when_pushing_during_backward(s
     run_threads(worker, LOCAL)
     assert sorted(errors) == [0, 1]
     assert all("second gradient before step()" in error and "push_during_backward=False" in error for error in errors.values())
+
+
+def test_members_that_exchange_otherwise_are_refused():
+    """A follower built with push_during_backward against a leader without it would wait for pieces that never come."""
+    from gpu_worker.host_group import HostExchange
+
+    name = f"mixed-{uuid.uuid4().hex[:8]}"
+    leader = HostExchange(HostGroup(name, 0, 2), 10, 1.0)
+    try:
+        with pytest.raises(ValueError, match="the same push_during_backward"):
+            HostExchange(HostGroup(name, 1, 2), 10, 1.0, pieces=3)
+    finally:
+        leader.close()

@@ -217,7 +217,7 @@ def test_a_small_push_window_throttles_backward_and_changes_nothing(start_node):
     for step in range(2):
         _logits, loss = model(*tokens(step, 0, 1))
         loss.backward()
-        assert sum(opt._session._unconsumed.values()) <= 4096 * 4
+        assert sum(opt._session.pacer._in_flight.values()) <= 4096 * 4
         opt.step()
     narrow = opt.gather_parameters()
     opt.close()
