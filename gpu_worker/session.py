@@ -372,8 +372,8 @@ class OffloadSession:
         (a full-model worker pushing during backward) are kept for ``finish_step``; a node that restarts
         meanwhile gets this step's full-model pushes again from ``grads`` (final for every bucket pushed
         so far)."""
-        if pacer.has_room(nbytes):
-            return
+        if pacer.has_room(nbytes) or (self.pacer_ack == MsgType.PARAMS and self.on_params is not None):
+            return  # full model, the step already collecting its values (a push again after a reconnect): no wait inside it
         pacer.waits += 1
         keeping = self.on_params is None
         if keeping:
