@@ -14,12 +14,13 @@ def start_watch(address: str) -> subprocess.Popen:
     # A child inherits an ignored SIGINT, and Python then leaves it ignored: libraries that run
     # in-process in this test worker (teardown code of distributed frameworks) may have left it so.
     # The watch starts as a shell's foreground command does, with SIGINT at its default.
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "netoptim", "admin", "--target", address, "watch"],
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    # Reset in the child's own code, not with preexec_fn (which runs between fork and exec of a
+    # threaded test worker and can abort the child: exit -6 in CI).
+    launch = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = ['netoptim', 'admin', '--target', {address!r}, 'watch']; runpy.run_module('netoptim', run_name='__main__')"
     )
+    watch = subprocess.Popen([sys.executable, "-c", launch], stderr=subprocess.PIPE, text=True)
     assert watch.stderr is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
