@@ -31,7 +31,7 @@ def median_seconds(run: Callable[[], None], repeats: int, *, setup: Callable[[],
     return statistics.median(times)
 
 
-def interleaved_seconds(runs: dict[str, Callable[[], None]], repeats: int, *, label: str = "") -> dict[str, list[float]]:
+def interleaved_seconds(runs: dict[str, Callable[[], float | None]], repeats: int, *, label: str = "") -> dict[str, list[float]]:
     """Wall times of each of ``runs`` over ``repeats`` rounds, in turns: each round calls each run
     twice in a row and times the second call.
 
@@ -39,14 +39,15 @@ def interleaved_seconds(runs: dict[str, Callable[[], None]], repeats: int, *, la
     other work drifts over a measurement: compare them round by round (:func:`median_ratio`). The
     untimed first call absorbs what the other run leaves behind: caches, and the threads of its
     thread pool still spinning for work (torch's and numba's OpenMP runtimes are distinct), so each
-    run is timed in its steady state."""
+    run is timed in its steady state. A run that returns a number has timed itself (the part of
+    its work it stands for, leaving out what it stages for it) and that number is its time."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(repeats), desc=label, leave=False, **_shown(label)):
         for name, run in runs.items():
             run()
             started = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - started)
+            own = run()
+            times[name].append(time.perf_counter() - started if own is None else own)
     return times
 
 

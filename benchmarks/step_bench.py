@@ -12,7 +12,8 @@ Per bucket count the report gives the median step and, from the same steps, each
 worker (gather, send, wait, install; what the worker spends outside them is "other") and on the
 node (reduce, update, send, read through its admin service), the marginal cost of one bucket against
 the fewest buckets (milliseconds per bucket per step), the send buffers allocated after warm-up
-(none is the goal), and the install rate against a ``copy_`` between two buffers of the same size
+(none is the goal), the node's update path (timing starts once its compiled loop is checked: the
+torch ops it uses meanwhile are its first seconds, not its steady state), and the install rate against a ``copy_`` between two buffers of the same size
 on the same thread count (``install_vs_memcpy``).
 """
 
@@ -55,6 +56,17 @@ def node_timings(stub: admin_pb2_grpc.OptimizerNodeAdminStub) -> dict[str, float
     return {"wall_s": last.wall_seconds, "reduce_s": last.reduce_seconds, "update_s": last.update_seconds, "send_s": last.send_seconds}
 
 
+def settled_update_path(stub: admin_pb2_grpc.OptimizerNodeAdminStub, timeout_s: float = 180.0) -> str:
+    """The node's update path once its first seconds are over: a node updates with torch ops while it
+    checks its compiled loop in the background, and a step timed then measures the start-up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        path = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).update_path
+        if "checking" not in path or time.monotonic() > deadline:
+            return path
+        time.sleep(0.1)
+
+
 def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
     """Median step time and phases of one worker training ``numel`` parameters in ``buckets`` buckets."""
     bucket_numel = -(-numel // buckets)
@@ -69,6 +81,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
         stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
         try:
             session.connect()
+            update_path = settled_update_path(stub)
             rows = []
             allocated_before = 0
             for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
@@ -91,6 +104,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
     return {
         "buckets": len(session.buckets),
         "bucket_numel": bucket_numel,
+        "node_update_path": update_path,
         "step_s": round(statistics.median(row[0] for row in rows), 4),
         "worker": phases,
         "node": {name: round(value, 4) for name, value in node.items()},

@@ -172,6 +172,14 @@ def ready() -> bool:
 _settled: bool | None = None
 
 
+def path() -> str:
+    """What a bucket update runs on now, without waiting (starting the check if it has not started):
+    ``"compiled"``, ``"torch-ops, checking the compiled loop"`` (the same bits meanwhile) or ``"torch-ops"``."""
+    if ready():
+        return "compiled"
+    return "torch-ops" if _checked().done() else "torch-ops, checking the compiled loop"
+
+
 def forget_check() -> None:
     """Run the check again on next use (after ``NETOPTIM_COMPILED_UPDATE`` changed; tests)."""
     global _settled

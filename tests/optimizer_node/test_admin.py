@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -79,6 +80,13 @@ def test_status_workers_and_step_stream(admin_node):
     status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
     assert status.registered and status.step == 3 and status.world_size == 1 and status.buckets_owned == 1
     assert status.bytes_owned == 12 * 15 and status.last_step.update_seconds > 0
+    # the compiled loop is checked in the background from the node's start; torch ops meanwhile
+    assert status.update_path in ("compiled", "torch-ops, checking the compiled loop", "torch-ops")
+    deadline = time.monotonic() + 120
+    while "checking" in status.update_path and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
+    assert status.update_path == ("compiled" if importlib.util.find_spec("numba") else "torch-ops")
     workers = stub.ListWorkers(admin_pb2.ListWorkersRequest(), metadata=AUTH, timeout=10)
     assert [w.rank for w in workers.workers] == [0] and workers.workers[0].last_seen_unix > 0
     opt.close()
