@@ -81,11 +81,12 @@ def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
         stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
         try:
             session.connect()
-            update_path = settled_update_path(stub)
             rows = []
             allocated_before = 0
+            update_path = ""
             for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
                 if index == warmup:
+                    update_path = settled_update_path(stub)  # the first update started the check
                     allocated_before = session.send_buffers_allocated
                 session.take_timings()
                 started = time.perf_counter()

@@ -173,8 +173,11 @@ _settled: bool | None = None
 
 
 def path() -> str:
-    """What a bucket update runs on now, without waiting (starting the check if it has not started):
-    ``"compiled"``, ``"torch-ops, checking the compiled loop"`` (the same bits meanwhile) or ``"torch-ops"``."""
+    """What a bucket update runs on now, without waiting or starting anything: ``"compiled"``,
+    ``"torch-ops, checking the compiled loop"`` (the same bits meanwhile; the check starts at the first
+    update, as it loads ~140 MB of numba and LLVM), or ``"torch-ops"``."""
+    if _settled is None and not _checked.cache_info().currsize:
+        return "torch-ops, checking the compiled loop" if _enabled() else "torch-ops"
     if ready():
         return "compiled"
     return "torch-ops" if _checked().done() else "torch-ops, checking the compiled loop"

@@ -29,7 +29,6 @@ import torch
 
 from job.hyper import validate_for_rule
 from job.placement import BucketSpec
-from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.checkpoint import archive_checkpoints
@@ -119,8 +118,6 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._retain_previous = not out_of_core
         # The compiled update loop brings numba and LLVM, ~140 MB of RSS: not for a node held to a memory budget.
         self._compiled_update = not out_of_core
-        if self._compiled_update:
-            compiled_update.ready()  # starts the loop's check now, in the background, rather than at the first update
         # Out of core, a bucket's tensors go back to the store's pool once released: values must leave at once.
         self._batch_params = not out_of_core
         self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
