@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.layout import gather_bucket, scatter_bucket
+from gpu_worker.layout import InstallTargets, gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.push_pacing import PushPacer
@@ -83,6 +83,7 @@ class OffloadSession:
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
         self._send_buffers = SendBuffers(self._wire_dtype, pin_memory=any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available())
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
+        self._install_targets = InstallTargets()  # each bucket's views of the parameters, made once
         self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
         # Flow control (gpu_worker.push_pacing): gradient bytes pushed and not yet acknowledged; a push
@@ -771,7 +772,7 @@ class OffloadSession:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
         if not unchanged:
             started = time.perf_counter()
-            scatter_bucket(bucket, message.tensors, self.params)
+            self._install_targets.install(bucket, message.tensors, self.params)
             self.timings.install_s += elapsed(started)
             self.timings.installs += 1
         self.bucket_steps[bucket_id] = header.step
