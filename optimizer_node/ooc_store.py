@@ -1,11 +1,15 @@
 """Out-of-core bucket state: fp32 parameters and AdamW moments in files, under a memory budget.
 
 Each bucket's state is one file, ``bucket-NNNNNN.vSSSSSSSSSS.bin`` (param, exp_avg, exp_avg_sq as fp32,
-back to back: the checkpoint file format), where ``S`` is the step it holds. A new version is written
-to a new name and the old name is then unlinked, so a file never changes once written: a checkpoint
-is a hard link to each bucket's current file (no copy), and a torn write never damages a version
-that anything refers to. Every write records the file's size, inode, mtime and CRC-32; a read checks
-all four, so a file truncated, replaced or edited under the node is an error, not silent garbage.
+back to back: the checkpoint file format), where ``S`` is the step it holds. A version never changes
+once written: the next one goes to the next name, so a checkpoint is a hard link to each bucket's
+current file (no copy), and a torn write never damages a version that anything refers to. Without
+``sync`` the next version is a new file and the old name is unlinked once it is written; with
+``sync`` the old version's file is renamed to the new name and overwritten in place, when nothing
+but the store links it (no checkpoint): the old version is retired by then (the values in memory
+are newer), and the disk is spared allocating blocks for every write and freeing the old ones.
+Every write records the file's size, inode, mtime and CRC-32; a read checks all four, so a file
+truncated, replaced or edited under the node is an error, not silent garbage.
 
 Residency: a bucket being updated or sent is *acquired* (resident, pinned). Other resident buckets
 are a cache: when the whole state fits the budget they stay (nothing is written until a checkpoint
@@ -15,17 +19,19 @@ reads run on I/O threads while it updates another bucket and earlier writes drai
 ``i+1`` / update ``i`` / write ``i-1`` pipeline. All bookkeeping happens on the daemon thread; the I/O
 threads only read or write a buffer they are handed.
 
-I/O method: plain buffered ``readinto``/``write`` of whole files from a small thread pool (measured by
-``netoptim bench offload``; see docs/operations.md). With ``sync=True`` every write is followed by
-``fdatasync`` and the page cache of the file is dropped, so the node's footprint, page cache included,
-stays near the budget, at the disk's real speed.
+I/O method (measured by ``netoptim bench offload``; see docs/operations.md): one request per file,
+from two thread pools of ``io_threads`` each, one for reads and one for writes. Without ``sync`` it
+goes through the page cache, a second cache above the budget. With ``sync=True`` every write is
+followed by ``fdatasync``, and the state moves with ``O_DIRECT`` between the disk and page-aligned
+buffers on huge pages (:mod:`optimizer_node.ooc_files`): nothing enters the page cache, so the
+node's footprint stays near the budget, at the disk's real speed; where the file system refuses
+``O_DIRECT``, the page cache of each file is dropped after it is read or written.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from optimizer_node.ooc_files import FileInfo, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 from transport.host_memory import map_large_allocations, trim_host_heap
 
@@ -42,21 +49,11 @@ _EVICTED = torch.empty(0, dtype=torch.float32)
 BYTES_PER_PARAM = 12
 
 
-@dataclass(frozen=True, slots=True)
-class _FileInfo:
-    step: int
-    size: int
-    inode: int
-    mtime_ns: int
-    crc32: int
-    param_crc32: int  # of the parameter third alone: a fetch reads only that
-
-
 @dataclass(eq=False, slots=True)
 class _Slot:
     state: BucketState
     flat: torch.Tensor | None = None  # (3 * numel,) fp32 while resident
-    file: _FileInfo | None = None  # the newest version on disk
+    file: FileInfo | None = None  # the newest version on disk
     dirty: bool = False  # resident values are newer than the file
     pins: int = 0
     reading: Future | None = None
@@ -64,44 +61,11 @@ class _Slot:
     last_use: int = 0
 
 
-def _write_file(path: Path, flat: torch.Tensor, step: int, sync: bool) -> _FileInfo:
-    data = memoryview(flat.numpy()).cast("B")
-    param_crc = zlib.crc32(data[: len(data) // 3])
-    crc = zlib.crc32(data[len(data) // 3 :], param_crc)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        written = 0
-        while written < len(data):
-            written += os.write(fd, data[written:])
-        if sync:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        stat = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    return _FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc)
-
-
-def _read_checked(path: Path, into: torch.Tensor, expected: _FileInfo, *, crc32: int, sync: bool) -> None:
-    """Read the start of a state file into ``into`` (the whole file, or only its parameter third for
-    a fetch) and check that the file is the one the node wrote and the bytes match ``crc32``."""
-    data = memoryview(into.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as handle:
-        stat = os.fstat(handle.fileno())
-        if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
-            raise StorageError(f"{path} was changed outside the node (size {stat.st_size}, expected {expected.size})")
-        got = handle.readinto(data)
-        if sync:
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if got != len(data) or zlib.crc32(data) != crc32:
-        raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
-
-
 class OutOfCoreStore(BucketStore):
-    """Bucket state in files under ``state_dir``, at most ``memory_budget`` bytes of it in memory."""
+    """Bucket state in files under ``state_dir``, at most ``memory_budget`` bytes of it in memory.
+
+    ``io_threads`` threads read and as many write; ``sync`` makes every write durable before it
+    counts and keeps the state out of the page cache (see the module docstring)."""
 
     def __init__(self, state_dir: str | Path, memory_budget: int, *, io_threads: int = 2, sync: bool = False) -> None:
         if memory_budget <= 0:
@@ -118,12 +82,25 @@ class OutOfCoreStore(BucketStore):
             raise StorageError(f"cannot use {self.state_dir} as the state directory: {exc.strerror or exc}; give --state-dir a writable directory") from None
         for stale in self.state_dir.glob("bucket-*.bin"):  # scratch of an earlier run; checkpoints are elsewhere
             stale.unlink()
+        # sync: state moves with O_DIRECT where the file system takes it (see ooc_files); without
+        # sync the page cache is the point, as a second cache above the budget.
+        self.direct = sync and probe_direct_io(self.state_dir)
+        log.info(
+            "out-of-core state in %s: budget %d bytes, %d I/O threads, %s",
+            self.state_dir,
+            memory_budget,
+            io_threads,
+            ("fdatasync, direct I/O" if self.direct else "fdatasync, page cache dropped") if sync else "buffered",
+        )
         map_large_allocations()  # so what is freed (frames, parameters sent) leaves the RSS too
         self._slots: dict[int, _Slot] = {}
         # Freed state buffers by size, reused: memory for state is allocated once, up to the budget,
         # instead of being freed to (and fragmenting) the heap at every eviction.
         self._spare: dict[int, list[torch.Tensor]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-io")
+        # Reads and writes on pools of their own: the update waits for a read, never for a write
+        # (until room is short), so a read must not queue behind writes that wait out fdatasync.
+        self._readers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-read")
+        self._writers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-write")
         self._resident = 0
         self._total = 0
         self._clock = 0
@@ -198,9 +175,11 @@ class OutOfCoreStore(BucketStore):
         if slot.flat is not None:
             return state.param
         assert slot.file is not None
-        param = torch.empty(state.numel, dtype=torch.float32)
+        param = state_buffer(state.numel)
         try:
-            _read_checked(self._path(state.bucket_id, slot.file.step), param, slot.file, crc32=slot.file.param_crc32, sync=self.sync)
+            read_checked(
+                self._path(state.bucket_id, slot.file.step), param, slot.file, expected_crc32=slot.file.param_crc32, sync=self.sync, direct=self.direct
+            )
         except (OSError, StorageError) as exc:
             raise StorageError(
                 f"bucket {state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
@@ -236,7 +215,8 @@ class OutOfCoreStore(BucketStore):
 
     def close(self) -> None:
         self.flush()
-        self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
 
     def write_checkpoint_file(self, state: BucketState, path: Path) -> dict[str, int | str]:
         """Hard-link the bucket's current file (written first if memory holds newer values)."""
@@ -273,17 +253,7 @@ class OutOfCoreStore(BucketStore):
             os.link(path, target)
         except OSError:
             target.write_bytes(path.read_bytes())
-        stat = target.stat()
-        crc = param_crc = 0
-        with open(target, "rb") as handle:
-            param_bytes = 4 * numel
-            while param_bytes > 0 and (block := handle.read(min(8 << 20, param_bytes))):
-                param_crc = zlib.crc32(block, param_crc)
-                param_bytes -= len(block)
-            crc = param_crc
-            while block := handle.read(8 << 20):
-                crc = zlib.crc32(block, crc)
-        slot = _Slot(state, file=_FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc))
+        slot = _Slot(state, file=describe_file(target, step, param_bytes=4 * numel))
         self._slots[bucket_id] = slot
         self._total += BYTES_PER_PARAM * numel
         return state
@@ -309,7 +279,7 @@ class OutOfCoreStore(BucketStore):
         if spare_bytes and self._resident + spare_bytes + BYTES_PER_PARAM * numel > self.memory_budget:
             self._spare.clear()  # buckets of other sizes: give their buffers back before growing
             trim_host_heap()
-        return torch.empty(3 * numel, dtype=torch.float32)
+        return state_buffer(3 * numel)
 
     def _bind(self, slot: _Slot) -> None:
         numel = slot.state.numel
@@ -371,8 +341,14 @@ class OutOfCoreStore(BucketStore):
         numel = slot.state.numel
         slot.flat = self._buffer(numel)
         self._resident += BYTES_PER_PARAM * numel
-        slot.reading = self._pool.submit(
-            _read_checked, self._path(slot.state.bucket_id, slot.file.step), slot.flat, slot.file, crc32=slot.file.crc32, sync=self.sync
+        slot.reading = self._readers.submit(
+            read_checked,
+            self._path(slot.state.bucket_id, slot.file.step),
+            slot.flat,
+            slot.file,
+            expected_crc32=slot.file.crc32,
+            sync=self.sync,
+            direct=self.direct,
         )
 
     def _finish_read(self, slot: _Slot) -> None:
@@ -394,10 +370,23 @@ class OutOfCoreStore(BucketStore):
     def _start_write(self, slot: _Slot) -> None:
         assert slot.flat is not None and slot.writing is None
         step = slot.state.step
-        if slot.file is not None and slot.file.step == step:
-            self._path(slot.state.bucket_id, step).unlink(missing_ok=True)  # same step rewritten (a restore): replace it
-            slot.file = None
-        slot.writing = self._pool.submit(_write_file, self._path(slot.state.bucket_id, step), slot.flat, step, self.sync)
+        path = self._path(slot.state.bucket_id, step)
+        overwrite = False
+        if slot.file is not None:
+            previous = self._path(slot.state.bucket_id, slot.file.step)
+            # Only with sync: every version is written out anyway. Without it a version retired
+            # before writeback is never written at all, which a new file per version allows.
+            if self.sync and reusable(previous, slot.file):
+                try:
+                    previous.replace(path)  # the retired version's blocks take the new one: nothing refers to it now
+                    overwrite = True
+                    slot.file = None
+                except OSError as exc:  # then a new file, as without sync
+                    log.warning("cannot reuse %s for the next version: %s", previous, exc)
+            if not overwrite and slot.file is not None and slot.file.step == step:
+                path.unlink(missing_ok=True)  # same step rewritten (a restore): replace it
+                slot.file = None
+        slot.writing = self._writers.submit(write_version, path, slot.flat, step, sync=self.sync, direct=self.direct, overwrite=overwrite)
         slot.dirty = False
 
     def _finish_write(self, slot: _Slot) -> None:
@@ -406,7 +395,7 @@ class OutOfCoreStore(BucketStore):
         try:
             info = future.result()
         except OSError as exc:
-            slot.dirty = True  # the values stay in memory; nothing on disk changed
+            slot.dirty = True  # the values stay in memory; the file being written is removed
             raise StorageError(
                 f"bucket {slot.state.bucket_id}: cannot write its state under {self.state_dir}: {exc.strerror or exc}; free space there"
             ) from None

@@ -118,19 +118,21 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
 
 
 @pytest.mark.parametrize(
-    ("layerwise", "clip", "wire"),
+    ("layerwise", "clip", "wire", "sync"),
     [
         # full mode over an out-of-core node also trains bitwise in test_recovery.py's out-of-core crash case
-        pytest.param(False, None, "float32", marks=pytest.mark.slow),
-        (True, None, "float32"),
-        pytest.param(False, 0.05, "float32", marks=pytest.mark.slow),
-        pytest.param(False, None, "bfloat16", marks=pytest.mark.slow),
+        pytest.param(False, None, "float32", False, marks=pytest.mark.slow),
+        (True, None, "float32", False),
+        (True, None, "float32", True),  # --sync-state-writes: each next version overwrites the retired one's file
+        pytest.param(False, 0.05, "float32", False, marks=pytest.mark.slow),
+        pytest.param(False, None, "bfloat16", False, marks=pytest.mark.slow),
     ],
 )
-def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_path, layerwise, clip, wire):
+def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_path, layerwise, clip, wire, sync):
     """A budget of two buckets forces every bucket through its state file at every step."""
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[wire]
-    nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), "--memory-budget", str(2 * 300 * 12))).address for i in range(2)]
+    storage = ("--memory-budget", str(2 * 300 * 12)) + (("--sync-state-writes",) if sync else ())
+    nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), *storage)).address for i in range(2)]
     config = RunConfig(nodes=nodes, layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype, steps=8)
     out_of_core, _ = run_offloaded(config)
     in_memory, _ = run_offloaded(

@@ -1,0 +1,221 @@
+"""One version of a bucket's state file, for :mod:`optimizer_node.ooc_store`: writing it, reading it
+back checked, and the buffers and checksums both use.
+
+A state file is param, exp_avg, exp_avg_sq as fp32, back to back (the checkpoint file format). The
+reads and writes run on the store's I/O threads and touch nothing but the file and the buffer they
+are handed; every write returns the :class:`FileInfo` a later read checks (size, inode, mtime,
+CRC-32).
+
+Direct I/O. With ``direct`` the aligned bulk of a file moves between the disk and the state buffer
+with ``O_DIRECT``: no copy through the page cache, nothing left there to drop, no CPU spent on
+either (on a 2-core node the update and the checksums need it). The buffers start on a huge-page
+boundary so that each request is as large as the device takes (see :func:`state_buffer`). What is
+not whole blocks (the end of an odd-sized bucket, a buffer that is not aligned) goes through the
+page cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import functools
+import logging
+import mmap
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from optimizer_node.storage import StorageError
+
+log = logging.getLogger(__name__)
+
+# Alignment of memory, offsets and lengths for O_DIRECT: a page, which covers every logical block
+# size Linux file systems use (512 B or 4 KiB).
+ALIGN = mmap.PAGESIZE
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0: not Linux; direct I/O is never used
+HUGE_PAGE = 2 << 20  # transparent huge page size on x86-64 and most arm64 kernels
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """What the node wrote to a state file, checked when it reads it back."""
+
+    step: int
+    size: int
+    inode: int
+    mtime_ns: int
+    crc32: int
+    param_crc32: int  # of the parameter third alone: a fetch reads only that
+
+
+@functools.cache
+def _libdeflate_crc32() -> Callable[[int, int, int], int] | None:
+    for name in ("libdeflate.so.0", None):
+        try:  # the soname first: find_library runs ldconfig
+            function = ctypes.CDLL(name or ctypes.util.find_library("deflate") or "").libdeflate_crc32  # CDLL: calls release the GIL
+        except (OSError, AttributeError):
+            continue
+        function.restype = ctypes.c_uint32
+        function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        return function
+    return None
+
+
+def crc32(data: memoryview | bytes, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, the same number, through libdeflate where the system has it:
+    carry-less multiplication makes it 3x faster (14 against 4.3 GB/s measured), and on a 2-core
+    node the checksums of every byte read and written are most of the store's CPU time."""
+    function = _libdeflate_crc32()
+    if function is None or len(data) < 4096:
+        return zlib.crc32(data, value)
+    return function(value, np.frombuffer(data, dtype=np.uint8).ctypes.data, len(data))
+
+
+def state_buffer(numel: int) -> torch.Tensor:
+    """A (numel,) fp32 tensor in its own page-aligned anonymous mapping, returned to the OS when the
+    tensor and its views are freed. Its whole 2 MiB blocks are transparent huge pages where the
+    kernel has them: a direct request is at most ``max_segments`` physically contiguous pieces
+    (254 on virtio), so on 4 KiB pages it carries 1 MiB and on huge pages the device's maximum (4
+    MiB): measured 3.0 GB/s reads and 3.6 GB/s writes against 1.25 and 2.1 on 4 KiB pages."""
+    nbytes = max(4 * numel, 1)
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE if HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") else 0
+    # Room to start at a huge-page boundary; the slack is never touched, so it is never resident.
+    mapping = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() % HUGE_PAGE if huge else 0
+    if huge:
+        try:  # whole blocks only: a huge page under the last partial one would be resident past the state
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, huge)
+            mapping.madvise(mmap.MADV_NOHUGEPAGE, offset + huge, len(mapping) - offset - huge)  # also with THP "always"
+        except OSError:  # no transparent huge pages in this kernel: 4 KiB pages, smaller requests
+            pass
+    return torch.frombuffer(mapping, dtype=torch.float32, count=numel, offset=offset)  # the tensor keeps the mapping alive
+
+
+def probe_direct_io(directory: Path) -> bool:
+    """Whether files in ``directory`` take aligned ``O_DIRECT`` writes and reads (tmpfs before
+    Linux 6.6, some network and FUSE file systems do not)."""
+    if not O_DIRECT:
+        return False
+    probe = directory / ".direct-probe"
+    block = mmap.mmap(-1, ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, block, 0)
+        finally:
+            os.close(fd)
+        fd = os.open(probe, os.O_RDONLY | O_DIRECT)
+        try:
+            os.preadv(fd, [block], 0)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _transfer(fd: int, data: memoryview, *, write: bool, direct: bool) -> tuple[int, bool]:
+    """Write ``data`` to, or read it from, the start of the file; ``fd`` was opened with ``O_DIRECT``
+    iff ``direct``. Returns the bytes moved (short only at the end of a file being read) and whether
+    any went through the page cache."""
+    done = 0
+    aligned_end = len(data) - len(data) % ALIGN
+    cached = False
+    while done < len(data):
+        if direct and (done % ALIGN or done >= aligned_end):  # the rest is not whole blocks
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+            direct = False
+        end = aligned_end if direct else len(data)
+        cached |= not direct
+        moved = os.pwrite(fd, data[done:end], done) if write else os.preadv(fd, [data[done:end]], done)
+        if moved == 0:
+            break
+        done += moved
+    return done, cached
+
+
+def _direct_ok(direct: bool, data: memoryview, tensor: torch.Tensor) -> bool:
+    return direct and bool(O_DIRECT) and tensor.data_ptr() % ALIGN == 0 and len(data) >= ALIGN
+
+
+def write_version(path: Path, flat: torch.Tensor, step: int, *, sync: bool, direct: bool, overwrite: bool) -> FileInfo:
+    """Write ``flat`` to ``path``: a new file, or with ``overwrite`` an existing one of the same size
+    (a retired version the store reuses). With ``sync`` the data is on the disk and out of the page
+    cache when this returns. A failed write removes the file."""
+    data = memoryview(flat.numpy()).cast("B")
+    param_crc = crc32(data[: len(data) // 3])
+    crc = crc32(data[len(data) // 3 :], param_crc)
+    direct = _direct_ok(direct, data, flat)
+    flags = os.O_WRONLY | (0 if overwrite else os.O_CREAT | os.O_EXCL) | (O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if overwrite and os.fstat(fd).st_size != len(data):
+            os.ftruncate(fd, len(data))
+        _, cached = _transfer(fd, data, write=True, direct=direct)
+        if sync:
+            os.fdatasync(fd)  # also for direct writes: the new blocks' metadata and the disk's cache
+            if cached:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        stat = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc)
+
+
+def read_checked(path: Path, into: torch.Tensor, expected: FileInfo, *, expected_crc32: int, sync: bool, direct: bool) -> None:
+    """Read the start of a state file into ``into`` (the whole file, or only its parameter third for
+    a fetch) and check that the file is the one the node wrote and the bytes match ``expected_crc32``."""
+    data = memoryview(into.numpy()).cast("B")
+    direct = _direct_ok(direct, data, into)
+    fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+    try:
+        stat = os.fstat(fd)
+        if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
+            raise StorageError(f"{path} was changed outside the node (size {stat.st_size}, expected {expected.size})")
+        got, cached = _transfer(fd, data, write=False, direct=direct)
+        if sync and cached:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if got != len(data) or crc32(data) != expected_crc32:
+        raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
+
+
+def describe_file(path: Path, step: int, *, param_bytes: int) -> FileInfo:
+    """The :class:`FileInfo` of a state file the node did not write (a checkpoint's, adopted)."""
+    stat = path.stat()
+    crc = 0
+    with open(path, "rb") as handle:
+        while param_bytes > 0 and (block := handle.read(min(8 << 20, param_bytes))):
+            crc = crc32(block, crc)
+            param_bytes -= len(block)
+        param_crc = crc
+        while block := handle.read(8 << 20):
+            crc = crc32(block, crc)
+    return FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc)
+
+
+def reusable(path: Path, info: FileInfo) -> bool:
+    """Whether the file of a retired version may take the next one in place: only if nothing else
+    links it (a checkpoint's data must not change) and it is still the file the node wrote. A new
+    file instead costs allocating its blocks, committing them in ``fdatasync``, and freeing (on a
+    ``discard`` mount, trimming) the old ones: measured 1.4x slower steps."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.warning("cannot stat %s: %s", path, exc)
+        return False
+    return stat.st_nlink == 1 and (stat.st_ino, stat.st_size, stat.st_mtime_ns) == (info.inode, info.size, info.mtime_ns)

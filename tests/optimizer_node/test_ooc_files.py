@@ -1,0 +1,71 @@
+"""One state file version on its own: the checksum, the buffers, and direct and buffered reads and
+writes of every size, including the parts that are not whole blocks."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from optimizer_node import ooc_files
+from optimizer_node.ooc_files import ALIGN, HUGE_PAGE, crc32, probe_direct_io, read_checked, state_buffer, write_version
+from optimizer_node.storage import StorageError
+
+
+@pytest.mark.parametrize("library", ["libdeflate", "zlib"])
+def test_crc32_is_zlibs_for_any_length_offset_and_start_value(monkeypatch, library):
+    if library == "zlib":
+        monkeypatch.setattr(ooc_files, "_libdeflate_crc32", lambda: None)
+    data = os.urandom((1 << 20) + 7)
+    for start, stop in [(0, 0), (0, 1), (3, 4099), (0, 4096), (5, 12345), (1, len(data))]:
+        for value in (0, 0xDEADBEEF):
+            assert crc32(memoryview(data)[start:stop], value) == zlib.crc32(data[start:stop], value), (start, stop, value)
+    assert crc32(data) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 3 << 18, (3 << 18) + 5])
+def test_state_buffers_are_aligned_for_direct_io_and_start_on_a_huge_page_when_they_span_one(numel):
+    buffer = state_buffer(numel)
+    assert buffer.numel() == numel and buffer.dtype == torch.float32 and buffer.data_ptr() % ALIGN == 0
+    if 4 * numel >= HUGE_PAGE:
+        assert buffer.data_ptr() % HUGE_PAGE == 0
+    buffer.fill_(2.0)
+    assert torch.all(buffer == 2.0)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("numel", [100, 1024, 1100, (3 << 18) + 5])
+def test_a_version_reads_back_as_written_and_an_overwrite_keeps_the_file(tmp_path, direct, numel):
+    if direct and not probe_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    flat = state_buffer(3 * numel)
+    flat.copy_(torch.randn(3 * numel, generator=torch.Generator().manual_seed(numel)))
+    path = tmp_path / "bucket.bin"
+    info = write_version(path, flat, 1, sync=True, direct=direct, overwrite=False)
+    assert info.size == 12 * numel and info.crc32 == zlib.crc32(path.read_bytes())
+    into = state_buffer(3 * numel)
+    read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=direct)
+    assert torch.equal(into, flat)
+    param = state_buffer(numel)
+    read_checked(path, param, info, expected_crc32=info.param_crc32, sync=True, direct=direct)
+    assert torch.equal(param, flat[:numel])
+
+    flat.add_(1.0)
+    again = write_version(path, flat, 2, sync=True, direct=direct, overwrite=True)
+    assert again.inode == info.inode and again.size == info.size and again.crc32 != info.crc32
+    read_checked(path, into, again, expected_crc32=again.crc32, sync=True, direct=direct)
+    assert torch.equal(into, flat)
+    with pytest.raises(StorageError, match="changed outside the node"):
+        read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=direct)
+
+
+def test_a_buffer_that_is_not_aligned_goes_through_the_page_cache(tmp_path):
+    flat = torch.randn(3 * 1024 + 1)[1:]  # 4 bytes past an allocation's start
+    assert flat.data_ptr() % ALIGN
+    path = tmp_path / "bucket.bin"
+    info = write_version(path, flat, 1, sync=True, direct=True, overwrite=False)
+    into = torch.empty(3 * 1024 + 1)[1:]
+    read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=True)
+    assert torch.equal(into, flat)
