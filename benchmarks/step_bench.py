@@ -14,12 +14,14 @@ node (reduce, update, send, read through its admin service), the marginal cost o
 the fewest buckets (milliseconds per bucket per step), the send buffers allocated after warm-up
 (none is the goal), the node's update path (timing starts once its compiled loop is checked: the
 torch ops it uses meanwhile are its first seconds, not its steady state), and the install rate against a ``copy_`` between two buffers of the same size
-on the same thread count (``install_vs_memcpy``).
+on the same thread count (``install_vs_memcpy``; a buffer of ``--numel`` may sit in the caches) and
+against the machine's memcpy bandwidth, 256 MiB buffers on every core (``install_vs_machine_memcpy``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -39,16 +41,26 @@ from protos import admin_pb2, admin_pb2_grpc
 HYPER = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01)
 
 
-def memcpy_gbs(numel: int, repeats: int = 5) -> float:
-    """GB/s of ``copy_`` between two fp32 buffers of ``numel`` elements (bytes read + written)."""
-    source, target = torch.ones(numel), torch.empty(numel)
-    target.copy_(source)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def memcpy_gbs(numel: int, repeats: int = 5, threads: int | None = None) -> float:
+    """GB/s of ``copy_`` between two fp32 buffers of ``numel`` elements (bytes read + written), on
+    ``threads`` torch threads (default: as set)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        source, target = torch.ones(numel), torch.empty(numel)
         target.copy_(source)
-        times.append(time.perf_counter() - started)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            target.copy_(source)
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
     return 2 * numel * 4 / statistics.median(times) / 1e9
+
+
+MACHINE_MEMCPY_NUMEL = 64 << 20
+"""256 MiB a buffer: well beyond the caches, so the copy runs at the memory's speed."""
 
 
 def node_timings(stub: admin_pb2_grpc.OptimizerNodeAdminStub) -> dict[str, float]:
@@ -123,8 +135,10 @@ def run(args: argparse.Namespace) -> dict:
         extra = result["buckets"] - fewest["buckets"]
         result["ms_per_bucket"] = round(1e3 * (result["step_s"] - fewest["step_s"]) / extra, 4)
     memcpy = memcpy_gbs(args.numel)
+    machine_memcpy = memcpy_gbs(MACHINE_MEMCPY_NUMEL, threads=os.cpu_count() or 1)
     for result in results:
         result["install_vs_memcpy"] = round(result["install_gbs"] / memcpy, 3) if result["install_gbs"] else None
+        result["install_vs_machine_memcpy"] = round(result["install_gbs"] / machine_memcpy, 3) if result["install_gbs"] else None
     return {
         "benchmark": "step",
         "ratio": round(fewest["step_s"] / most["step_s"], 3),
@@ -132,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "steps": args.steps,
         "memcpy_gbs": round(memcpy, 2),
+        "machine_memcpy_gbs": round(machine_memcpy, 2),
         "max_ms_per_bucket": max((r["ms_per_bucket"] for r in results[1:]), default=None),
         "results": results,
     }

@@ -21,7 +21,9 @@ def test_optimizer_bench_reports_a_ratio():
     report = bench("optimizer", "--numel", str(2 << 20), "--repeats", "1", "--wire-dtype", "bfloat16")
     assert report["benchmark"] == "optimizer" and report["numel"] == 2 << 20
     assert report["ratio"] > 0 and report["node_mparams_per_s"] > 0 and report["torch_fused_adamw_mparams_per_s"] > 0
-    assert report["node_bytes_per_param"] == 2 * 2 + 4 * 6 + 2
+    assert report["node_bytes_per_param"] == 4 * 6 + 2  # the frames just landed: read from the cache
+    assert report["node_bytes_per_param_cold_frames"] == 2 * 2 + 4 * 6 + 2
+    assert report["ratio_cold_frames"] > 0 and report["node_cold_frames_mparams_per_s"] > 0
 
 
 def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
@@ -75,4 +77,5 @@ def test_step_bench_reports_phases_and_the_cost_of_a_bucket():
     for result in report["results"]:
         assert result["step_s"] > 0 and result["worker"]["gather_s"] > 0 and result["worker"]["install_s"] > 0
         assert result["node"]["update_s"] > 0 and result["node"]["wall_s"] > 0
-        assert result["send_buffers_allocated_after_warmup"] >= 0 and result["install_vs_memcpy"] > 0
+        assert result["send_buffers_allocated_after_warmup"] >= 0 and result["install_vs_memcpy"] > 0 and result["install_vs_machine_memcpy"] > 0
+        assert result["node_update_path"] in ("compiled", "torch-ops")  # timed once the node's start-up is over
