@@ -50,6 +50,12 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process used, all its threads (compute, and the transport's or gloo's)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + rank)
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
@@ -101,10 +107,12 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_times, step_call_times, loss = [], [], float("nan")
-    waited = transferred = 0.0
+    waited = transferred = cpu_start = 0.0
     for step in range(settings["warmup"] + settings["steps"]):
-        if step == settings["warmup"] and opt_stats(opt) is not None:
-            waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
+        if step == settings["warmup"]:
+            cpu_start = _cpu_s()
+            if opt_stats(opt) is not None:
+                waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
         started = time.perf_counter()
         _logits, loss_tensor = forward(*_batch(config, step, rank, settings["batch"], settings["seq"], device))
         loss_tensor.backward()
@@ -120,6 +128,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         if step >= settings["warmup"]:
             step_times.append(finished - started)
             step_call_times.append(finished - stepping)
+    cpu_per_step = (_cpu_s() - cpu_start) / settings["steps"]
     stats = opt_stats(opt)
     if mode == "ddp":
         dist.destroy_process_group()
@@ -133,6 +142,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_after_import_mb": start_rss,
         "optimizer_step_s": statistics.median(step_call_times),
+        "cpu_s_per_step": cpu_per_step,
         "loss": loss,
     }
     if cuda:
@@ -199,6 +209,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "peak_rss_mb_per_worker": max(r["peak_rss_mb"] for r in reports),
         "rss_after_import_mb": max(r["rss_after_import_mb"] for r in reports),
         "optimizer_step_s": max(r["optimizer_step_s"] for r in reports),
+        "worker_cpu_s_per_step": statistics.mean(r["cpu_s_per_step"] for r in reports),
         "loss": reports[0]["loss"],
     }
     if "peak_gpu_mb" in reports[0]:
