@@ -374,6 +374,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             except ConnectionError as exc:
                 log.warning("could not send PARAMS: %s", exc)
                 continue
+            self._outbox.sent(handle)
             self.metrics.sent(header.payload_bytes)
             for state in states:
                 state.pending_sends.append(handle)

@@ -30,6 +30,11 @@ MAX_BATCH_BYTES = 2 * BATCH_BYTES
 MAX_BATCH_ENTRIES = 4096
 """Buckets in one batch at most (a header lists each)."""
 
+COALESCE_BELOW = 64 << 10
+"""A batch whose buckets are all smaller than this leaves as one frame they are copied into: a frame
+of its own costs a bucket more (a send call, a view on each side) than copying it, and ZeroMQ copies
+frames this small anyway."""
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
