@@ -56,6 +56,30 @@ def gather_bucket(bucket: BucketSpec, tensors: Sequence[torch.Tensor | None], ou
             target.copy_(_flat(source)[seg.param_offset : seg.param_offset + seg.numel], non_blocking=True)
 
 
+def gather_run(buckets: Sequence[BucketSpec], tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+    """:func:`gather_bucket` for buckets laid back to back in ``out``, with one copy for each stretch
+    that is contiguous both in a tensor and in ``out`` (consecutive buckets of one large parameter: a
+    copy call per bucket cost more than small buckets' bytes)."""
+    pieces: list[list[int]] = []  # [param_index, param_offset, out_offset, numel], merged
+    base = 0
+    for bucket in buckets:
+        for seg in bucket.segments:
+            at = base + seg.bucket_offset
+            last = pieces[-1] if pieces else None
+            if last is not None and last[0] == seg.param_index and last[1] + last[3] == seg.param_offset and last[2] + last[3] == at:
+                last[3] += seg.numel
+            else:
+                pieces.append([seg.param_index, seg.param_offset, at, seg.numel])
+        base += bucket.numel
+    for param_index, param_offset, at, numel in pieces:
+        target = out[at : at + numel]
+        source = tensors[param_index]
+        if source is None:
+            target.zero_()
+        else:
+            target.copy_(_flat(source)[param_offset : param_offset + numel], non_blocking=True)
+
+
 def scatter_bucket(bucket: BucketSpec, pieces: TensorPieces, params: Sequence[torch.Tensor]) -> None:
     """Install received bucket values (``(element_offset, view)`` chunks) into the parameters, in place."""
     for chunk_offset, view in pieces:

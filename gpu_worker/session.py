@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.layout import InstallTargets, gather_bucket
+from gpu_worker.layout import InstallTargets, gather_bucket, gather_run
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.push_pacing import PushPacer
@@ -426,12 +426,8 @@ class OffloadSession:
         started = time.perf_counter()
         total = sum(bucket.numel for bucket in run)
         buffer = self._send_buffers.take(total)
-        entries = []
-        offset = 0
-        for bucket in run:
-            gather_bucket(bucket, grads, buffer[offset : offset + bucket.numel])
-            entries.append([bucket.bucket_id, bucket.numel])
-            offset += bucket.numel
+        gather_run(run, grads, buffer)
+        entries = [[bucket.bucket_id, bucket.numel] for bucket in run]
         if buffer.is_pinned():
             torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
         sending = time.perf_counter()
