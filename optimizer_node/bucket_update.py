@@ -88,6 +88,7 @@ def update_bucket(
             wire_out=wire_out,
             previous_out=previous_out,
             compiled=compiled,
+            arrays=state.numpy_state() if compiled else None,
         )
         return True
     steps = [torch.tensor(count, dtype=torch.float32) for count in state.segment_step_counts(len(segments))]

@@ -125,19 +125,21 @@ def update(
     divisor: float,
     previous: torch.Tensor | None = None,
     serial: bool | None = None,
+    arrays: tuple[np.ndarray, ...] | None = None,
 ) -> None:
     """Sum ``head`` (the partial sum, if any) and ``frames`` in order, divide by ``divisor`` and apply
     AdamW at ``step`` (already incremented) to the ``(start, stop)`` ranges in ``blocks``, in place;
     ``wire`` (bf16), if given, receives those ranges' new parameters as ``wire.copy_(param)`` would;
     ``previous`` (fp32), if given, receives their parameters as they were before the update.
-    ``serial`` runs the blocks in this thread (default: with one thread or one block)."""
+    ``serial`` runs the blocks in this thread (default: with one thread or one block). ``arrays``:
+    numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` the caller keeps (made here otherwise)."""
     kernels = _kernels()
     threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
     if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
         kernels.numba.set_num_threads(threads)
         _calling_thread.threads = threads
     consts = constants(hyper, step, divisor)
-    p, m, v = param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy()
+    p, m, v = arrays if arrays is not None else (param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy())
     out = _array(wire) if wire is not None else _NO_BF16
     prev = previous.numpy() if previous is not None else _NO_FP32
     if serial is None:

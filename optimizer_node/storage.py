@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from transport.interface import SendHandle
@@ -46,10 +47,21 @@ class BucketState:
     # AdamW's step count per segment (parameter piece), once the segments' counts differ (a parameter
     # with no gradient on any rank is not stepped, as in torch); None: every segment at ``step_tensor``.
     segment_steps: list[float] | None = None
+    # numpy views of param, exp_avg, exp_avg_sq and step_tensor for the compiled update, with the
+    # tensors they view: made once (a view each call cost ~3 us a bucket), remade when one is replaced
+    _arrays: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.numel < 0:
             self.numel = self.param.numel()
+
+    def numpy_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Zero-copy numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step_tensor``."""
+        cached = self._arrays
+        tensors = (self.param, self.exp_avg, self.exp_avg_sq, self.step_tensor)
+        if cached is None or any(a is not b for a, b in zip(cached[0], tensors, strict=True)):
+            cached = self._arrays = (tensors, tuple(t.numpy() for t in tensors))
+        return cached[1]
 
     def segment_step_counts(self, segments: int) -> list[float]:
         """Each of the bucket's ``segments`` AdamW step counts."""

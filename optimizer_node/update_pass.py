@@ -171,6 +171,7 @@ def reduce_and_update(
     previous_out: torch.Tensor | None = None,
     chunk_numel: int = CHUNK_NUMEL,
     compiled: bool = True,
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """Finish ``reduction`` (complete) and apply one AdamW step to the bucket, in one pass.
 
@@ -179,8 +180,9 @@ def reduce_and_update(
     before the kernel, as the daemon's clipping path does to the (already averaged) sum;
     ``grad_divisor`` divides it inside the kernel. ``wire_out``, when given, receives the new
     parameters cast to its dtype; ``previous_out`` the parameters as they were, cast to its dtype (in
-    fp32, read in the same pass, while the update has them in cache). ``compiled=False`` keeps to torch ops. The reduction lets go of the
-    received frames; they are freed when this returns.
+    fp32, read in the same pass, while the update has them in cache). ``compiled=False`` keeps to torch ops. ``arrays``:
+    numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step`` the caller keeps (made here
+    otherwise). The reduction lets go of the received frames; they are freed when this returns.
     """
     segments = tuple(segments) if segments is not None else ((0, param.numel()),)
     chunks = plan_chunks(segments, chunk_numel)  # also checks that the segments tile the bucket
@@ -193,9 +195,11 @@ def reduce_and_update(
         previous_out.copy_(param)  # a cast of its own (the node's wire copy usually serves instead)
         previous_out = None
     pending = reduction.take_pending()
-    step.numpy()[()] += 1  # once per bucket: every kernel call reads the same step (fp32 + 1, as step.add_(1), at a tenth of its cost)
+    (step.numpy() if arrays is None else arrays[3])[()] += (
+        1  # once per bucket: every kernel call reads the same step (fp32 + 1, as step.add_(1), at a tenth of its cost)
+    )
     loop = compiled and grad_multiplier is None and grad_divisor is not None
-    if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, wire_out, previous_out):
+    if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, wire_out, previous_out, arrays):
         return
     terms = [_Term(pieces) for pieces in pending]
     for chunk in chunks:
@@ -262,6 +266,7 @@ def _compiled_pass(
     grad_divisor: torch.Tensor,
     wire_out: torch.Tensor | None,
     previous_out: torch.Tensor | None,
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> bool:
     """The update (and bf16 copy) through the compiled loop, the segments' tails through torch ops;
     False, having done nothing, if the loop does not take these terms or is not ready."""
@@ -275,7 +280,20 @@ def _compiled_pass(
     plan = plan_loop(segments)
     bf16_copy = wire_out if wire_out is not None and wire_out.dtype == torch.bfloat16 else None  # the loop writes it
     if len(plan.blocks):
-        compiled_update.update(param, exp_avg, exp_avg_sq, head, frames, bf16_copy, plan.blocks, hyper, float(step), float(grad_divisor), previous_out)
+        compiled_update.update(
+            param,
+            exp_avg,
+            exp_avg_sq,
+            head,
+            frames,
+            bf16_copy,
+            plan.blocks,
+            hyper,
+            float(step),
+            float(grad_divisor),
+            previous_out,
+            arrays=arrays and arrays[:3],
+        )
     if plan.tails:
         start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]
         if previous_out is not None:
