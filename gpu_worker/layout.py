@@ -47,13 +47,7 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 def gather_bucket(bucket: BucketSpec, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     """Copy (and cast) the bucket's pieces of ``tensors`` into the flat ``out``; ``None`` counts as zeros,
     as DDP does for a parameter that got no gradient."""
-    for seg in bucket.segments:
-        target = out[seg.bucket_offset : seg.bucket_offset + seg.numel]
-        source = tensors[seg.param_index]
-        if source is None:
-            target.zero_()
-        else:
-            target.copy_(_flat(source)[seg.param_offset : seg.param_offset + seg.numel], non_blocking=True)
+    gather_run((bucket,), tensors, out)
 
 
 def gather_run(buckets: Sequence[BucketSpec], tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:

@@ -23,7 +23,6 @@ from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.push_pacing import PushPacer
 from gpu_worker.refusals import RefusedGradients
-from gpu_worker.send_buffers import SendBuffers
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
 from job.hyper import AdamWHyper
 from job.placement import BucketSpec
@@ -31,6 +30,7 @@ from job.spec import JobSpec
 from transport.batches import BATCH_BYTES, split_batch
 from transport.interface import Message
 from transport.security import CurveClientConfig
+from transport.send_buffers import SendBuffers
 from transport.wire import WIRE_DTYPES, Header, MsgType, WireError, tensor_header
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ batch is full, or something else is sent to that worker: messages to one peer ke
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from optimizer_node.storage import BucketState
 from transport.batches import BATCH_BYTES, COALESCE_BELOW, MAX_BATCH_ENTRIES
 from transport.interface import SendHandle
+from transport.send_buffers import SendBuffers
 from transport.wire import Header, MsgType, tensor_header
 
 _COALESCED_BYTES = BATCH_BYTES + COALESCE_BELOW
@@ -35,10 +35,10 @@ class ParamsOutbox:
     def __init__(self) -> None:
         self._batches: dict[bytes, _Batch] = {}
         self._buckets: dict[int, int] = {}  # bucket -> how many batches hold its values
-        # Frames that batches of small buckets were copied into: reused once their send is done.
-        self._free: list[torch.Tensor] = []
-        self._sending: deque[tuple[SendHandle, torch.Tensor]] = deque()
-        self._unsent: torch.Tensor | None = None  # taken by the last take(), its send not reported yet
+        # Frames that batches of small buckets are copied into (one size per wire dtype), lent to their
+        # send and reused once it is done; the last one taken waits for sent() to say by which send.
+        self._frames: dict[torch.dtype, SendBuffers] = {}
+        self._unsent: tuple[bytes, torch.Tensor, SendBuffers] | None = None
 
     def waits_for(self, bucket_id: int) -> bool:
         """Whether values of ``bucket_id`` wait here (they must leave before the bucket changes)."""
@@ -92,26 +92,26 @@ class ParamsOutbox:
             return Header(msg_type=MsgType.PARAMS, step=first[1], bucket_id=first[0], meta=meta), None, []
         payload, states = batch.payload, batch.states
         if len(payload) > 1 and all(piece.numel() * piece.element_size() < COALESCE_BELOW for piece in payload):
-            payload, states = [self._coalesce(payload)], []  # copies: the buckets may change once this returns
+            payload, states = [self._coalesce(peer, payload)], []  # copies: the buckets may change once this returns
         header = tensor_header(MsgType.PARAMS, payload, chunk_bytes, step=first[1], bucket_id=first[0], meta=meta)
         return header, payload, states
 
     def sent(self, handle: SendHandle) -> None:
         """The message of the last :meth:`take` was sent with ``handle``: its frame, if the batch was
-        copied into one, is reused once the send is done. (Not called when the send failed: the frame
-        is then free at once.)"""
+        copied into one, is reused once the send is done. (Not called when the send failed: nothing
+        reads the frame then, and it is dropped.)"""
         if self._unsent is not None:
-            self._sending.append((handle, self._unsent))
+            peer, frame, pool = self._unsent
+            pool.lend(peer, handle, frame)
             self._unsent = None
 
-    def _coalesce(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        if self._unsent is not None:  # the last take's send failed: nothing reads its frame
-            self._free.append(self._unsent)
-        while self._sending and self._sending[0][0].done():
-            self._free.append(self._sending.popleft()[1])
-        frame = self._free.pop() if self._free else torch.empty(_COALESCED_BYTES, dtype=torch.uint8)
-        self._unsent = frame
-        numel = sum(piece.numel() for piece in pieces)
-        out = frame.view(pieces[0].dtype)[:numel]
+    def _coalesce(self, peer: bytes, pieces: list[torch.Tensor]) -> torch.Tensor:
+        dtype = pieces[0].dtype
+        pool = self._frames.get(dtype)
+        if pool is None:
+            pool = self._frames[dtype] = SendBuffers(dtype)
+        frame = pool.take(_COALESCED_BYTES // dtype.itemsize)
+        self._unsent = (peer, frame, pool)
+        out = frame[: sum(piece.numel() for piece in pieces)]
         torch.cat(pieces, out=out)
         return out

@@ -195,9 +195,8 @@ def reduce_and_update(
         previous_out.copy_(param)  # a cast of its own (the node's wire copy usually serves instead)
         previous_out = None
     pending = reduction.take_pending()
-    (step.numpy() if arrays is None else arrays[3])[()] += (
-        1  # once per bucket: every kernel call reads the same step (fp32 + 1, as step.add_(1), at a tenth of its cost)
-    )
+    step_count = step.numpy() if arrays is None else arrays[3]
+    step_count[()] += 1  # once per bucket: every kernel call reads the same step (fp32 + 1, as step.add_(1), at a tenth of its cost)
     loop = compiled and grad_multiplier is None and grad_divisor is not None
     if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, wire_out, previous_out, arrays):
         return

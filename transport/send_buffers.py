@@ -1,8 +1,10 @@
-"""Buffers for outgoing gradient buckets, reused once the zero-copy send that reads them is done."""
+"""Buffers for outgoing payloads (a worker's gradient buckets, a node's batches of new values), reused
+once the zero-copy send that reads them is done."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 
 import torch
 
@@ -21,7 +23,7 @@ class SendBuffers:
         # pinned when gradients come from a GPU, so the device-to-host copies can be asynchronous
         self.pin_memory = pin_memory
         self._free: dict[int, list[torch.Tensor]] = {}  # numel -> buffers no send reads
-        self._sending: dict[int, deque[tuple[SendHandle, torch.Tensor]]] = {}  # connection -> sends in order
+        self._sending: dict[Hashable, deque[tuple[SendHandle, torch.Tensor]]] = {}  # connection -> sends in order
         self.allocated = 0  # buffers made so far (after warm-up, a step makes none)
 
     def take(self, numel: int) -> torch.Tensor:
@@ -35,11 +37,11 @@ class SendBuffers:
         self.allocated += 1
         return torch.empty(numel, dtype=self.dtype, pin_memory=self.pin_memory)
 
-    def lend(self, connection: int, handle: SendHandle, buffer: torch.Tensor) -> None:
+    def lend(self, connection: Hashable, handle: SendHandle, buffer: torch.Tensor) -> None:
         """``buffer`` is read by the send ``handle`` on ``connection`` until that send is done."""
         self._sending.setdefault(connection, deque()).append((handle, buffer))
 
-    def forget(self, connection: int) -> None:
+    def forget(self, connection: Hashable) -> None:
         """The connection was closed: its sends will not finish; their buffers are not reused."""
         self._sending.pop(connection, None)
 
