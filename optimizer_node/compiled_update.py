@@ -176,10 +176,11 @@ _settled: bool | None = None
 
 def path() -> str:
     """What a bucket update runs on now, without waiting or starting anything: ``"compiled"``,
-    ``"torch-ops, checking the compiled loop"`` (the same bits meanwhile; the check starts at the first
-    update, as it loads ~140 MB of numba and LLVM), or ``"torch-ops"``."""
+    ``"torch-ops, checking the compiled loop"`` (the same bits meanwhile), ``"torch-ops until the first
+    update checks the compiled loop"`` (the check loads ~140 MB of numba and LLVM: not before a job
+    needs it), or ``"torch-ops"``."""
     if _settled is None and not _checked.cache_info().currsize:
-        return "torch-ops, checking the compiled loop" if _enabled() else "torch-ops"
+        return "torch-ops until the first update checks the compiled loop" if _enabled() else "torch-ops"
     if ready():
         return "compiled"
     return "torch-ops" if _checked().done() else "torch-ops, checking the compiled loop"
