@@ -59,6 +59,15 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="do not also listen on an ipc:// socket in the temporary directory (by default workers on this host switch to it after their HELLO: no TCP stack)",
     )
     node.add_argument(
+        "--same-host-window-mb",
+        type=int,
+        default=64,
+        metavar="MIB",
+        help="shared memory each worker on the same-host socket gets for its payloads, each way: gradients and parameters are copied "
+        "into it once instead of through the kernel (pages are allocated as first written; a full window sends on the socket); "
+        "0 keeps payloads on the socket (default: %(default)s)",
+    )
+    node.add_argument(
         "--ready-file",
         help='write {"data": ADDRESS, "pid": PID, "node_id": ID} here as JSON once the node accepts work, with "same_host", "admin" and "metrics" when it serves them',
     )
@@ -282,6 +291,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
     config = NodeConfig(
         listen=args.listen,
         same_host_ipc=args.same_host_ipc,
+        same_host_window_mb=args.same_host_window_mb,
         ready_file=args.ready_file,
         node_id=args.node_id,
         checkpoint_dir=args.checkpoint_dir,

@@ -37,6 +37,10 @@ class NodeConfig:
     same_host_ipc: bool = True
     """Also listen on an ipc:// socket that workers on this host switch to after their HELLO."""
 
+    same_host_window_mb: int = 64
+    """Shared memory a worker on this host's ipc:// socket gets for its payloads, each way, in MiB
+    (pages are allocated as first written); 0 keeps its payloads on the socket."""
+
     ready_file: str | None = None
     """Where to write ``{"data": ADDRESS, "pid": PID}`` as JSON once the node accepts work."""
 
@@ -206,6 +210,8 @@ class NodeConfig:
                 raise ValueError(f"listen address {self.listen!r}: port {int(port)} is out of range (0 to 65535; 0 lets the OS choose)")
         if self.max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
+        if not 0 <= self.same_host_window_mb <= 1 << 16:
+            raise ValueError(f"same_host_window_mb must be in [0, 65536] (0: no shared memory), not {self.same_host_window_mb}")
         self._validate_limits()
         if not 1 <= self.io_threads <= 64:
             raise ValueError(f"io_threads must be in [1, 64], not {self.io_threads}")

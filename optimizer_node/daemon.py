@@ -84,7 +84,12 @@ def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
     backends have their own bounds (Mooncake: its receive windows)."""
     if backend_for(config.listen) != "zmq":
         return {}
-    return {"max_frame_bytes": config.max_frame_bytes, "max_header_bytes": config.max_header_bytes, "max_peers": config.max_peers}
+    return {
+        "max_frame_bytes": config.max_frame_bytes,
+        "max_header_bytes": config.max_header_bytes,
+        "max_peers": config.max_peers,
+        "same_host_window_bytes": config.same_host_window_mb << 20,
+    }
 
 
 class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, ParameterReplies, GlobalNormClipping):

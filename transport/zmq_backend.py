@@ -26,11 +26,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgpack
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
+from transport.same_host_shm import CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedClient, SharedConnection, SharedPeers, is_control
 from transport.security import CurveClientConfig, CurveServerConfig, secure_client_socket, secure_server_socket
+from transport.shm_window import parse_credits
 from transport.wire import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -99,18 +102,25 @@ class _TrackedSend(SendHandle):
                 raise TimeoutError(f"a send did not complete within {timeout_s:.1f} s") from None
 
 
-def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payload: Payload | None, chunk_bytes: int, *, track: bool = False) -> SendHandle:
+def _send_frames(
+    socket: zmq.Socket,
+    prefix: list[bytes],
+    header: Header,
+    payload: Payload | None,
+    chunk_bytes: int,
+    *,
+    track: bool = False,
+    shared: SharedConnection | None = None,
+) -> SendHandle:
+    if shared is not None:  # the payload into the peer's window, when there is room: only control frames go
+        frames = shared.frames(header, payload, chunk_bytes)
+        if frames is not None:
+            return _send_small(socket, [*prefix, *frames], track)
     header_frame, *chunks = encode_message(header, payload, chunk_bytes)
+    if track:  # every frame, small ones too (pyzmq would copy those and call them done at once)
+        return _send_small(socket, [*prefix, header_frame, *chunks], True)
     for frame in prefix:
         socket.send(frame, zmq.SNDMORE)
-    if track:  # every frame, small ones too (pyzmq would copy those and call them done at once)
-        frames = [header_frame, *chunks]
-        return _TrackedSend(
-            [
-                socket.send(zmq.Frame(frame, copy=False, track=True), zmq.SNDMORE if i + 1 < len(frames) else 0, copy=False, track=True)
-                for i, frame in enumerate(frames)
-            ]
-        )
     if not chunks:
         socket.send(header_frame)
         return _TrackedSend([])
@@ -122,6 +132,18 @@ def _send_frames(socket: zmq.Socket, prefix: list[bytes], header: Header, payloa
             trackers.append(socket.send(chunk, flags, copy=False, track=True))
         else:
             socket.send(chunk, flags)
+    return _TrackedSend(trackers)
+
+
+def _send_small(socket: zmq.Socket, frames: list, track: bool) -> SendHandle:
+    """Send ``frames``; with ``track``, a handle done once every one of them has left the process."""
+    if not track:
+        socket.send_multipart(frames)
+        return _TrackedSend([])
+    trackers = []
+    for index, frame in enumerate(frames):
+        flags = zmq.SNDMORE if index + 1 < len(frames) else 0
+        trackers.append(socket.send(zmq.Frame(frame, copy=False, track=True), flags, copy=False, track=True))
     return _TrackedSend(trackers)
 
 
@@ -204,21 +226,14 @@ class ZmqServer(ServerEndpoint):
         max_frame_bytes: int | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
         max_peers: int = DEFAULT_MAX_PEERS,
+        same_host_window_bytes: int = DEFAULT_WINDOW_BYTES,
     ) -> None:
         if max_peers < 1 or max_header_bytes < 1:
             raise ValueError(f"max_peers and max_header_bytes must be positive, got {max_peers} and {max_header_bytes}")
         self.max_frame_bytes = default_max_frame_bytes(chunk_bytes, max_header_bytes) if max_frame_bytes is None else max_frame_bytes
-        self._socket = context.socket(zmq.ROUTER)
-        if curve is not None:
-            secure_server_socket(self._socket, curve)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's socket reconnected after a reset keeps its id
-        tune_socket(self._socket)
-        self._socket.setsockopt(zmq.RCVHWM, NODE_RCVHWM)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # libzmq drops the connection of a peer that sends a larger frame, before it allocates the frame.
-        # It bounds each frame only: see docs/operations.md (Limits) for multipart messages.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        self._context = context
+        self._curve = curve
+        self._socket = self._router_socket()
         try:
             self.address = bind_exclusive(self._socket, url)
         except Exception:
@@ -228,6 +243,17 @@ class ZmqServer(ServerEndpoint):
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._same_host_path: Path | None = None
+        # The same-host socket, once bound (the only one of a node that listens on ipc:// alone).
+        self._ipc_socket: zmq.Socket | None = self._socket if self.address.startswith("ipc://") else None
+        self._ipc_peers: set[bytes] = set()  # peers heard on it (answered there)
+        # Payloads in shared memory for same-host peers that ask (not with CURVE: its keys vouch
+        # for the socket, which is what a node's identity checks rely on).
+        self._shared = (
+            SharedPeers(lambda fd: self._poller.register(fd, zmq.POLLIN), self._poller.unregister, same_host_window_bytes)
+            if curve is None and same_host_window_bytes > 0
+            else None
+        )
+        self._turn = 0  # which socket is read first when both have messages
         self._lanes: dict[bytes, int] = {}  # laned client id -> its lane count (only peers in _peers)
         self._peers: OrderedDict[bytes, float] = OrderedDict()  # every peer heard -> when, least recent first
         self._max_peers = max_peers
@@ -237,17 +263,98 @@ class ZmqServer(ServerEndpoint):
         self._payload_why = f"this node's limit of {max_message_bytes} bytes (--max-message-bytes)"
         self._authenticated = curve is not None  # CURVE: the ZAP handler tags each message with the sender's key
 
+    def _router_socket(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.ROUTER)
+        if self._curve is not None:
+            secure_server_socket(socket, self._curve)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises, not vanishes
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's socket reconnected after a reset keeps its id
+        tune_socket(socket)
+        socket.setsockopt(zmq.RCVHWM, NODE_RCVHWM)
+        socket.setsockopt(zmq.LINGER, 0)
+        # libzmq drops the connection of a peer that sends a larger frame, before it allocates the frame.
+        # It bounds each frame only: see docs/operations.md (Limits) for multipart messages.
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        return socket
+
     def recv(self, timeout_s: float) -> Message | None:
-        if not self._poller.poll(int(timeout_s * 1000)):
-            return None
-        frames = self._socket.recv_multipart(copy=False)
-        peer = self._admit(frames[0].bytes)
-        message = self._decode(frames[1:], peer)
-        if self._authenticated:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._send_credits()
+            events = dict(self._poller.poll(max(int((deadline - time.monotonic()) * 1000), 0)))
+            if not events:
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            sockets = [socket for socket in {self._socket: 0, self._ipc_socket: 0} if socket is not None and events.get(socket)]
+            if not sockets:  # only a same-host worker's process exit
+                self._reap(events)
+                continue
+            self._turn += 1
+            socket = sockets[self._turn % len(sockets)]
+            frames = socket.recv_multipart(copy=False)
+            message = self._take(socket, frames)
+            if message is not None:
+                return message
+
+    def _take(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> Message | None:
+        """One frame set read from ``socket``: the message, or ``None`` for a shared-memory control frame."""
+        routing_id = frames[0].bytes
+        peer = self._admit(routing_id)
+        shared = socket is self._ipc_socket and len(frames) > 1 and is_control(frames[1].buffer)
+        if socket is self._ipc_socket:
+            self._ipc_peers.add(peer)
+        if shared:
+            message = self._take_shared(peer, frames[1:])
+        else:
+            message = self._decode(frames[1:], peer)
+        if message is not None and self._authenticated:
             # The routing id is the client's to choose; the User-Id is the public key its CURVE
             # handshake proved, set by the ZAP handler on every message of that connection.
             message.user_id = frames[-1].get("User-Id")
         return message
+
+    def _take_shared(self, peer: bytes, frames: list[zmq.Frame]) -> Message | None:
+        assert self._ipc_socket is not None
+        kind = frames[0].bytes
+        if self._shared is None:  # shared memory is off here: say so, and the worker stays on the socket
+            if kind == HANDSHAKE:
+                why = "this node uses CURVE: payloads stay on its socket" if self._curve is not None else "this node keeps payloads on its socket"
+                self._ipc_socket.send_multipart([peer, HANDSHAKE, msgpack.packb({"refused": why})])
+                return None
+            raise WireError(ErrorCode.BAD_REQUEST, "a shared-memory frame to a node that gave no windows", peer=peer)
+        if kind == SHARED and len(frames) == 3:
+            connection = self._shared.connections.get(peer)
+            if connection is None:
+                raise WireError(ErrorCode.BAD_REQUEST, "a shared-memory message from a connection without windows: reconnect", peer=peer)
+            return self._decode(frames[1:2], peer, shared=(connection, frames[2].buffer))
+        if kind == CREDIT and len(frames) == 2:
+            connection = self._shared.connections.get(peer)
+            if connection is not None:
+                connection.writer.credit(parse_credits(frames[1].buffer, peer))
+            return None
+        if kind == HANDSHAKE and len(frames) == 2:
+            answer = self._shared.handshake(peer, frames[1].buffer)
+            if answer is not None:
+                self._ipc_socket.send_multipart([peer, HANDSHAKE, answer])
+            return None
+        raise WireError(ErrorCode.MALFORMED, f"not a shared-memory frame set ({kind!r}, {len(frames)} frames)", peer=peer)
+
+    def _reap(self, events: dict) -> None:
+        """Forget the windows of same-host workers whose process exited."""
+        assert self._shared is not None
+        for pidfd, event in events.items():
+            if isinstance(pidfd, int) and event:
+                self._shared.exited(pidfd)
+
+    def _send_credits(self) -> None:
+        if self._shared is None or self._ipc_socket is None:
+            return
+        for peer, body in self._shared.credits():
+            try:
+                self._ipc_socket.send_multipart([peer, CREDIT, body])
+            except zmq.ZMQError:  # the peer is gone: so are its windows
+                self._shared.forget(peer)
 
     def limit_payload(self, max_bytes: int, why: str) -> None:
         """From now on refuse payloads over ``max_bytes`` (and over max_message_bytes), before they are viewed."""
@@ -287,10 +394,14 @@ class ZmqServer(ServerEndpoint):
             return False
         del self._peers[oldest]
         self._lanes.pop(oldest, None)
+        self._ipc_peers.discard(oldest)
+        if self._shared is not None:
+            self._shared.forget(oldest)
         return True
 
-    def _decode(self, frames: list[zmq.Frame], peer: bytes) -> Message:
-        """A received message, with this endpoint's limits checked before the payload is viewed."""
+    def _decode(self, frames: list[zmq.Frame], peer: bytes, shared: tuple[SharedConnection, memoryview] | None = None) -> Message:
+        """A received message, with this endpoint's limits checked before the payload is viewed;
+        ``shared``: its payload is in that connection's window, where the extent says."""
         if not frames:
             raise WireError(ErrorCode.MALFORMED, "empty message", peer=peer)
         if len(frames[0]) > self._max_header_bytes:
@@ -300,31 +411,54 @@ class ZmqServer(ServerEndpoint):
         header = decode_header(frames[0].buffer, peer=peer)
         if header.payload_bytes > self._payload_limit:
             raise WireError(ErrorCode.TOO_LARGE, f"payload of {header.payload_bytes} bytes is over {self._payload_why}", peer=peer)
-        tensors = payload_views(header, [frame.buffer for frame in frames[1:]], max_bytes=self._payload_limit, peer=peer)
+        chunks = [frame.buffer for frame in frames[1:]] if shared is None else shared[0].read(header, shared[1], peer)
+        tensors = payload_views(header, chunks, max_bytes=self._payload_limit, peer=peer)
         return Message(peer=peer, header=header, tensors=tensors)
 
     def send(self, peer: bytes, header: Header, payload: Payload | None = None, *, track: bool = False) -> SendHandle:
         lanes = self._lanes.get(peer)
         route = peer if lanes is None else peer + struct.pack("BB", _lane_of(header, lanes), lanes)
+        on_ipc = peer in self._ipc_peers
+        socket = self._ipc_socket if on_ipc and self._ipc_socket is not None else self._socket
+        shared = self._shared.connections.get(peer) if on_ipc and self._shared is not None else None
         try:
-            return _send_frames(self._socket, [route], header, payload, self._chunk_bytes, track=track)
+            handle = _send_frames(socket, [route], header, payload, self._chunk_bytes, track=track, shared=shared)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"peer {peer.hex()} is gone") from exc
             raise
+        self._send_credits()
+        return handle
 
     def bind_same_host(self) -> str | None:
         """An ipc:// endpoint (a Unix socket) beside a tcp:// one, under the temporary directory with a
-        random name: only a process on this host can reach it, and no two nodes share one."""
-        if not self.address.startswith("tcp://"):
+        random name: only a process on this host can reach it, and no two nodes share one. It is a
+        socket of its own, so that only peers on it are offered shared memory."""
+        if not self.address.startswith("tcp://") or self._ipc_socket is not None:
             return None
         path = Path(tempfile.gettempdir()) / f"netoptim-{secrets.token_hex(8)}.sock"
-        bind_exclusive(self._socket, f"ipc://{path}")
+        socket = self._router_socket()
+        try:
+            bind_exclusive(socket, f"ipc://{path}")
+        except Exception:
+            socket.close(linger=0)
+            raise
+        self._ipc_socket = socket
+        self._poller.register(socket, zmq.POLLIN)
         self._same_host_path = path
         return f"ipc://{path}"
 
+    @property
+    def shared_written_bytes(self) -> int:
+        """Payload bytes this endpoint wrote into same-host peers' windows (not sent on a socket)."""
+        return 0 if self._shared is None else self._shared.written_bytes
+
     def close(self) -> None:
         self._socket.close(linger=0)
+        if self._ipc_socket is not None and self._ipc_socket is not self._socket:
+            self._ipc_socket.close(linger=0)
+        if self._shared is not None:
+            self._shared.close()
         if self._same_host_path is not None:
             self._same_host_path.unlink(missing_ok=True)
             self._same_host_path = None
@@ -334,8 +468,18 @@ class ZmqClient(ClientEndpoint):
     """DEALER sockets connected to one node: one, or ``lanes`` (see the module docstring)."""
 
     def __init__(
-        self, context: zmq.Context, url: str, *, max_message_bytes: int, chunk_bytes: int, curve: CurveClientConfig | None = None, lanes: int = 1
+        self,
+        context: zmq.Context,
+        url: str,
+        *,
+        max_message_bytes: int,
+        chunk_bytes: int,
+        curve: CurveClientConfig | None = None,
+        lanes: int = 1,
+        shared_memory: bool = True,
     ) -> None:
+        """``shared_memory``: over an ``ipc://`` address with one lane and no CURVE, ask the node for
+        shared windows (:mod:`transport.same_host_shm`); payloads go on the socket until they are mapped."""
         if not 1 <= lanes <= 255:
             raise ValueError(f"connections per node must be in [1, 255], not {lanes}")
         client_id = secrets.token_bytes(7)
@@ -362,6 +506,10 @@ class ZmqClient(ClientEndpoint):
         self._poller = zmq.Poller()
         for socket in self.sockets:
             self._poller.register(socket, zmq.POLLIN)
+        self.shared: SharedClient | None = None
+        if shared_memory and url.startswith("ipc://") and lanes == 1 and curve is None:
+            self.shared = SharedClient()
+            self.sockets[0].send_multipart(SharedClient.request())
 
     @property
     def socket(self) -> zmq.Socket:
@@ -369,17 +517,51 @@ class ZmqClient(ClientEndpoint):
         return self.sockets[0]
 
     def send(self, header: Header, payload: Payload | None = None) -> SendHandle:
-        return _send_frames(self.sockets[_lane_of(header, self.lanes)], [], header, payload, self._chunk_bytes)
+        shared = self.shared.connection if self.shared is not None else None
+        handle = _send_frames(self.sockets[_lane_of(header, self.lanes)], [], header, payload, self._chunk_bytes, shared=shared)
+        self._send_credits()
+        return handle
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary frames; only for tests of how a node treats bad input."""
         self.sockets[0].send_multipart(list(frames))
 
     def recv(self, timeout_s: float) -> Message | None:
-        ready = self._poller.poll(int(timeout_s * 1000))
-        if not ready:
-            return None
-        return _decode(ready[0][0].recv_multipart(copy=False), b"", self._max_message_bytes)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._send_credits()
+            ready = self._poller.poll(max(int((deadline - time.monotonic()) * 1000), 0))
+            if ready:
+                message = self._take(ready[0][0].recv_multipart(copy=False))
+                if message is not None:
+                    return message
+            elif time.monotonic() >= deadline:
+                return None
+
+    def _take(self, frames: list[zmq.Frame]) -> Message | None:
+        """A frame set from the node: its message, or ``None`` for a shared-memory control frame."""
+        if self.shared is None or not frames or not is_control(frames[0].buffer):
+            return _decode(frames, b"", self._max_message_bytes)
+        kind = frames[0].bytes
+        if kind == SHARED and len(frames) == 3 and self.shared.connection is not None:
+            header = decode_header(frames[1].buffer)
+            chunks = self.shared.connection.read(header, frames[2].buffer, None)
+            return Message(peer=b"", header=header, tensors=payload_views(header, chunks, max_bytes=self._max_message_bytes))
+        if kind == CREDIT and len(frames) == 2:
+            self.shared.credit(frames[1].buffer)
+        elif kind == HANDSHAKE and len(frames) == 2:
+            reply = self.shared.answer(frames[1].buffer)
+            if reply is not None:
+                self.sockets[0].send_multipart(reply)
+        else:
+            raise WireError(ErrorCode.MALFORMED, f"not a shared-memory frame set from the node ({kind!r}, {len(frames)} frames)")
+        return None
+
+    def _send_credits(self) -> None:
+        if self.shared is not None and self.shared.connection is not None:
+            body = self.shared.connection.reader.take_credits()
+            if body is not None:
+                self.sockets[0].send_multipart([CREDIT, body])
 
     def connection_dropped(self) -> bool:
         dropped = False
@@ -390,6 +572,10 @@ class ZmqClient(ClientEndpoint):
         return dropped
 
     def close(self) -> None:
+        if self.shared is not None:
+            if self.shared.connection is not None and not self.sockets[0].closed:  # the node frees the windows now
+                self.sockets[0].send_multipart([HANDSHAKE, msgpack.packb({"closed": True})])
+            self.shared.close()
         for socket, monitor in zip(self.sockets, self._monitors, strict=True):
             if not socket.closed:
                 socket.disable_monitor()
@@ -412,9 +598,13 @@ class ZmqTransport(Transport):
         max_frame_bytes: int | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
         max_peers: int = DEFAULT_MAX_PEERS,
+        same_host_window_bytes: int = DEFAULT_WINDOW_BYTES,
+        shared_memory: bool = True,
     ) -> None:
         """``max_frame_bytes`` (``None``: :func:`default_max_frame_bytes`), ``max_header_bytes`` and
-        ``max_peers`` are the limits of the server endpoints it binds (see :class:`ZmqServer`)."""
+        ``max_peers`` are the limits of the server endpoints it binds (see :class:`ZmqServer`);
+        ``same_host_window_bytes`` the shared window a server gives each same-host connection, each
+        way (0: none); ``shared_memory`` whether clients ask for one."""
         if not 1 <= connections_per_peer <= 255:
             raise ValueError(f"connections per node must be in [1, 255], not {connections_per_peer}")
         self._lanes = connections_per_peer
@@ -424,7 +614,13 @@ class ZmqTransport(Transport):
         self._context = zmq.Context(io_threads=max(io_threads, connections_per_peer))  # lanes move in parallel
         self._max_message_bytes = max_message_bytes
         self._chunk_bytes = chunk_bytes
-        self._server_limits = {"max_frame_bytes": max_frame_bytes, "max_header_bytes": max_header_bytes, "max_peers": max_peers}
+        self._server_limits = {
+            "max_frame_bytes": max_frame_bytes,
+            "max_header_bytes": max_header_bytes,
+            "max_peers": max_peers,
+            "same_host_window_bytes": same_host_window_bytes,
+        }
+        self._shared_memory = shared_memory
         self._curve_server = curve_server
         self._curve_client = curve_client
         self._authenticator: ThreadAuthenticator | None = None
@@ -442,10 +638,18 @@ class ZmqTransport(Transport):
 
     def connect(self, url: str) -> ZmqClient:
         return ZmqClient(
-            self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_client, lanes=self._lanes
+            self._context,
+            url,
+            max_message_bytes=self._max_message_bytes,
+            chunk_bytes=self._chunk_bytes,
+            curve=self._curve_client,
+            lanes=self._lanes,
+            shared_memory=self._shared_memory,
         )
 
     def wait_readable(self, clients: Sequence[ClientEndpoint], timeout_s: float) -> list[int]:
+        for client in clients:  # extents of same-host windows given back: the node may reuse them
+            client._send_credits()  # type: ignore[attr-defined]
         key = tuple(socket for client in clients for socket in client.sockets)  # type: ignore[attr-defined]
         poller = self._pollers.get(key)
         if poller is None:  # a worker polls the same connections every step: build the poller once

@@ -1,5 +1,6 @@
-"""What every transport configuration must do, run over each one: ZeroMQ over tcp, ipc and tcp with
-CURVE, and the Mooncake Transfer Engine over its tcp protocol."""
+"""What every transport configuration must do, run over each one: ZeroMQ over tcp, ipc (payloads in
+shared windows, and on the socket only) and tcp with CURVE, and the Mooncake Transfer Engine over its
+tcp protocol."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 
 CHUNK = 1 << 16
 MOONCAKE_WINDOW = 16 << 20  # smaller than the 12 MiB case plus what is in flight: windows fill and drain
-KINDS = ["tcp", "ipc", "tcp-curve", "tcp-4-lanes", pytest.param("mooncake", marks=requires_mooncake)]
+KINDS = ["tcp", "ipc", "ipc-socket-only", "tcp-curve", "tcp-4-lanes", pytest.param("mooncake", marks=requires_mooncake)]
 
 
 def url_of(kind: str, tmp_path) -> str:
-    return {"ipc": f"ipc://{tmp_path}/node.sock", "mooncake": "mooncake://127.0.0.1:0"}.get(kind, "tcp://127.0.0.1:0")
+    return {"ipc": f"ipc://{tmp_path}/node.sock", "ipc-socket-only": f"ipc://{tmp_path}/node.sock", "mooncake": "mooncake://127.0.0.1:0"}.get(kind, "tcp://127.0.0.1:0")
 
 
 class Pair:
@@ -33,6 +34,8 @@ class Pair:
         server_options, self.client_options, self.secret, self.server_key = {}, {}, "-", "-"
         if kind == "mooncake":
             server_options = self.client_options = {"window_bytes": MOONCAKE_WINDOW}
+        if kind == "ipc-socket-only":  # payloads on the socket, not in shared windows
+            self.client_options = {"shared_memory": False}
         if kind == "tcp-4-lanes":
             self.client_options = {"connections_per_peer": 4}
         if kind == "tcp-curve":

@@ -1,0 +1,234 @@
+"""The shared-memory payload path of a node's same-host socket (:mod:`transport.shm_window`).
+
+On the node's ``ipc://`` socket, a frame set whose first frame is one byte long is a control frame of
+this path; anything else is an ordinary message (:mod:`transport.wire`), so either side may always
+fall back to sending payloads on the socket:
+
+- ``H`` handshake. The worker asks (``{"pid": ...}``); the node makes the connection's two windows
+  and answers with its pid and their descriptors, or why not; the worker maps them and says whether
+  it could (``{"mapped": ...}``); either side may close (``{"closed": ...}``).
+- ``M`` a message whose payload is in the receiver's window: ``[M, header, extent]``.
+- ``C`` credits: extents of the sender's window that the receiver no longer reads.
+
+The node writes into a worker's window only once the worker said it mapped it, opens nothing a
+client names, and forgets a worker's windows when it closes them, when its process exits (a pidfd
+tells) or when the peer is forgotten; it keeps at most ``max_peers`` pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from transport.shm_window import MIN_SHARED_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits
+from transport.wire import ErrorCode, Header, Payload, WireError, encode_header, payload_chunks
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE, SHARED, CREDIT = b"H", b"M", b"C"
+CONTROL_KINDS = (HANDSHAKE, SHARED, CREDIT)
+
+DEFAULT_WINDOW_BYTES = 64 << 20
+"""Each direction of a same-host connection: room for the payloads in flight (pages are only
+allocated as they are first written)."""
+
+DEFAULT_MAX_PEERS = 64
+"""Same-host connections a node gives windows to at once; later ones send on the socket."""
+
+
+def is_control(frame: bytes | memoryview) -> bool:
+    """Whether a frame set starting with ``frame`` belongs to the shared-memory path (a header is a
+    msgpack map, never one byte long)."""
+    return len(frame) == 1 and bytes(frame) in CONTROL_KINDS
+
+
+def _decode_handshake(raw: bytes | memoryview, peer: bytes | None) -> dict:
+    try:
+        info = msgpack.unpackb(raw, max_map_len=16, max_array_len=16)
+    except Exception:
+        info = None
+    if not isinstance(info, dict):
+        raise WireError(ErrorCode.MALFORMED, "a shared-memory handshake is not a map", peer=peer)
+    return info
+
+
+@dataclass
+class SharedConnection:
+    """One connection's two windows: ``reader`` over the one the peer writes into, ``writer`` over
+    the one this side writes into (usable once ``ready``)."""
+
+    reader: WindowReader
+    writer: WindowWriter
+    ready: bool = False
+    pidfd: int = -1
+
+    def frames(self, header: Header, payload: Payload | None, chunk_bytes: int) -> list[bytes] | None:
+        """The control frames of a message whose payload went into the peer's window, or ``None``
+        when it goes on the socket (no payload worth it, not ready, no room)."""
+        if not self.ready or payload is None:
+            return None
+        chunks = payload_chunks(payload, chunk_bytes)  # checks the pieces as the socket path would
+        if len(chunks) != header.num_chunks:
+            raise ValueError(f"header declares {header.num_chunks} chunks, payload has {len(chunks)}")
+        if sum(len(chunk) for chunk in chunks) < MIN_SHARED_BYTES:
+            return None
+        extent = self.writer.write(payload, chunk_bytes)
+        return None if extent is None else [SHARED, encode_header(header), extent]
+
+    def read(self, header: Header, extent: bytes | memoryview, peer: bytes | None) -> list[memoryview]:
+        return self.reader.read(extent, header.payload_bytes, peer)
+
+    def close(self) -> None:
+        self.reader.window.close()
+        self.writer.window.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class SharedPeers:
+    """The node side: the windows of each same-host peer that asked for them."""
+
+    def __init__(
+        self, watch: Callable[[int], None], unwatch: Callable[[int], None], window_bytes: int = DEFAULT_WINDOW_BYTES, max_peers: int = DEFAULT_MAX_PEERS
+    ) -> None:
+        """``watch``/``unwatch`` add a worker's pidfd to the caller's poller and take it out (before
+        it is closed): a readable pidfd goes to :meth:`exited`."""
+        self._watch, self._unwatch = watch, unwatch
+        self.window_bytes = window_bytes
+        self.max_peers = max_peers
+        self.connections: dict[bytes, SharedConnection] = {}
+        self._by_pidfd: dict[int, bytes] = {}
+        self._written_before = 0  # by connections since closed
+
+    @property
+    def written_bytes(self) -> int:
+        """Payload bytes written into peers' windows instead of sent on the socket."""
+        return self._written_before + sum(connection.writer.written_bytes for connection in self.connections.values())
+
+    def handshake(self, peer: bytes, raw: bytes | memoryview) -> bytes | None:
+        """Handle a worker's handshake; the body of the answer to send it, if any."""
+        info = _decode_handshake(raw, peer)
+        if "pid" in info:
+            return msgpack.packb(self._open(peer, info["pid"]))
+        if "mapped" in info:
+            connection = self.connections.get(peer)
+            if connection is not None and info["mapped"] is True:
+                connection.ready = True
+                log.debug("peer %s reads its payloads from shared memory", peer.hex())
+            else:
+                self.forget(peer)
+                log.info("a same-host worker could not map its windows (%s); its payloads go on the socket", str(info.get("why", "?"))[:200])
+            return None
+        if info.get("closed"):
+            self.forget(peer)
+            return None
+        raise WireError(ErrorCode.MALFORMED, "a shared-memory handshake says nothing this node knows", peer=peer)
+
+    def _open(self, peer: bytes, pid: object) -> dict:
+        self.forget(peer)
+        if self.window_bytes <= 0:
+            return {"refused": "this node keeps same-host payloads on the socket (--same-host-window-mb 0)"}
+        if len(self.connections) >= self.max_peers:
+            return {"refused": f"this node gives shared windows to {self.max_peers} same-host connections at most"}
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            return {"refused": "no valid pid in the handshake"}
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            return {"refused": f"process {pid} is not visible from the node ({exc.strerror}): another pid namespace?"}
+        token = secrets.token_hex(8)
+        try:
+            inbox = SharedWindow.create(self.window_bytes, f"netoptim-{token}-in")
+            outbox = SharedWindow.create(self.window_bytes, f"netoptim-{token}-out")
+        except OSError as exc:
+            os.close(pidfd)
+            return {"refused": f"the node could not make shared windows ({exc})"}
+        connection = SharedConnection(WindowReader(inbox), WindowWriter(outbox), pidfd=pidfd)
+        self.connections[peer] = connection
+        self._by_pidfd[pidfd] = peer
+        self._watch(pidfd)
+        describe = {"pid": os.getpid(), "bytes": self.window_bytes}
+        # Named from the worker's side: it writes into what the node reads.
+        return describe | {"write": [inbox.fd, inbox.name], "read": [outbox.fd, outbox.name]}
+
+    def exited(self, pidfd: int) -> None:
+        """The process behind ``pidfd`` is gone: its windows go with it."""
+        peer = self._by_pidfd.get(pidfd)
+        if peer is not None:
+            log.debug("same-host peer %s exited; its windows are freed", peer.hex())
+            self.forget(peer)
+
+    def forget(self, peer: bytes) -> None:
+        connection = self.connections.pop(peer, None)
+        if connection is not None:
+            if self._by_pidfd.pop(connection.pidfd, None) is not None:
+                self._unwatch(connection.pidfd)
+            self._written_before += connection.writer.written_bytes
+            connection.close()
+
+    def credits(self) -> list[tuple[bytes, bytes]]:
+        """``(peer, body)`` of the credit frames due."""
+        due = []
+        for peer, connection in self.connections.items():
+            body = connection.reader.take_credits()
+            if body is not None:
+                due.append((peer, body))
+        return due
+
+    def close(self) -> None:
+        for peer in list(self.connections):
+            self.forget(peer)
+
+
+class SharedClient:
+    """The worker side of one same-host connection's shared-memory path."""
+
+    def __init__(self) -> None:
+        self.connection: SharedConnection | None = None
+        self.refused: str | None = None
+
+    @staticmethod
+    def request() -> list[bytes]:
+        return [HANDSHAKE, msgpack.packb({"pid": os.getpid()})]
+
+    def answer(self, raw: bytes | memoryview) -> list[bytes] | None:
+        """Handle the node's handshake answer; the frames to send back, if any."""
+        info = _decode_handshake(raw, None)
+        if "refused" in info:
+            self.refused = str(info["refused"])[:200]
+            log.info("payloads to this node go on the socket: %s", self.refused)
+            return None
+        try:
+            pid, nbytes = int(info["pid"]), int(info["bytes"])
+            (write_fd, write_name), (read_fd, read_name) = info["write"], info["read"]
+            outbox = SharedWindow.open(pid, write_fd, nbytes, str(write_name))
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            return self._unmapped(exc)
+        try:
+            inbox = SharedWindow.open(pid, read_fd, nbytes, str(read_name))
+        except (TypeError, ValueError, OSError) as exc:
+            outbox.close()
+            return self._unmapped(exc)
+        self.close()
+        self.connection = SharedConnection(WindowReader(inbox), WindowWriter(outbox), ready=True)
+        return [HANDSHAKE, msgpack.packb({"mapped": True})]
+
+    def _unmapped(self, exc: BaseException) -> list[bytes]:
+        self.refused = f"the node's windows could not be mapped here ({exc})"[:200]
+        log.info("payloads to this node go on the socket: %s", self.refused)
+        return [HANDSHAKE, msgpack.packb({"mapped": False, "why": self.refused})]
+
+    def credit(self, raw: bytes | memoryview) -> None:
+        if self.connection is not None:
+            self.connection.writer.credit(parse_credits(raw, None))
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None

@@ -1,0 +1,221 @@
+"""Shared-memory windows: how a node and a worker on one host pass payloads without the kernel.
+
+A :class:`SharedWindow` is an anonymous memory file (``memfd``) sealed at its size and mapped by both
+processes. The node makes the two windows of a connection (one each way) and names them in its
+handshake; the worker opens them through ``/proc/<node pid>/fd/<fd>``. The seals mean no process can
+shrink a window under a mapping (which would kill the reader with ``SIGBUS``), and the node never
+opens a file a client names.
+
+A sender copies a payload into a free extent of the peer's window (:class:`WindowWriter`) and sends
+only the header and the extent's place on the socket; the receiver views its window there without a
+copy (:class:`WindowReader`) and gives the extent back, as a credit, once the last view of it is
+gone. A sender that finds no room sends the payload on the socket as usual, so a slow reader costs
+a copy, never a wait.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import fcntl
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+
+import msgpack
+import torch
+
+from transport.wire import ErrorCode, Payload, WireError
+
+UNIT_BYTES = 16 << 10
+"""Extents are whole units: a unit is a multiple of every wire dtype and of a cache line."""
+
+MIN_SHARED_BYTES = 16 << 10
+"""Smaller payloads go on the socket: a copy there costs less than the extent's bookkeeping."""
+
+MAX_EXTENT_CHUNKS = 1 << 16
+"""Chunk lengths one message may list (a 2 GiB payload in 4 MiB chunks lists 512)."""
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SharedWindow:
+    """One sealed ``memfd`` mapped into this process. The mapping lives as long as any view of it:
+    closing drops this object's hold, and the memory goes once no view is left."""
+
+    def __init__(self, fd: int, nbytes: int, name: str) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.name = name
+        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int, name: str) -> SharedWindow:
+        """A new window of ``nbytes`` (a whole number of units), sealed at that size."""
+        if nbytes <= 0 or nbytes % UNIT_BYTES:
+            raise ValueError(f"a shared window is a positive multiple of {UNIT_BYTES} bytes, not {nbytes}")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            return cls(fd, nbytes, name)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open(cls, pid: int, fd: int, nbytes: int, name: str) -> SharedWindow:
+        """The window ``name`` that process ``pid`` holds as ``fd``; ``OSError`` when that is not a
+        sealed memory file of that name and size (another pid namespace, or another process)."""
+        path = f"/proc/{int(pid)}/fd/{int(fd)}"
+        if os.readlink(path) != f"/memfd:{name} (deleted)":
+            raise OSError(f"{path} is not the window {name} (is the node in another pid namespace?)")
+        own = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if fcntl.fcntl(own, fcntl.F_GET_SEALS) & _SEALS != _SEALS or os.fstat(own).st_size != nbytes:
+                raise OSError(f"{path} is not sealed at {nbytes} bytes")
+            return cls(own, nbytes, name)
+        except BaseException:
+            os.close(own)
+            raise
+
+    def region(self, offset: int, nbytes: int) -> ctypes.Array:
+        """``nbytes`` of the window from ``offset``, as an object that keeps the mapping alive."""
+        assert self._map is not None, "a closed window is not read"
+        return (ctypes.c_char * nbytes).from_buffer(self._map, offset)
+
+    def close(self) -> None:
+        """Close the file and drop this object's views; idempotent."""
+        if self._map is not None:
+            os.close(self.fd)
+            self._map = None
+            self.bytes = torch.empty(0, dtype=torch.uint8)
+
+
+def chunk_lengths(payload: Payload, chunk_bytes: int) -> list[int]:
+    """The byte lengths of the chunks :func:`transport.wire.payload_chunks` cuts ``payload`` into."""
+    pieces = [payload] if isinstance(payload, torch.Tensor) else list(payload)
+    lengths = []
+    for piece in pieces:
+        nbytes = piece.numel() * piece.element_size()
+        lengths.extend([chunk_bytes] * (nbytes // chunk_bytes) + ([nbytes % chunk_bytes] if nbytes % chunk_bytes else []))
+    return lengths
+
+
+class WindowWriter:
+    """The sender's side of the peer's window: which extents are free, and the copies into them."""
+
+    def __init__(self, window: SharedWindow) -> None:
+        self.window = window
+        self._free: list[tuple[int, int]] = [(0, window.nbytes)]  # (start, length), sorted, coalesced
+        self._lent: dict[int, int] = {}  # start -> length, extents the peer holds
+        self.written_bytes = 0
+
+    @property
+    def lent_bytes(self) -> int:
+        return sum(self._lent.values())
+
+    def _take(self, nbytes: int) -> int | None:
+        need = -(-nbytes // UNIT_BYTES) * UNIT_BYTES
+        for index, (start, length) in enumerate(self._free):  # first fit: low addresses stay warm
+            if length >= need:
+                if length == need:
+                    del self._free[index]
+                else:
+                    self._free[index] = (start + need, length - need)
+                self._lent[start] = need
+                return start
+        return None
+
+    def write(self, payload: Payload, chunk_bytes: int) -> bytes | None:
+        """Copy ``payload`` into a free extent and return its description for the peer, or ``None``
+        when the window has no room for it (the caller sends it on the socket instead)."""
+        pieces = [payload] if isinstance(payload, torch.Tensor) else list(payload)
+        total = sum(piece.numel() * piece.element_size() for piece in pieces)
+        start = self._take(total)
+        if start is None:
+            return None
+        position = start
+        for piece in pieces:
+            nbytes = piece.numel() * piece.element_size()
+            # The same bytes: a copy between views of one dtype (torch spreads large ones over cores).
+            self.window.bytes[position : position + nbytes].view(piece.dtype).copy_(piece.reshape(-1))
+            position += nbytes
+        self.written_bytes += total
+        return msgpack.packb([start, chunk_lengths(payload, chunk_bytes)])
+
+    def credit(self, starts: Sequence[int]) -> None:
+        """The peer is done with the extents starting at ``starts``; unknown ones are ignored (a
+        peer cannot free what it was not lent)."""
+        for start in starts:
+            length = self._lent.pop(start, None) if isinstance(start, int) else None
+            if length is None:
+                continue
+            index = bisect.bisect(self._free, (start, 0))
+            self._free.insert(index, (start, length))
+            if index + 1 < len(self._free) and start + length == self._free[index + 1][0]:  # join the next
+                self._free[index] = (start, length + self._free.pop(index + 1)[1])
+            if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == start:  # join the previous
+                previous = self._free.pop(index - 1)
+                self._free[index - 1] = (previous[0], previous[1] + self._free[index - 1][1])
+
+
+class WindowReader:
+    """The receiver's side of its own window: views of what the peer wrote, and the credits of the
+    extents whose views are all gone."""
+
+    def __init__(self, window: SharedWindow) -> None:
+        self.window = window
+        self._released: collections.deque[int] = collections.deque()
+        self.outstanding = 0
+
+    def read(self, raw: bytes | memoryview, payload_bytes: int, peer: bytes | None) -> list[memoryview]:
+        """The chunks of a message whose extent description is ``raw``: views of the window that
+        give the extent back when the last of them goes. ``WireError`` for a description outside the
+        window or not matching ``payload_bytes``."""
+        try:
+            start, lengths = msgpack.unpackb(raw, max_array_len=MAX_EXTENT_CHUNKS)
+            valid = isinstance(start, int) and isinstance(lengths, list) and all(isinstance(n, int) and n > 0 for n in lengths)
+        except Exception:
+            valid = False
+        if not valid:
+            raise WireError(ErrorCode.MALFORMED, "a shared-memory message's extent is not [start, [lengths]]", peer=peer)
+        total = sum(lengths)
+        if total != payload_bytes or start < 0 or start % UNIT_BYTES or start + total > self.window.nbytes:
+            raise WireError(
+                ErrorCode.BAD_PAYLOAD,
+                f"an extent of {total} bytes at {start} is not the declared {payload_bytes} bytes inside the {self.window.nbytes}-byte window",
+                peer=peer,
+            )
+        region = self.window.region(start, total)
+        self.outstanding += 1
+        weakref.finalize(region, self._released.append, start)  # deque.append is atomic: any thread may drop the last view
+        whole = memoryview(region).cast("B")
+        chunks, position = [], 0
+        for length in lengths:
+            chunks.append(whole[position : position + length])
+            position += length
+        return chunks
+
+    def take_credits(self) -> bytes | None:
+        """The extents given back since the last call, as a credit frame's body (``None``: none)."""
+        if not self._released:
+            return None
+        starts = []
+        while self._released:
+            starts.append(self._released.popleft())
+        self.outstanding -= len(starts)
+        return msgpack.packb(starts)
+
+
+def parse_credits(raw: bytes | memoryview, peer: bytes | None) -> list[int]:
+    try:
+        starts = msgpack.unpackb(raw, max_array_len=MAX_EXTENT_CHUNKS)
+    except Exception:
+        starts = None
+    if not isinstance(starts, list):
+        raise WireError(ErrorCode.MALFORMED, "a credit frame is not a list of extents", peer=peer)
+    return starts
