@@ -23,7 +23,9 @@ KINDS = ["tcp", "ipc", "ipc-socket-only", "tcp-curve", "tcp-4-lanes", pytest.par
 
 
 def url_of(kind: str, tmp_path) -> str:
-    return {"ipc": f"ipc://{tmp_path}/node.sock", "ipc-socket-only": f"ipc://{tmp_path}/node.sock", "mooncake": "mooncake://127.0.0.1:0"}.get(kind, "tcp://127.0.0.1:0")
+    return {"ipc": f"ipc://{tmp_path}/node.sock", "ipc-socket-only": f"ipc://{tmp_path}/node.sock", "mooncake": "mooncake://127.0.0.1:0"}.get(
+        kind, "tcp://127.0.0.1:0"
+    )
 
 
 class Pair:
