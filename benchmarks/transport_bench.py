@@ -11,7 +11,9 @@ pushed back to back while the answers stream back, as a worker's step does:
 
 The figure is (bytes pushed + bytes pulled) / time, over loopback; ``ratio`` is netoptim over the
 chosen backend against the plain socket. ``--backend zmq`` (ZeroMQ over tcp://) also measures the
-node's same-host ipc:// socket (``same_host_ratio``, what a worker on the node's host uses) and, with
+node's same-host ipc:// socket with payloads in shared windows (``same_host_ratio``, what a worker on
+the node's host uses; ``same_host_shared_fraction`` of the pushed bytes went through the windows) and
+with payloads on that socket (``same_host_socket_only_ratio``), and, with
 ``--curve``, the cost of encryption; ``--backend mooncake`` measures the Mooncake Transfer Engine
 over its tcp protocol (one-sided writes into the peer's registered window, headers over ZeroMQ).
 """
@@ -81,10 +83,19 @@ def raw_socket_seconds(nbytes: int, bucket_bytes: int, repeats: int) -> float:
 
 
 def netoptim_seconds(
-    nbytes: int, bucket_bytes: int, repeats: int, *, backend: str = "zmq", curve: bool = False, same_host: bool = False, connections: int = 1
+    nbytes: int,
+    bucket_bytes: int,
+    repeats: int,
+    *,
+    backend: str = "zmq",
+    curve: bool = False,
+    same_host: bool = False,
+    connections: int = 1,
+    shared_memory: bool = True,
 ) -> tuple[float, dict]:
     """Push+pull through a node over its tcp:// (or mooncake://) address, or its same-host ipc://
-    socket; returns the median seconds and what the client endpoint counted (mooncake)."""
+    socket (payloads in shared windows, or with ``shared_memory=False`` on the socket); returns the
+    median seconds and what the client endpoint counted (mooncake; bytes through shared windows)."""
     buckets = [torch.ones(bucket_bytes // 4) for _ in range(nbytes // bucket_bytes)]
     with tempfile.TemporaryDirectory() as workdir:
         node_args: tuple[str, ...] = ()
@@ -100,14 +111,19 @@ def netoptim_seconds(
         node_args += ("--max-echo-bytes", str(nbytes))  # every bucket is pushed before the first echo is read
         with NodeProcess(workdir, log_level="WARNING", listen=listen, extra_args=node_args) as node:
             address = node.same_host_address if same_host else node.address
-            label = f"netoptim push+pull ({backend}" + (", CURVE" if curve else "") + (", same host" if same_host else "") + f", {connections} conn.)"
-            return _measure_node(address, buckets, repeats, client_curve, label, connections)
+            where = (", same host" + ("" if shared_memory else ", socket only")) if same_host else ""
+            label = f"netoptim push+pull ({backend}" + (", CURVE" if curve else "") + where + f", {connections} conn.)"
+            return _measure_node(address, buckets, repeats, client_curve, label, connections, shared_memory)
 
 
-def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str, connections: int) -> tuple[float, dict]:
+def _measure_node(
+    address: str, buckets: list[torch.Tensor], repeats: int, curve: CurveClientConfig | None, label: str, connections: int, shared_memory: bool = True
+) -> tuple[float, dict]:
     options: dict = {"curve_client": curve} if curve else {}
     if connections > 1:
         options["connections_per_peer"] = connections
+    if address.startswith("ipc://"):
+        options["shared_memory"] = shared_memory
     transport = create_transport(address, **options)
     client = transport.connect(address)
     headers = [tensor_header(MsgType.ECHO, bucket, step=index, bucket_id=index) for index, bucket in enumerate(buckets)]
@@ -122,6 +138,9 @@ def _measure_node(address: str, buckets: list[torch.Tensor], repeats: int, curve
     try:
         seconds = median_seconds(round_trip, repeats, label=label)
         counters = {name: getattr(client, name) for name in ("written_bytes", "staged_bytes", "inline_bytes") if hasattr(client, name)}
+        shared = getattr(client, "shared", None)
+        if shared is not None and shared.connection is not None:
+            counters["shared_written_bytes"] = shared.connection.writer.written_bytes
         return seconds, counters
     finally:
         client.close()
@@ -154,9 +173,17 @@ def run(args: argparse.Namespace) -> dict:
     if counters:
         report["client_bytes"] = counters  # mooncake: written one-sided / of those staged / sent inline
     if args.backend == "zmq":
-        same_host_s, _ = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, same_host=True)
-        same_host_gbs = 2 * args.bytes / same_host_s / 1e9
-        report |= {"netoptim_same_host_push_pull_gbs": round(same_host_gbs, 2), "same_host_ratio": round(same_host_gbs / socket_gbs, 3)}
+        same_host_s, same_host_counters = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, same_host=True)
+        ipc_s, _ = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, same_host=True, shared_memory=False)
+        same_host_gbs, ipc_gbs = 2 * args.bytes / same_host_s / 1e9, 2 * args.bytes / ipc_s / 1e9
+        pushed = args.bytes * (args.repeats + 1)  # the warm-up round and the timed ones
+        report |= {
+            "netoptim_same_host_push_pull_gbs": round(same_host_gbs, 2),
+            "same_host_ratio": round(same_host_gbs / socket_gbs, 3),
+            "same_host_shared_fraction": round(same_host_counters.get("shared_written_bytes", 0) / pushed, 3),
+            "netoptim_same_host_socket_only_gbs": round(ipc_gbs, 2),
+            "same_host_socket_only_ratio": round(ipc_gbs / socket_gbs, 3),
+        }
     if args.curve:
         curve_s, _ = netoptim_seconds(args.bytes, args.bucket_bytes, args.repeats, curve=True)
         curve_gbs = 2 * args.bytes / curve_s / 1e9
