@@ -56,6 +56,17 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` (the local nodes) used so far, all their threads."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
 def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + rank)
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
@@ -107,10 +118,11 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_times, step_call_times, loss = [], [], float("nan")
-    waited = transferred = cpu_start = 0.0
+    waited = transferred = cpu_start = node_cpu_start = 0.0
     for step in range(settings["warmup"] + settings["steps"]):
         if step == settings["warmup"]:
             cpu_start = _cpu_s()
+            node_cpu_start = _process_cpu_s(settings["node_pids"]) if rank == 0 else 0.0
             if opt_stats(opt) is not None:
                 waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
         started = time.perf_counter()
@@ -129,6 +141,8 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
             step_times.append(finished - started)
             step_call_times.append(finished - stepping)
     cpu_per_step = (_cpu_s() - cpu_start) / settings["steps"]
+    node_cpu_per_step = (_process_cpu_s(settings["node_pids"]) - node_cpu_start) / settings["steps"] if rank == 0 else 0.0
+    shared = getattr(opt, "shared_memory_bytes", None)
     stats = opt_stats(opt)
     if mode == "ddp":
         dist.destroy_process_group()
@@ -143,8 +157,11 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         "rss_after_import_mb": start_rss,
         "optimizer_step_s": statistics.median(step_call_times),
         "cpu_s_per_step": cpu_per_step,
+        "node_cpu_s_per_step": node_cpu_per_step,
         "loss": loss,
     }
+    if shared is not None:  # payload through same-host shared windows, per step (warm-up steps included)
+        report["shared_memory_gb_per_step"] = {key: value / 1e9 / (settings["warmup"] + settings["steps"]) for key, value in shared.items()}
     if cuda:
         report["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     if stats is not None:
@@ -186,6 +203,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         node_processes = [] if mode == "ddp" else [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)]
         try:
             nodes = [n.address for n in node_processes]
+            settings["node_pids"] = [n.process.pid for n in node_processes if n.process is not None]
             dist_url = f"tcp://127.0.0.1:{_free_port()}"
             workers = [
                 context.Process(target=_worker, args=(mode, rank, args.workers, asdict(config), settings, nodes, dist_url, results))
@@ -212,6 +230,12 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "worker_cpu_s_per_step": statistics.mean(r["cpu_s_per_step"] for r in reports),
         "loss": reports[0]["loss"],
     }
+    if mode != "ddp":
+        summary["node_cpu_s_per_step"] = reports[0]["node_cpu_s_per_step"]  # all local nodes, measured by rank 0
+        if "shared_memory_gb_per_step" in reports[0]:
+            summary["shared_memory_gb_per_step_per_worker"] = {
+                key: statistics.mean(r["shared_memory_gb_per_step"][key] for r in reports) for key in ("sent", "received")
+            }
     if "peak_gpu_mb" in reports[0]:
         summary["peak_gpu_mb_per_worker"] = max(r["peak_gpu_mb"] for r in reports)
     if "comm_hidden_fraction" in reports[0]:

@@ -122,6 +122,13 @@ class NodeConnections:
         """Where each connection goes: the address given, or the node's same-host socket."""
         return [client.address for client in self._clients]
 
+    def shared_memory_bytes(self) -> dict[str, int]:
+        """Payload bytes that went through same-host shared windows (``sent`` and ``received``), over
+        the connections open now."""
+        connections = [client.shared.connection for client in self._clients if getattr(client, "shared", None) is not None]
+        live = [connection for connection in connections if connection is not None]
+        return {"sent": sum(c.writer.written_bytes for c in live), "received": sum(c.reader.read_bytes for c in live)}
+
     def send(self, index: int, header: Header, payload: torch.Tensor | None = None) -> SendHandle:
         return self._clients[index].send(header, payload)
 

@@ -230,6 +230,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._session.morph(rank, world_size, at_step)
 
     @property
+    def shared_memory_bytes(self) -> dict[str, int]:
+        """Payload bytes (``sent``, ``received``) that went through shared memory with nodes on this
+        host rather than through a socket (the rest did; see docs/transports.md)."""
+        return self._session.shared_memory_bytes
+
+    @property
     def stream_stats(self) -> StreamStats | None:
         """Layer-wise mode: fetch waits, transfer times and the peak parameter bytes this worker held."""
         return None if self._streamer is None else self._streamer.stats

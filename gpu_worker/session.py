@@ -251,6 +251,11 @@ class OffloadSession:
             )
 
     @property
+    def shared_memory_bytes(self) -> dict[str, int]:
+        """Payload bytes that went through same-host shared windows, ``sent`` and ``received``."""
+        return self._connections.shared_memory_bytes()
+
+    @property
     def connection_addresses(self) -> list[str]:
         """Where each node connection goes: the address given, or the node's same-host socket."""
         return self._connections.addresses

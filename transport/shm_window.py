@@ -171,6 +171,7 @@ class WindowReader:
         self.window = window
         self._released: collections.deque[int] = collections.deque()
         self.outstanding = 0
+        self.read_bytes = 0
 
     def read(self, raw: bytes | memoryview, payload_bytes: int, peer: bytes | None) -> list[memoryview]:
         """The chunks of a message whose extent description is ``raw``: views of the window that
@@ -192,6 +193,7 @@ class WindowReader:
             )
         region = self.window.region(start, total)
         self.outstanding += 1
+        self.read_bytes += total
         weakref.finalize(region, self._released.append, start)  # deque.append is atomic: any thread may drop the last view
         whole = memoryview(region).cast("B")
         chunks, position = [], 0
