@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from gpu_worker.device_copy import lock_source_window
 from gpu_worker.layout import InstallTargets, gather_bucket, gather_run
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
@@ -81,7 +82,8 @@ class OffloadSession:
         self.bucket_steps = [0] * len(self.buckets)
         self.last_grad_norm: float | None = None
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
-        self._send_buffers = SendBuffers(self._wire_dtype, pin_memory=any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available())
+        self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
+        self._send_buffers = SendBuffers(self._wire_dtype, pin_memory=self._cuda)
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
         self._install_targets = InstallTargets()  # each bucket's views of the parameters, made once
         self.timings = WorkerStepTimings()
@@ -773,6 +775,8 @@ class OffloadSession:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
         if not unchanged:
             started = time.perf_counter()
+            if self._cuda:  # values in a same-host window: page-lock it (once), so the copies run at the bus's speed
+                lock_source_window(message.tensors)
             self._install_targets.install(bucket, message.tensors, self.params)
             self.timings.install_s += elapsed(started)
             self.timings.installs += 1

@@ -22,7 +22,7 @@ import fcntl
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 import torch
@@ -40,6 +40,18 @@ MAX_EXTENT_CHUNKS = 1 << 16
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
+_OPEN_WINDOWS: weakref.WeakSet[SharedWindow] = weakref.WeakSet()
+
+
+def window_holding(address: int, nbytes: int) -> SharedWindow | None:
+    """The open window of this process that holds ``nbytes`` from ``address``, if one does (how a
+    device copy learns that its source is a window it may page-lock once and read directly)."""
+    for window in list(_OPEN_WINDOWS):
+        base = window.address
+        if base <= address and address + nbytes <= base + window.nbytes:
+            return window
+    return None
+
 
 class SharedWindow:
     """One sealed ``memfd`` mapped into this process. The mapping lives as long as any view of it:
@@ -51,6 +63,10 @@ class SharedWindow:
         self.name = name
         self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.address = self.bytes.data_ptr()
+        self.before_close: list[Callable[[], None]] = []  # e.g. a device's page-lock, undone first
+        self.page_locked: bool | None = None  # for a device's copies: not asked yet, done, refused
+        _OPEN_WINDOWS.add(self)
 
     @classmethod
     def create(cls, nbytes: int, name: str) -> SharedWindow:
@@ -90,6 +106,10 @@ class SharedWindow:
     def close(self) -> None:
         """Close the file and drop this object's views; idempotent."""
         if self._map is not None:
+            _OPEN_WINDOWS.discard(self)
+            for undo in self.before_close:
+                undo()
+            self.before_close.clear()
             os.close(self.fd)
             self._map = None
             self.bytes = torch.empty(0, dtype=torch.uint8)

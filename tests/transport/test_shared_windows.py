@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from transport.same_host_shm import CREDIT, HANDSHAKE, SHARED, SharedPeers
-from transport.shm_window import UNIT_BYTES, SharedWindow, WindowWriter
+from transport.shm_window import UNIT_BYTES, SharedWindow, WindowWriter, window_holding
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
 from transport.zmq_backend import ZmqTransport
 
@@ -242,3 +242,15 @@ def test_the_writer_reuses_freed_extents_in_any_order_and_joins_them():
     writer.credit([0, 2 * UNIT_BYTES])
     assert writer.lent_bytes == 0 and writer._free == [(0, window.nbytes)]
     window.close()
+
+
+def test_a_device_copy_finds_the_window_its_source_lies_in_and_closing_undoes_what_it_did():
+    window = SharedWindow.create(UNIT_BYTES * 4, "netoptim-test-lookup")
+    undone = []
+    window.before_close.append(lambda: undone.append(True))
+    inside = window.bytes[UNIT_BYTES : 2 * UNIT_BYTES]
+    assert window_holding(inside.data_ptr(), inside.numel()) is window
+    assert window_holding(inside.data_ptr(), window.nbytes) is None, "a range past the window's end is not in it"
+    assert window_holding(torch.empty(16).data_ptr(), 64) is None
+    window.close()
+    assert undone == [True] and window_holding(inside.data_ptr(), 1) is None
