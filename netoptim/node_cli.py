@@ -61,7 +61,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument(
         "--same-host-window-mb",
         type=int,
-        default=256,
+        default=64,
         metavar="MIB",
         help="shared memory each worker on the same-host socket gets for its payloads, each way: gradients and parameters are copied "
         "into it once instead of through the kernel (pages are allocated as first written; a full window sends on the socket); "

@@ -37,7 +37,7 @@ class NodeConfig:
     same_host_ipc: bool = True
     """Also listen on an ipc:// socket that workers on this host switch to after their HELLO."""
 
-    same_host_window_mb: int = 256
+    same_host_window_mb: int = 64
     """Shared memory a worker on this host's ipc:// socket gets for its payloads, each way, in MiB
     (pages are allocated as first written); 0 keeps its payloads on the socket."""
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE, SHARED, CREDIT = b"H", b"M", b"C"
 CONTROL_KINDS = (HANDSHAKE, SHARED, CREDIT)
 
-DEFAULT_WINDOW_BYTES = 256 << 20
+DEFAULT_WINDOW_BYTES = 64 << 20
 """Each direction of a same-host connection: room for the payloads in flight. Pages are allocated
 as they are first written and then kept while the connection lasts: a window's resident part is the
 most that was ever in flight in it (what the socket path would have held in its buffers meanwhile)."""
