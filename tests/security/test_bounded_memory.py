@@ -33,7 +33,7 @@ from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.waiting_hellos import WaitingHellos
 from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, run_offloaded
 from tests.optimizer_node.raw_client import JOB
-from transport import zmq_backend
+from transport import zmq_server
 from transport.interface import Message
 from transport.security import generate_keypair, load_keypair
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
@@ -462,7 +462,7 @@ def test_a_silent_peer_makes_room(monkeypatch):
         with pytest.raises(WireError, match="--max-peers") as refused:
             server.recv(5)
         assert refused.value.code == ErrorCode.LIMIT and refused.value.peer is not None
-        monkeypatch.setattr(zmq_backend, "PEER_IDLE_S", 0.0)
+        monkeypatch.setattr(zmq_server, "PEER_IDLE_S", 0.0)
         clients[2].send(Header(msg_type=MsgType.QUERY))
         assert server.recv(5) is not None
     finally:
