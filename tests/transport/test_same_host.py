@@ -3,15 +3,17 @@ on the same host moves to it after its HELLO."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
 
+import pytest
 import torch
 
-from gpu_worker import RemoteAdamW
+from gpu_worker import RemoteAdamW, offload
 from gpu_worker.node_connections import reachable_here as _reachable_here
-from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, run_offloaded
+from tests.gpu_worker.harness import RunConfig, average_in_rank_order, max_difference, reference_averaged, run_offloaded, run_threads
 
 
 def test_a_worker_on_the_nodes_host_moves_to_its_ipc_socket(start_node, tmp_path):
@@ -76,3 +78,59 @@ def test_a_same_host_socket_that_does_not_answer_leaves_the_worker_on_tcp(start_
     opt.step()  # the node answers this rank over TCP again
     assert opt.remote_step == 1
     opt.close()
+
+
+def _wide_model() -> torch.nn.Sequential:
+    """Buckets of 8,192 fp32 (32 KiB): every payload is large enough for the shared windows."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 64, generator=generator), torch.randn(4, 8, generator=generator)
+
+
+def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = _data(step, rank)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["full-model", "layer-wise"])
+def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerwise):
+    """Two workers on the nodes' host, every gradient and parameter through shared memory: the same
+    bits as torch's fused AdamW fed the same averaged gradients in one process."""
+    nodes = [start_node(f"w{layerwise}{i}").address for i in range(2)]
+    steps, world_size = 4, 2
+    finals: dict[int, list[torch.Tensor]] = {}
+    moved: dict[int, dict[str, int]] = {}
+    models = [_wide_model() for _ in range(world_size)]  # here, not in the threads: one global generator
+
+    def worker(rank: int) -> None:
+        model = models[rank]
+        options = dict(lr=1e-2, weight_decay=0.1, nodes=nodes, rank=rank, world_size=world_size, bucket_numel=8192, timeout_s=60)
+        opt = offload(model, [model[0], model[2], model[4]], **options) if layerwise else RemoteAdamW(model.parameters(), **options)
+        for step in range(steps):
+            _loss(model, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        moved[rank] = opt.shared_memory_bytes
+        finals[rank] = list(opt.gather_parameters().values())  # in the model's order
+        opt.close()
+
+    run_threads(worker, world_size)
+    reference = _wide_model()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(steps):
+        grads = []
+        for rank in range(world_size):
+            replica = copy.deepcopy(reference)
+            _loss(replica, step, rank).backward()
+            grads.append([p.grad for p in replica.parameters()])
+        for param, grad in zip(reference.parameters(), average_in_rank_order(grads), strict=True):
+            param.grad = grad
+        opt.step()
+        opt.zero_grad()
+    for rank in range(world_size):
+        assert moved[rank]["sent"] > 0 and moved[rank]["received"] > 0, f"rank {rank} moved nothing through shared memory: {moved[rank]}"
+        assert max_difference(finals[rank], [p.detach() for p in reference.parameters()]) == 0.0
