@@ -29,11 +29,11 @@ import torch
 
 from transport.wire import ErrorCode, Payload, WireError
 
-UNIT_BYTES = 16 << 10
-"""Extents are whole units: a unit is a multiple of every wire dtype and of a cache line."""
+UNIT_BYTES = 4 << 10
+"""Extents are whole pages: a multiple of every wire dtype and of a cache line."""
 
-MIN_SHARED_BYTES = 16 << 10
-"""Smaller payloads go on the socket: a copy there costs less than the extent's bookkeeping."""
+MIN_SHARED_BYTES = 4 << 10
+"""Smaller payloads go on the socket (most small buckets travel in batches anyway)."""
 
 MAX_EXTENT_CHUNKS = 1 << 16
 """Chunk lengths one message may list (a 2 GiB payload in 4 MiB chunks lists 512)."""
