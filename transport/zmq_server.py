@@ -127,7 +127,7 @@ class ZmqServer(ServerEndpoint):
         if shared:
             message = self._take_shared(peer, frames[1:])
         else:
-            message = self.decode_message(frames[1:], peer)
+            message = self._decode(frames[1:], peer)
         if message is not None and self._authenticated:
             # The routing id is the client's to choose; the User-Id is the public key its CURVE
             # handshake proved, set by the ZAP handler on every message of that connection.
@@ -147,7 +147,7 @@ class ZmqServer(ServerEndpoint):
             connection = self._shared.connections.get(peer)
             if connection is None:
                 raise WireError(ErrorCode.BAD_REQUEST, "a shared-memory message from a connection without windows: reconnect", peer=peer)
-            return self.decode_message(frames[1:2], peer, shared=(connection, frames[2].buffer))
+            return self._decode(frames[1:2], peer, shared=(connection, frames[2].buffer))
         if kind == CREDIT and len(frames) == 2:
             connection = self._shared.connections.get(peer)
             if connection is not None:
@@ -219,7 +219,7 @@ class ZmqServer(ServerEndpoint):
             self._shared.forget(oldest)
         return True
 
-    def decode_message(self, frames: list[zmq.Frame], peer: bytes, shared: tuple[SharedConnection, memoryview] | None = None) -> Message:
+    def _decode(self, frames: list[zmq.Frame], peer: bytes, shared: tuple[SharedConnection, memoryview] | None = None) -> Message:
         """A received message, with this endpoint's limits checked before the payload is viewed;
         ``shared``: its payload is in that connection's window, where the extent says."""
         if not frames:
