@@ -122,7 +122,7 @@ class SharedPeers:
             if connection is not None and info["mapped"] is True:
                 connection.ready = True
                 log.debug("peer %s reads its payloads from shared memory", peer.hex())
-            else:
+            elif connection is not None:  # logged once per pair of windows made, not once per message
                 self.forget(peer)
                 log.info("a same-host worker could not map its windows (%s); its payloads go on the socket", str(info.get("why", "?"))[:200])
             return None
