@@ -154,6 +154,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             paused=lambda: self._pause_reason is not None,
             draining=lambda: self._drain_step is not None,
             last_checkpoint_unix=lambda: (self._last_checkpoint or {}).get("created_unix"),
+            shared_memory=self._endpoint.shared_memory,
         )
         self.started_at = time.time()
         self._crash_points = CrashPoints(config.crash_at)

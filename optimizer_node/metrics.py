@@ -73,6 +73,10 @@ def _no_workers() -> Iterable[float]:
     return ()
 
 
+def _no_shared_memory() -> dict[str, int]:
+    return {"connections": 0, "written_bytes": 0, "read_bytes": 0}
+
+
 class _ScrapeTimeCollector(Collector):
     """The series computed from the node's state when scraped: workers heard from recently, paused,
     draining, checkpoint age and the non-finite statistics."""
@@ -93,6 +97,20 @@ class _ScrapeTimeCollector(Collector):
         created = m.last_checkpoint_unix()
         if created is not None:
             yield GaugeMetricFamily("netoptim_checkpoint_age_seconds", "Seconds since the newest checkpoint was written.", value=max(0.0, now - created))
+        shared = m.shared_memory()
+        yield GaugeMetricFamily(
+            "netoptim_same_host_windows", "Same-host worker connections whose payloads go through shared windows.", value=shared["connections"]
+        )
+        yield CounterMetricFamily(
+            "netoptim_same_host_shared_bytes_sent",
+            "Payload bytes written into same-host workers' windows (not sent on a socket).",
+            value=shared["written_bytes"],
+        )
+        yield CounterMetricFamily(
+            "netoptim_same_host_shared_bytes_received",
+            "Payload bytes read from same-host workers' windows (not received on a socket).",
+            value=shared["read_bytes"],
+        )
         yield from self._non_finite()
 
     def _non_finite(self) -> Iterator[Metric]:
@@ -129,7 +147,8 @@ class NodeMetrics:
 
     - ``workers_last_seen``: unix time each registered rank was last heard from;
     - ``paused`` / ``draining``: whether an operator paused updates / asked for a drain;
-    - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet).
+    - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet);
+    - ``shared_memory``: same-host connections with shared windows and the bytes through them.
     """
 
     def __init__(
@@ -140,6 +159,7 @@ class NodeMetrics:
         paused: Callable[[], bool] = _never,
         draining: Callable[[], bool] = _never,
         last_checkpoint_unix: Callable[[], float | None] = _no_checkpoint,
+        shared_memory: Callable[[], dict[str, int]] = _no_shared_memory,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
@@ -147,6 +167,7 @@ class NodeMetrics:
         self.paused = paused
         self.draining = draining
         self.last_checkpoint_unix = last_checkpoint_unix
+        self.shared_memory = shared_memory
         self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
         self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
         ProcessCollector(registry=registry)

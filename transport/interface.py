@@ -83,6 +83,12 @@ class ServerEndpoint(ABC):
         served exactly like the main one; ``None`` where the backend has none or already is one."""
         return None
 
+    def shared_memory(self) -> dict[str, int]:
+        """Same-host connections whose payloads go through shared memory, and the bytes that did each
+        way (``connections``, ``written_bytes``, ``read_bytes``); zeros where the backend has none.
+        Safe to call from another thread."""
+        return {"connections": 0, "written_bytes": 0, "read_bytes": 0}
+
 
 class ClientEndpoint(ABC):
     """The worker side of one connection to one node."""

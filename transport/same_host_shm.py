@@ -106,11 +106,22 @@ class SharedPeers:
         self.connections: dict[bytes, SharedConnection] = {}
         self._by_pidfd: dict[int, bytes] = {}
         self._written_before = 0  # by connections since closed
+        self._read_before = 0
 
     @property
     def written_bytes(self) -> int:
         """Payload bytes written into peers' windows instead of sent on the socket."""
-        return self._written_before + sum(connection.writer.written_bytes for connection in self.connections.values())
+        return self._written_before + sum(connection.writer.written_bytes for connection in list(self.connections.values()))
+
+    def snapshot(self) -> dict[str, int]:
+        """Windowed connections and payload bytes through them each way; safe from another thread
+        (a dict's values are copied under the interpreter lock)."""
+        live = list(self.connections.values())
+        return {
+            "connections": len(live),
+            "written_bytes": self._written_before + sum(c.writer.written_bytes for c in live),
+            "read_bytes": self._read_before + sum(c.reader.read_bytes for c in live),
+        }
 
     def handshake(self, peer: bytes, raw: bytes | memoryview) -> bytes | None:
         """Handle a worker's handshake; the body of the answer to send it, if any."""
@@ -171,6 +182,7 @@ class SharedPeers:
             if self._by_pidfd.pop(connection.pidfd, None) is not None:
                 self._unwatch(connection.pidfd)
             self._written_before += connection.writer.written_bytes
+            self._read_before += connection.reader.read_bytes
             connection.close()
 
     def credits(self) -> list[tuple[bytes, bytes]]:

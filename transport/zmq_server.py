@@ -273,6 +273,11 @@ class ZmqServer(ServerEndpoint):
         """Payload bytes this endpoint wrote into same-host peers' windows (not sent on a socket)."""
         return 0 if self._shared is None else self._shared.written_bytes
 
+    def shared_memory(self) -> dict[str, int]:
+        """Same-host connections with shared windows and the payload bytes through them each way
+        (written: to workers, read: from them); safe to call from another thread."""
+        return {"connections": 0, "written_bytes": 0, "read_bytes": 0} if self._shared is None else self._shared.snapshot()
+
     def close(self) -> None:
         self._socket.close(linger=0)
         if self._ipc_socket is not None and self._ipc_socket is not self._socket:

@@ -82,10 +82,10 @@ def test_metrics_of_a_training_node(start_node, tmp_path, monkeypatch):
     assert before["netoptim_workers_connected"] == 0 and before["netoptim_step"] == 0 and "netoptim_checkpoint_age_seconds" not in before
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(64, 32)  # 8 KiB of weights: through the same-host shared windows
     opt = RemoteAdamW(model.parameters(), lr=0.1, nodes=[node.address], rank=0, world_size=1)
     for _ in range(STEPS):
-        model(torch.ones(2, 4)).pow(2).sum().backward()
+        model(torch.ones(2, 64)).pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
     values = scrape(node.metrics_url)
@@ -98,6 +98,9 @@ def test_metrics_of_a_training_node(start_node, tmp_path, monkeypatch):
     assert values["netoptim_paused"] == 0 and values["netoptim_draining"] == 0
     assert 0 <= values["netoptim_checkpoint_age_seconds"] < 30 and not math.isnan(values["netoptim_checkpoint_age_seconds"])
     assert values['netoptim_non_finite_policy{policy="refuse"}'] == 1 and values["netoptim_non_finite_refused_total"] == 0
+    assert values["netoptim_same_host_windows"] == 1
+    assert values["netoptim_same_host_shared_bytes_received_total"] >= STEPS * 64 * 32 * 4, "the pushes came through the worker's window"
+    assert values["netoptim_same_host_shared_bytes_sent_total"] >= STEPS * 64 * 32 * 4, "the new values went through it"
 
     with grpc.insecure_channel(node.admin_address) as channel:
         admin = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
@@ -109,7 +112,7 @@ def test_metrics_of_a_training_node(start_node, tmp_path, monkeypatch):
     opt.close()
     values = wait_for(node.metrics_url, "netoptim_workers_connected", 0)
     assert values["netoptim_workers_connected"] == 0, "the closed worker still counts as connected"
-    assert values["netoptim_step"] == STEPS
+    assert values["netoptim_step"] == STEPS and values["netoptim_same_host_windows"] == 0, "a closed worker's windows are freed"
 
 
 if __name__ == "__main__":
