@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gpu_worker.device_copy import lock_source_window
-from gpu_worker.layout import InstallTargets, gather_bucket, gather_run
+from gpu_worker.gradient_sender import GradientSender
+from gpu_worker.layout import InstallTargets, gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.push_pacing import PushPacer
@@ -31,7 +32,6 @@ from job.spec import JobSpec
 from transport.batches import BATCH_BYTES, split_batch
 from transport.interface import Message
 from transport.security import CurveClientConfig
-from transport.send_buffers import SendBuffers
 from transport.wire import WIRE_DTYPES, Header, MsgType, WireError, tensor_header
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,6 @@ class OffloadSession:
         self.last_grad_norm: float | None = None
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
         self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
-        self._send_buffers = SendBuffers(self._wire_dtype, pin_memory=self._cuda)
-        self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
         self._install_targets = InstallTargets()  # each bucket's views of the parameters, made once
         self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
@@ -110,6 +108,7 @@ class OffloadSession:
             same_host=same_host,
             connections_per_node=connections_per_node,
         )
+        self._sender = GradientSender(self._connections, self._wire_dtype, pin_memory=self._cuda)
         self._pushed: dict[int, int] = {}  # bucket -> the step its gradient was pushed for, in the step in progress
         self._seen_step: dict[int, int] = {}  # node -> the newest step of values it sent this process
         self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
@@ -352,7 +351,7 @@ class OffloadSession:
             nbytes = bucket.numel * self._wire_dtype.itemsize if any(grads[seg.param_index] is not None for seg in bucket.segments) else 0
             self._wait_for_room(self.pacer, nbytes, grads, hypers)
             self.pacer.pushed(bucket_id, nbytes)
-        meta: dict = {"hyper": self._hyper_for(bucket.group, hypers)}
+        meta: dict = {"hyper": self._sender.hyper_meta(bucket.group, hypers)}
         # Parameters without a gradient on this rank: zeros in the sum, as with DDP; not stepped if no rank has one.
         absent = [index for index, seg in enumerate(bucket.segments) if grads[seg.param_index] is None]
         if absent:
@@ -363,14 +362,9 @@ class OffloadSession:
             self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta))
         else:
             started = time.perf_counter()
-            buffer = self._send_buffers.take(bucket.numel)
-            gather_bucket(bucket, grads, buffer)
-            if buffer.is_pinned():
-                torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
-            sending = time.perf_counter()
-            self.timings.gather_s += sending - started
-            header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta)
-            self._send_buffers.lend(bucket.node, self._connections.send(bucket.node, header, buffer), buffer)
+            gathered = self._sender.push((bucket,), grads, rank=self.rank, step=step, meta=meta)
+            self.timings.gather_s += gathered
+            sending = started + gathered
         self._pushed[bucket_id] = step
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
@@ -431,33 +425,19 @@ class OffloadSession:
             self.push_bucket(run[0].bucket_id, grads, hypers)
             return
         started = time.perf_counter()
-        total = sum(bucket.numel for bucket in run)
-        buffer = self._send_buffers.take(total)
-        gather_run(run, grads, buffer)
-        entries = [[bucket.bucket_id, bucket.numel] for bucket in run]
-        if buffer.is_pinned():
-            torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
-        sending = time.perf_counter()
-        self.timings.gather_s += sending - started
         first = run[0]
-        meta = {"hyper": self._hyper_for(first.group, hypers), "batch": entries}
-        header = tensor_header(MsgType.PUSH, buffer, rank=self.rank, step=self.bucket_steps[first.bucket_id], bucket_id=first.bucket_id, meta=meta)
-        self._send_buffers.lend(first.node, self._connections.send(first.node, header, buffer), buffer)
-        self._pushed.update((bucket.bucket_id, header.step) for bucket in run)
+        step = self.bucket_steps[first.bucket_id]
+        meta = {"hyper": self._sender.hyper_meta(first.group, hypers), "batch": [[bucket.bucket_id, bucket.numel] for bucket in run]}
+        gathered = self._sender.push(run, grads, rank=self.rank, step=step, meta=meta)
+        self.timings.gather_s += gathered
+        sending = started + gathered
+        self._pushed.update((bucket.bucket_id, step) for bucket in run)
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += len(run)
 
-    def _hyper_for(self, group: int, hypers: Sequence[AdamWHyper]) -> dict:
-        """Param group ``group``'s hyperparameters as they go on the wire (encoded once while they hold)."""
-        hyper = hypers[group]
-        cached = self._hyper_wire.get(group)
-        if cached is None or cached[0] != hyper:
-            cached = self._hyper_wire[group] = (hyper, hyper.to_wire())
-        return cached[1]
-
     def release_send_buffers(self) -> None:
         """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""
-        self._send_buffers.clear()
+        self._sender.release()
 
     def advance(self, bucket_ids: Sequence[int]) -> None:
         """Layer-wise: the pushed buckets' step is over for this worker (their values come on request)."""
@@ -531,7 +511,7 @@ class OffloadSession:
     @property
     def send_buffers_allocated(self) -> int:
         """Push buffers made so far (after warm-up, a step should make none)."""
-        return self._send_buffers.allocated
+        return self._sender.buffers_allocated
 
     def take_timings(self) -> WorkerStepTimings:
         """The phases' times since the last call (a step's, when called once a step), starting anew."""
@@ -679,7 +659,7 @@ class OffloadSession:
         silent = self._connections.liveness.silent_for(index)
         why = why or f"it has not answered for {silent:.0f} s"
         log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", self.rank, address, why, self.timeouts.reconnect_s)
-        self._send_buffers.forget(index)
+        self._sender.forget(index)
         self._connections.reopen(index)
         self._connections.send_hello(index)
         try:
