@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,13 @@ UNIT_BYTES = 4 << 10
 
 MIN_SHARED_BYTES = 4 << 10
 """Smaller payloads go on the socket (most small buckets travel in batches anyway)."""
+
+TRIM_PERIOD_S = 10.0
+"""A writer gives back, once a period, the pages above what the period used (a burst's high-water
+mark); what every step uses stays resident, so steady traffic never faults pages in again."""
+
+TRIM_MIN_BYTES = 4 << 20
+"""Less than this above the period's use is left resident."""
 
 MAX_EXTENT_CHUNKS = 1 << 16
 """Chunk lengths one message may list (a 2 GiB payload in 4 MiB chunks lists 512)."""
@@ -98,6 +106,12 @@ class SharedWindow:
             os.close(own)
             raise
 
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Free the pages of ``nbytes`` from ``offset`` (whole pages, not in use by anyone) in every
+        process that maps the window; they read as zeros until written again."""
+        assert self._map is not None and offset % mmap.PAGESIZE == 0, "whole pages of an open window"
+        self._map.madvise(mmap.MADV_REMOVE, offset, nbytes)
+
     def region(self, offset: int, nbytes: int) -> ctypes.Array:
         """``nbytes`` of the window from ``offset``, as an object that keeps the mapping alive."""
         assert self._map is not None, "a closed window is not read"
@@ -128,11 +142,16 @@ def chunk_lengths(payload: Payload, chunk_bytes: int) -> list[int]:
 class WindowWriter:
     """The sender's side of the peer's window: which extents are free, and the copies into them."""
 
-    def __init__(self, window: SharedWindow) -> None:
+    def __init__(self, window: SharedWindow, clock: Callable[[], float] = time.monotonic) -> None:
         self.window = window
         self._free: list[tuple[int, int]] = [(0, window.nbytes)]  # (start, length), sorted, coalesced
         self._lent: dict[int, int] = {}  # start -> length, extents the peer holds
         self.written_bytes = 0
+        self.given_back_bytes = 0
+        self._clock = clock
+        self._resident_end = 0  # pages below were written since they were last given back
+        self._period_end = 0  # the highest end written this period
+        self._period_started = clock()
 
     @property
     def lent_bytes(self) -> int:
@@ -147,6 +166,8 @@ class WindowWriter:
                 else:
                     self._free[index] = (start + need, length - need)
                 self._lent[start] = need
+                self._resident_end = max(self._resident_end, start + need)
+                self._period_end = max(self._period_end, start + need)
                 return start
         return None
 
@@ -181,6 +202,21 @@ class WindowWriter:
             if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == start:  # join the previous
                 previous = self._free.pop(index - 1)
                 self._free[index - 1] = (previous[0], previous[1] + self._free[index - 1][1])
+        self._trim()
+
+    def _trim(self) -> None:
+        """Once a period, give back the resident pages above both this period's use and every
+        extent lent now: all free (extents are taken lowest address first, so steady use stays low)."""
+        now = self._clock()
+        if now - self._period_started < TRIM_PERIOD_S:
+            return
+        lent_end = max((start + length for start, length in self._lent.items()), default=0)
+        keep = -(-max(self._period_end, lent_end) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if self._resident_end - keep >= TRIM_MIN_BYTES:
+            self.window.give_back(keep, self._resident_end - keep)
+            self.given_back_bytes += self._resident_end - keep
+            self._resident_end = keep
+        self._period_end, self._period_started = lent_end, now
 
 
 class WindowReader:

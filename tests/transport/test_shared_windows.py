@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from transport.same_host_shm import CREDIT, HANDSHAKE, SHARED, SharedPeers
-from transport.shm_window import UNIT_BYTES, SharedWindow, WindowWriter, window_holding
+from transport.shm_window import TRIM_PERIOD_S, UNIT_BYTES, SharedWindow, WindowWriter, window_holding
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
 from transport.zmq_backend import ZmqTransport
 
@@ -254,3 +254,27 @@ def test_a_device_copy_finds_the_window_its_source_lies_in_and_closing_undoes_wh
     assert window_holding(torch.empty(16).data_ptr(), 64) is None
     window.close()
     assert undone == [True] and window_holding(inside.data_ptr(), 1) is None
+
+
+def test_a_burst_s_pages_are_given_back_once_a_period_while_steady_use_stays_resident():
+    window = SharedWindow.create(64 << 20, "netoptim-test-trim")
+    now = [0.0]
+    writer = WindowWriter(window, clock=lambda: now[0])
+
+    def resident_mib() -> float:
+        return os.fstat(window.fd).st_blocks * 512 / 2**20
+
+    burst = [msgpack.unpackb(writer.write(torch.ones(4 << 20), CHUNK))[0] for _ in range(2)]  # 2 x 16 MiB
+    writer.credit(burst)
+    assert resident_mib() >= 32, "within the period nothing is given back"
+    step = torch.ones(1 << 20)  # 4 MiB, what every step moves from now on
+    for _ in range(5):  # the burst's period ends, then one period of steady use
+        now[0] += TRIM_PERIOD_S / 2
+        writer.credit([msgpack.unpackb(writer.write(step, CHUNK))[0]])
+    assert resident_mib() <= 4.1 and writer.given_back_bytes == 28 << 20, "the burst's pages above the steady 4 MiB went"
+    assert int(window.bytes[(8 << 20) + 1]) == 0 and writer.lent_bytes == 0
+    held = msgpack.unpackb(writer.write(step, CHUNK))[0]  # lent across the next period: kept
+    now[0] += TRIM_PERIOD_S
+    writer.credit([])
+    assert resident_mib() >= 4 and held == 0
+    window.close()
