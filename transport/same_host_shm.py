@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from transport.shm_window import MIN_SHARED_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits
-from transport.wire import ErrorCode, Header, Payload, WireError, encode_header, payload_chunks
+from transport.shm_window import MIN_SHARED_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits, payload_pieces
+from transport.wire import ErrorCode, Header, Payload, WireError, encode_header
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,12 @@ class SharedConnection:
         when it goes on the socket (no payload worth it, not ready, no room)."""
         if not self.ready or payload is None:
             return None
-        chunks = payload_chunks(payload, chunk_bytes)  # checks the pieces as the socket path would
-        if len(chunks) != header.num_chunks:
-            raise ValueError(f"header declares {header.num_chunks} chunks, payload has {len(chunks)}")
-        if sum(len(chunk) for chunk in chunks) < MIN_SHARED_BYTES:
+        pieces, lengths = payload_pieces(payload, chunk_bytes)  # checked as the socket path would
+        if len(lengths) != header.num_chunks:
+            raise ValueError(f"header declares {header.num_chunks} chunks, payload has {len(lengths)}")
+        if sum(lengths) < MIN_SHARED_BYTES:
             return None
-        extent = self.writer.write(payload, chunk_bytes)
+        extent = self.writer.write_pieces(pieces, lengths)
         return None if extent is None else [SHARED, encode_header(header), extent]
 
     def read(self, header: Header, extent: bytes | memoryview, peer: bytes | None) -> list[memoryview]:
@@ -107,11 +107,6 @@ class SharedPeers:
         self._by_pidfd: dict[int, bytes] = {}
         self._written_before = 0  # by connections since closed
         self._read_before = 0
-
-    @property
-    def written_bytes(self) -> int:
-        """Payload bytes written into peers' windows instead of sent on the socket."""
-        return self._written_before + sum(connection.writer.written_bytes for connection in list(self.connections.values()))
 
     def snapshot(self) -> dict[str, int]:
         """Windowed connections and payload bytes through them each way; safe from another thread
@@ -148,7 +143,7 @@ class SharedPeers:
             return {"refused": "this node keeps same-host payloads on the socket (--same-host-window-mb 0)"}
         if len(self.connections) >= self.max_peers:
             return {"refused": f"this node gives shared windows to {self.max_peers} same-host connections at most"}
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:  # a pid is a C int
             return {"refused": "no valid pid in the handshake"}
         try:
             pidfd = os.pidfd_open(pid)

@@ -129,14 +129,18 @@ class SharedWindow:
             self.bytes = torch.empty(0, dtype=torch.uint8)
 
 
-def chunk_lengths(payload: Payload, chunk_bytes: int) -> list[int]:
-    """The byte lengths of the chunks :func:`transport.wire.payload_chunks` cuts ``payload`` into."""
+def payload_pieces(payload: Payload, chunk_bytes: int) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors of ``payload`` and the byte lengths of the chunks :func:`transport.wire.payload_chunks`
+    cuts them into, worked out without viewing them; ``ValueError`` for a piece the socket path would
+    refuse too (not a contiguous 1-D CPU tensor)."""
     pieces = [payload] if isinstance(payload, torch.Tensor) else list(payload)
     lengths = []
     for piece in pieces:
+        if piece.dim() != 1 or not piece.is_contiguous() or piece.device.type != "cpu":
+            raise ValueError("only contiguous 1-D CPU tensors can be sent")
         nbytes = piece.numel() * piece.element_size()
         lengths.extend([chunk_bytes] * (nbytes // chunk_bytes) + ([nbytes % chunk_bytes] if nbytes % chunk_bytes else []))
-    return lengths
+    return pieces, lengths
 
 
 class WindowWriter:
@@ -174,8 +178,12 @@ class WindowWriter:
     def write(self, payload: Payload, chunk_bytes: int) -> bytes | None:
         """Copy ``payload`` into a free extent and return its description for the peer, or ``None``
         when the window has no room for it (the caller sends it on the socket instead)."""
-        pieces = [payload] if isinstance(payload, torch.Tensor) else list(payload)
-        total = sum(piece.numel() * piece.element_size() for piece in pieces)
+        pieces, lengths = payload_pieces(payload, chunk_bytes)
+        return self.write_pieces(pieces, lengths)
+
+    def write_pieces(self, pieces: Sequence[torch.Tensor], lengths: list[int]) -> bytes | None:
+        """:meth:`write` of pieces already checked and cut (:func:`payload_pieces`)."""
+        total = sum(lengths)
         start = self._take(total)
         if start is None:
             return None
@@ -183,10 +191,10 @@ class WindowWriter:
         for piece in pieces:
             nbytes = piece.numel() * piece.element_size()
             # The same bytes: a copy between views of one dtype (torch spreads large ones over cores).
-            self.window.bytes[position : position + nbytes].view(piece.dtype).copy_(piece.reshape(-1))
+            self.window.bytes[position : position + nbytes].view(piece.dtype).copy_(piece)
             position += nbytes
         self.written_bytes += total
-        return msgpack.packb([start, chunk_lengths(payload, chunk_bytes)])
+        return msgpack.packb([start, lengths])
 
     def credit(self, starts: Sequence[int]) -> None:
         """The peer is done with the extents starting at ``starts``; unknown ones are ignored (a

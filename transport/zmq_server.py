@@ -65,6 +65,7 @@ class ZmqServer(ServerEndpoint):
         self._same_host_path: Path | None = None
         # The same-host socket, once bound (the only one of a node that listens on ipc:// alone).
         self._ipc_socket: zmq.Socket | None = self._socket if self.address.startswith("ipc://") else None
+        self._listening: tuple[zmq.Socket, ...] = (self._socket,)
         self._ipc_peers: set[bytes] = set()  # peers heard on it (answered there)
         # Payloads in shared memory for same-host peers that ask (not with CURVE: its keys vouch
         # for the socket, which is what a node's identity checks rely on).
@@ -106,7 +107,7 @@ class ZmqServer(ServerEndpoint):
                 if time.monotonic() >= deadline:
                     return None
                 continue
-            sockets = [socket for socket in {self._socket: 0, self._ipc_socket: 0} if socket is not None and events.get(socket)]
+            sockets = [socket for socket in self._listening if events.get(socket)]
             if not sockets:  # only a same-host worker's process exit
                 self._reap(events)
                 continue
@@ -247,8 +248,7 @@ class ZmqServer(ServerEndpoint):
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"peer {peer.hex()} is gone") from exc
             raise
-        self._send_credits()
-        return handle
+        return handle  # credits due go out with the next recv: the node's loop calls it all the time
 
     def bind_same_host(self) -> str | None:
         """An ipc:// endpoint (a Unix socket) beside a tcp:// one, under the temporary directory with a
@@ -264,6 +264,7 @@ class ZmqServer(ServerEndpoint):
             socket.close(linger=0)
             raise
         self._ipc_socket = socket
+        self._listening = (self._socket, socket)
         self._poller.register(socket, zmq.POLLIN)
         self._same_host_path = path
         return f"ipc://{path}"
@@ -271,12 +272,12 @@ class ZmqServer(ServerEndpoint):
     @property
     def shared_written_bytes(self) -> int:
         """Payload bytes this endpoint wrote into same-host peers' windows (not sent on a socket)."""
-        return 0 if self._shared is None else self._shared.written_bytes
+        return self.shared_memory()["written_bytes"]
 
     def shared_memory(self) -> dict[str, int]:
         """Same-host connections with shared windows and the payload bytes through them each way
         (written: to workers, read: from them); safe to call from another thread."""
-        return {"connections": 0, "written_bytes": 0, "read_bytes": 0} if self._shared is None else self._shared.snapshot()
+        return super().shared_memory() if self._shared is None else self._shared.snapshot()
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -278,3 +278,17 @@ def test_a_burst_s_pages_are_given_back_once_a_period_while_steady_use_stays_res
     writer.credit([])
     assert resident_mib() >= 4 and held == 0
     window.close()
+
+
+def test_a_handshake_naming_no_real_pid_is_refused_not_raised():
+    peers = SharedPeers(lambda fd: None, lambda fd: None, window_bytes=UNIT_BYTES * 4)
+    for pid in (2**40, -5, 0, True, "1", 1.5):  # 2**40: past a C int, which pidfd_open raises OverflowError for
+        answer = msgpack.unpackb(peers.handshake(b"a", msgpack.packb({"pid": pid})))
+        assert "no valid pid" in answer["refused"] and not peers.connections
+    peers.close()
+
+
+def test_the_shared_path_refuses_what_the_socket_path_refuses(link):
+    strided = torch.zeros(1 << 16)[::2]
+    with pytest.raises(ValueError, match="contiguous 1-D CPU"):
+        link.client.send(tensor_header(MsgType.PUSH, torch.zeros(1 << 15), chunk_bytes=CHUNK, step=1), strided)
