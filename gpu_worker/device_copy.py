@@ -21,12 +21,16 @@ from transport.shm_window import SharedWindow, window_holding
 log = logging.getLogger(__name__)
 
 
+_HOST_REGISTER_READ_ONLY = 0x08
+
+
 def page_locked(window: SharedWindow) -> bool:
     """Whether ``window`` is page-locked for CUDA copies, doing it the first time (once per window;
     undone before the window closes). False where CUDA refuses: copies are then staged."""
     if window.page_locked is None:
         cudart = torch.cuda.cudart()
-        status = int(cudart.cudaHostRegister(window.address, window.nbytes, 0))
+        # A board is mapped read-only: CUDA must be told (cudaHostRegisterReadOnly), or it refuses.
+        status = int(cudart.cudaHostRegister(window.address, window.nbytes, 0 if window.writable else _HOST_REGISTER_READ_ONLY))
         window.page_locked = status == 0
         if status == 0:
 

@@ -8,7 +8,7 @@ Backends implement bind/connect/send/receive only; validation of what arrives is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,10 @@ class Message:
     peer: bytes
     header: Header
     tensors: list[tuple[int, torch.Tensor]]
+    still_current: Callable[[], bool] | None = None
+    """For a payload read in place from memory its sender may rewrite (a node's parameter board):
+    whether the sender still holds these values there, to be asked once they were copied out (a
+    ``False`` means the copy may be torn). ``None``: the payload is the receiver's own."""
     user_id: str | None = None
     """The sender's authenticated identity, where the backend has one: with CURVE on a ZeroMQ server
     endpoint, the client's public key (z85) as the node's authenticator vouched for it. ``None``
@@ -67,6 +71,22 @@ class ServerEndpoint(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the endpoint; idempotent."""
+
+    def publish_board(self, nbytes: int) -> bool:
+        """Make a parameter board of ``nbytes`` (replacing any) that same-host peers may read sent
+        values from (:meth:`send_published`); whether this backend has one. By default: none."""
+        return False
+
+    def drop_board(self) -> None:
+        """Close the parameter board, if any; what it held goes to peers as copies again."""
+        return None
+
+    def send_published(self, peer: bytes, header: Header, payload: Payload, key: Hashable, version: Hashable) -> SendHandle:
+        """:meth:`send` of values that several peers are sent: the ``version`` of ``key`` (a bucket's
+        values of a step). Where the peer mapped this endpoint's board, the values are copied onto it
+        once per version and the peer reads them there. The caller promises that once it publishes a
+        newer version of a key, no peer still reads an older one. By default: :meth:`send`."""
+        return self.send(peer, header, payload)
 
     def limit_payload(self, max_bytes: int, why: str) -> None:
         """Refuse from now on, with ``WireError(TOO_LARGE)`` saying ``why``, messages that declare a

@@ -9,6 +9,10 @@ fall back to sending payloads on the socket:
   it could (``{"mapped": ...}``); either side may close (``{"closed": ...}``).
 - ``M`` a message whose payload is in the receiver's window: ``[M, header, extent]``.
 - ``C`` credits: extents of the sender's window that the receiver no longer reads.
+- ``B`` a message whose payload is on the node's parameter board (:mod:`transport.shm_board`):
+  ``[B, header, slot]``. The node offers its board in a handshake frame (``{"board": ...}``) to
+  each worker whose windows are mapped, and uses it for a worker once it answered that it mapped it
+  (``{"board_mapped": name}``).
 
 The node writes into a worker's window only once the worker said it mapped it, opens nothing a
 client names, and forgets a worker's windows when it closes them, when its process exits (a pidfd
@@ -20,18 +24,19 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import msgpack
 
+from transport.shm_board import BoardPublisher, BoardReader, seals_supported
 from transport.shm_window import MIN_SHARED_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits, payload_pieces
 from transport.wire import ErrorCode, Header, Payload, WireError, encode_header
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE, SHARED, CREDIT = b"H", b"M", b"C"
-CONTROL_KINDS = (HANDSHAKE, SHARED, CREDIT)
+HANDSHAKE, SHARED, CREDIT, BOARD = b"H", b"M", b"C", b"B"
+CONTROL_KINDS = (HANDSHAKE, SHARED, CREDIT, BOARD)
 
 DEFAULT_WINDOW_BYTES = 64 << 20
 """Each direction of a same-host connection: room for the payloads in flight. Pages are allocated
@@ -67,10 +72,12 @@ class SharedConnection:
     writer: WindowWriter
     ready: bool = False
     pidfd: int = -1
+    board: BoardPublisher | None = None  # the node's board, once the peer mapped it
 
-    def frames(self, header: Header, payload: Payload | None, chunk_bytes: int) -> list[bytes] | None:
-        """The control frames of a message whose payload went into the peer's window, or ``None``
-        when it goes on the socket (no payload worth it, not ready, no room)."""
+    def frames(self, header: Header, payload: Payload | None, chunk_bytes: int, published: tuple[Hashable, Hashable] | None = None) -> list[bytes] | None:
+        """The control frames of a message whose payload went into the peer's window, or is on the
+        board (``published``: its key and version, see :meth:`BoardPublisher.reference`), or
+        ``None`` when it goes on the socket (no payload worth it, not ready, no room)."""
         if not self.ready or payload is None:
             return None
         pieces, lengths = payload_pieces(payload, chunk_bytes)  # checked as the socket path would
@@ -78,6 +85,10 @@ class SharedConnection:
             raise ValueError(f"header declares {header.num_chunks} chunks, payload has {len(lengths)}")
         if sum(lengths) < MIN_SHARED_BYTES:
             return None
+        if published is not None and self.board is not None:
+            slot = self.board.reference(published[0], published[1], pieces, lengths)
+            if slot is not None:
+                return [BOARD, encode_header(header), slot]
         extent = self.writer.write_pieces(pieces, lengths)
         return None if extent is None else [SHARED, encode_header(header), extent]
 
@@ -107,16 +118,56 @@ class SharedPeers:
         self._by_pidfd: dict[int, bytes] = {}
         self._written_before = 0  # by connections since closed
         self._read_before = 0
+        self.board: BoardPublisher | None = None
+        self._board_bytes_before = {"board_written_bytes": 0, "board_referenced_bytes": 0}  # by boards since closed
 
     def snapshot(self) -> dict[str, int]:
-        """Windowed connections and payload bytes through them each way; safe from another thread
-        (a dict's values are copied under the interpreter lock)."""
+        """Windowed connections and payload bytes through them each way (``written_bytes`` counts
+        board references too); the board's size, the bytes copied onto it and those sent as
+        references to it. Safe from another thread (values are copied under the interpreter lock)."""
         live = list(self.connections.values())
+        board = self.board
+        written_board = self._board_bytes_before["board_written_bytes"] + (board.written_bytes if board is not None else 0)
+        referenced = self._board_bytes_before["board_referenced_bytes"] + (board.referenced_bytes if board is not None else 0)
         return {
             "connections": len(live),
-            "written_bytes": self._written_before + sum(c.writer.written_bytes for c in live),
+            "written_bytes": self._written_before + sum(c.writer.written_bytes for c in live) + referenced,
             "read_bytes": self._read_before + sum(c.reader.read_bytes for c in live),
+            "board_bytes": board.window.nbytes if board is not None else 0,
+            "board_written_bytes": written_board,
+            "board_referenced_bytes": referenced,
         }
+
+    def publish_board(self, nbytes: int, name: str) -> list[tuple[bytes, bytes]]:
+        """Make a board of ``nbytes`` (replacing any), to be offered to every windowed peer: the
+        ``(peer, body)`` handshake frames that offer it to those ready now. None where this kernel
+        cannot seal a board against writers."""
+        self.drop_board()
+        if not seals_supported():
+            log.info("no parameter board: this kernel cannot seal memory files against writers (Linux 5.1 or later can)")
+            return []
+        try:
+            self.board = BoardPublisher(nbytes, name)
+        except OSError as exc:
+            log.warning("no parameter board of %d bytes: %s; same-host workers get their own copies", nbytes, exc)
+            return []
+        offer = self._board_offer()
+        return [(peer, offer) for peer, connection in self.connections.items() if connection.ready]
+
+    def _board_offer(self) -> bytes:
+        assert self.board is not None
+        return msgpack.packb({"board": self.board.describe()})
+
+    def drop_board(self) -> None:
+        """Stop using the board and close it (workers keep their mappings until they drop them)."""
+        if self.board is None:
+            return
+        for connection in self.connections.values():
+            connection.board = None
+        for key in self._board_bytes_before:
+            self._board_bytes_before[key] += getattr(self.board, key.removeprefix("board_"))
+        self.board.close()
+        self.board = None
 
     def handshake(self, peer: bytes, raw: bytes | memoryview) -> bytes | None:
         """Handle a worker's handshake; the body of the answer to send it, if any."""
@@ -128,9 +179,17 @@ class SharedPeers:
             if connection is not None and info["mapped"] is True:
                 connection.ready = True
                 log.debug("peer %s reads its payloads from shared memory", peer.hex())
+                return self._board_offer() if self.board is not None else None
             elif connection is not None:  # logged once per pair of windows made, not once per message
                 self.forget(peer)
                 log.info("a same-host worker could not map its windows (%s); its payloads go on the socket", str(info.get("why", "?"))[:200])
+            return None
+        if "board_mapped" in info:
+            connection = self.connections.get(peer)
+            if connection is not None and self.board is not None and info["board_mapped"] == self.board.name:
+                connection.board = self.board
+            elif connection is not None and info["board_mapped"] is False:
+                log.info("a same-host worker could not map the parameter board (%s): it gets its own copies", str(info.get("why", "?"))[:200])
             return None
         if info.get("closed"):
             self.forget(peer)
@@ -192,6 +251,7 @@ class SharedPeers:
     def close(self) -> None:
         for peer in list(self.connections):
             self.forget(peer)
+        self.drop_board()
 
 
 class SharedClient:
@@ -199,6 +259,7 @@ class SharedClient:
 
     def __init__(self) -> None:
         self.connection: SharedConnection | None = None
+        self.board: BoardReader | None = None
         self.refused: str | None = None
 
     @staticmethod
@@ -208,6 +269,8 @@ class SharedClient:
     def answer(self, raw: bytes | memoryview) -> list[bytes] | None:
         """Handle the node's handshake answer; the frames to send back, if any."""
         info = _decode_handshake(raw, None)
+        if "board" in info:
+            return self._open_board(info["board"])
         if "refused" in info:
             self.refused = str(info["refused"])[:200]
             log.info("payloads to this node go on the socket: %s", self.refused)
@@ -227,6 +290,20 @@ class SharedClient:
         self.connection = SharedConnection(WindowReader(inbox), WindowWriter(outbox), ready=True)
         return [HANDSHAKE, msgpack.packb({"mapped": True})]
 
+    def _open_board(self, description: object) -> list[bytes] | None:
+        if self.connection is None:  # offered only to a worker whose windows are mapped
+            return None
+        try:
+            board = BoardReader.open(description)
+        except (TypeError, ValueError, OSError) as exc:
+            why = f"the node's parameter board could not be mapped here ({exc})"[:200]
+            log.info("parameters from this node come through this worker's window: %s", why)
+            return [HANDSHAKE, msgpack.packb({"board_mapped": False, "why": why})]
+        if self.board is not None:
+            self.board.close()
+        self.board = board
+        return [HANDSHAKE, msgpack.packb({"board_mapped": board.name})]
+
     def _unmapped(self, exc: BaseException) -> list[bytes]:
         self.refused = f"the node's windows could not be mapped here ({exc})"[:200]
         log.info("payloads to this node go on the socket: %s", self.refused)
@@ -240,3 +317,6 @@ class SharedClient:
         if self.connection is not None:
             self.connection.close()
             self.connection = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None

@@ -22,6 +22,7 @@ import fcntl
 import mmap
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -65,43 +66,59 @@ class SharedWindow:
     """One sealed ``memfd`` mapped into this process. The mapping lives as long as any view of it:
     closing drops this object's hold, and the memory goes once no view is left."""
 
-    def __init__(self, fd: int, nbytes: int, name: str) -> None:
+    def __init__(self, fd: int, nbytes: int, name: str, *, writable: bool = True) -> None:
         self.fd = fd
         self.nbytes = nbytes
         self.name = name
-        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.writable = writable
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+        if writable:
+            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        else:  # torch warns of read-only buffers; nothing here writes through this view
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self.bytes.data_ptr()
         self.before_close: list[Callable[[], None]] = []  # e.g. a device's page-lock, undone first
         self.page_locked: bool | None = None  # for a device's copies: not asked yet, done, refused
         _OPEN_WINDOWS.add(self)
 
     @classmethod
-    def create(cls, nbytes: int, name: str) -> SharedWindow:
-        """A new window of ``nbytes`` (a whole number of units), sealed at that size."""
+    def create(cls, nbytes: int, name: str, *, extra_seals: int = 0) -> SharedWindow:
+        """A new window of ``nbytes`` (a whole number of units), sealed at that size; ``extra_seals``
+        are added once this process has mapped it (``F_SEAL_FUTURE_WRITE``: no other mapping may write)."""
         if nbytes <= 0 or nbytes % UNIT_BYTES:
             raise ValueError(f"a shared window is a positive multiple of {UNIT_BYTES} bytes, not {nbytes}")
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            return cls(fd, nbytes, name)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            window = cls(fd, nbytes, name)
         except BaseException:
             os.close(fd)
             raise
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, extra_seals | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            window.close()
+            raise
+        return window
 
     @classmethod
-    def open(cls, pid: int, fd: int, nbytes: int, name: str) -> SharedWindow:
+    def open(cls, pid: int, fd: int, nbytes: int, name: str, *, writable: bool = True, extra_seals: int = 0) -> SharedWindow:
         """The window ``name`` that process ``pid`` holds as ``fd``; ``OSError`` when that is not a
-        sealed memory file of that name and size (another pid namespace, or another process)."""
+        memory file of that name and size sealed with ``extra_seals`` too (another pid namespace, or
+        another process). ``writable=False`` maps it read-only."""
         path = f"/proc/{int(pid)}/fd/{int(fd)}"
         if os.readlink(path) != f"/memfd:{name} (deleted)":
             raise OSError(f"{path} is not the window {name} (is the node in another pid namespace?)")
-        own = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        own = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         try:
-            if fcntl.fcntl(own, fcntl.F_GET_SEALS) & _SEALS != _SEALS or os.fstat(own).st_size != nbytes:
+            seals = _SEALS | extra_seals
+            if fcntl.fcntl(own, fcntl.F_GET_SEALS) & seals != seals or os.fstat(own).st_size != nbytes:
                 raise OSError(f"{path} is not sealed at {nbytes} bytes")
-            return cls(own, nbytes, name)
+            return cls(own, nbytes, name, writable=writable)
         except BaseException:
             os.close(own)
             raise
@@ -116,6 +133,12 @@ class SharedWindow:
         """``nbytes`` of the window from ``offset``, as an object that keeps the mapping alive."""
         assert self._map is not None, "a closed window is not read"
         return (ctypes.c_char * nbytes).from_buffer(self._map, offset)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` of the window from ``offset``, as a byte view that keeps the mapping alive (read-only
+        where the window is)."""
+        assert self._map is not None, "a closed window is not read"
+        return memoryview(self._map)[offset : offset + nbytes]
 
     def close(self) -> None:
         """Close the file and drop this object's views; idempotent."""

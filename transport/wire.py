@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import reprlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -358,11 +359,15 @@ def encode_message(header: Header, payload: Payload | None = None, chunk_bytes: 
     return [encode_header(header), *chunks]
 
 
-def payload_views(header: Header, chunks: Sequence[memoryview], *, max_bytes: int, peer: bytes | None = None) -> list[tuple[int, torch.Tensor]]:
+def payload_views(
+    header: Header, chunks: Sequence[memoryview], *, max_bytes: int, peer: bytes | None = None, read_only: bool = False
+) -> list[tuple[int, torch.Tensor]]:
     """Validate the chunk frames against the header and view them as tensors.
 
     Returns ``(element_offset, tensor)`` pairs, zero-copy over the received buffers. Raises
     :class:`WireError` when the size is over ``max_bytes`` or the bytes do not match the declaration.
+    ``read_only``: the chunks are read-only memory whose views are only read (a node's parameter
+    board), viewed as they are instead of copied to make them writable.
     """
     expected = header.payload_bytes
     if expected > max_bytes:
@@ -388,10 +393,19 @@ def payload_views(header: Header, chunks: Sequence[memoryview], *, max_bytes: in
         if len(chunk):
             # Receivers may accumulate into what arrived; a read-only buffer (a small frame the
             # transport copied into bytes) is copied once more so every view is writable.
-            writable = chunk if not chunk.readonly else memoryview(bytearray(chunk))
-            views.append((offset, torch.frombuffer(writable, dtype=dtype)))
+            if read_only:
+                views.append((offset, _read_only_view(chunk, dtype)))
+            else:
+                writable = chunk if not chunk.readonly else memoryview(bytearray(chunk))
+                views.append((offset, torch.frombuffer(writable, dtype=dtype)))
         offset += len(chunk) // itemsize
     return views
+
+
+def _read_only_view(chunk: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns of read-only buffers: here nothing writes through them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(chunk, dtype=dtype)
 
 
 def error_header(code: ErrorCode, message: str, *, bucket_id: int = -1, step: int = -1) -> Header:

@@ -8,6 +8,7 @@ import struct
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from pathlib import Path
 
 import msgpack
@@ -237,13 +238,35 @@ class ZmqServer(ServerEndpoint):
         return Message(peer=peer, header=header, tensors=tensors)
 
     def send(self, peer: bytes, header: Header, payload: Payload | None = None, *, track: bool = False) -> SendHandle:
+        return self._send(peer, header, payload, track, None)
+
+    def send_published(self, peer: bytes, header: Header, payload: Payload, key: Hashable, version: Hashable) -> SendHandle:
+        return self._send(peer, header, payload, False, (key, version))
+
+    def publish_board(self, nbytes: int) -> bool:
+        """A board for the same-host peers with windows (none with CURVE or windows off), offered to
+        those connected now and to every later one once its windows are mapped."""
+        if self._shared is None or self._ipc_socket is None:
+            return False
+        for peer, offer in self._shared.publish_board(nbytes, f"netoptim-board-{secrets.token_hex(8)}"):
+            try:
+                self._ipc_socket.send_multipart([peer, HANDSHAKE, offer])
+            except zmq.ZMQError:  # the peer is gone: so are its windows
+                self._shared.forget(peer)
+        return self._shared.board is not None
+
+    def drop_board(self) -> None:
+        if self._shared is not None:
+            self._shared.drop_board()
+
+    def _send(self, peer: bytes, header: Header, payload: Payload | None, track: bool, published: tuple[Hashable, Hashable] | None) -> SendHandle:
         lanes = self._lanes.get(peer)
         route = peer if lanes is None else peer + struct.pack("BB", lane_of(header, lanes), lanes)
         on_ipc = peer in self._ipc_peers
         socket = self._ipc_socket if on_ipc and self._ipc_socket is not None else self._socket
         shared = self._shared.connections.get(peer) if on_ipc and self._shared is not None else None
         try:
-            handle = send_frames(socket, [route], header, payload, self._chunk_bytes, track=track, shared=shared)
+            handle = send_frames(socket, [route], header, payload, self._chunk_bytes, track=track, shared=shared, published=published)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise ConnectionError(f"peer {peer.hex()} is gone") from exc

@@ -10,6 +10,7 @@ import re
 import socket as sockets
 import stat
 import time
+from collections.abc import Hashable
 
 import zmq
 
@@ -81,9 +82,10 @@ def send_frames(
     *,
     track: bool = False,
     shared: SharedConnection | None = None,
+    published: tuple[Hashable, Hashable] | None = None,
 ) -> SendHandle:
-    if shared is not None:  # the payload into the peer's window, when there is room: only control frames go
-        frames = shared.frames(header, payload, chunk_bytes)
+    if shared is not None:  # the payload into the peer's window or on the board: only control frames go
+        frames = shared.frames(header, payload, chunk_bytes, published)
         if frames is not None:
             return send_small(socket, [*prefix, *frames], track)
     header_frame, *chunks = encode_message(header, payload, chunk_bytes)

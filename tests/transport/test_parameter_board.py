@@ -1,0 +1,198 @@
+"""The node's parameter board: values published once per version, read in place by every same-host
+worker that mapped it, read-only to them, and copies through the windows whenever it cannot be used."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import msgpack
+import pytest
+import torch
+
+from tests.transport.test_shared_windows import CHUNK, Link, joined
+from transport.same_host_shm import BOARD, HANDSHAKE, SharedClient
+from transport.shm_board import SLOT_HEADER_BYTES, BoardPublisher, BoardReader, board_bytes, slot_bytes
+from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
+from transport.zmq_backend import ZmqTransport
+
+
+def _settle(link: Link) -> None:
+    """Let the board offer and the worker's answer cross (both ride on messages of the test)."""
+    link.server.send(link.peer, _status())
+    assert link.client.recv(10) is not None
+    link.server.recv(0.3)
+
+
+def _status() -> Header:
+    return Header(msg_type=MsgType.STATUS)
+
+
+def published(link: Link, values: torch.Tensor, key: int, version: int):
+    header = tensor_header(MsgType.PARAMS, values, chunk_bytes=CHUNK, bucket_id=key, step=version)
+    link.server.send_published(link.peer, header, values, key, version)
+    message = link.client.recv(10)
+    assert message is not None and message.header.bucket_id == key
+    return message
+
+
+@pytest.fixture
+def board_link(tmp_path):
+    pair = Link(tmp_path)
+    assert pair.server.publish_board(board_bytes([4 << 20] * 4))
+    _settle(pair)
+    yield pair
+    pair.close()
+
+
+def test_published_values_are_read_from_the_board_in_place_and_written_once_per_version(board_link):
+    link = board_link
+    board = link.server._shared.board
+    assert link.server._shared.connections[link.peer].board is board and link.client.shared.board is not None
+    values = torch.randn(300_001)
+    first = published(link, values, key=3, version=1)
+    again = published(link, values, key=3, version=1)
+    assert torch.equal(joined(first), values) and torch.equal(joined(again), values)
+    assert first.still_current() and again.still_current()
+    view = first.tensors[0][1]
+    assert link.client.shared.board.window.address <= view.data_ptr() < link.client.shared.board.window.address + board.window.nbytes  # in place
+    assert board.written_bytes == values.numel() * 4 and board.referenced_bytes == 2 * values.numel() * 4  # copied once, sent twice
+    newer = values + 1
+    latest = published(link, newer, key=3, version=2)
+    assert not first.still_current() and not again.still_current()  # the slot holds another version now
+    assert latest.still_current() and torch.equal(joined(latest), newer)
+    assert board.written_bytes == 2 * values.numel() * 4
+    snapshot = link.server.shared_memory()
+    assert snapshot["board_bytes"] == board.window.nbytes and snapshot["board_referenced_bytes"] == 3 * values.numel() * 4
+
+
+def test_keys_get_slots_of_their_own_and_bf16_is_bitwise(board_link):
+    link = board_link
+    a, b = torch.randn(70_000).to(torch.bfloat16), torch.randn(50_000).to(torch.bfloat16)
+    got_a, got_b = published(link, a, key=0, version=5), published(link, b, key=1, version=5)
+    assert torch.equal(joined(got_a), a) and torch.equal(joined(got_b), b) and got_a.still_current() and got_b.still_current()
+
+
+def test_a_board_without_room_and_unpublished_sends_go_through_the_window(board_link):
+    link = board_link
+    board = link.server._shared.board
+    too_big = torch.randn((4 << 20) * 4 // 4 + 1024)
+    message = published(link, too_big, key=9, version=1)
+    assert message.still_current is None and torch.equal(joined(message), too_big)  # a window copy (or the socket), the worker's own
+    plain = link.pull(torch.randn(20_000))
+    assert plain.still_current is None
+    assert board.written_bytes == 0
+
+
+def test_the_board_is_read_only_to_workers_and_sealed_against_writable_mappings(board_link):
+    link = board_link
+    published(link, torch.randn(10_000), key=0, version=1)
+    described = link.server._shared.board.describe()
+    pid, fd, name, nbytes = described
+    path = f"/proc/{pid}/fd/{fd}"
+    own = os.open(path, os.O_RDWR)  # the file's mode allows it, the seal does not
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(own, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.write(own, b"x")
+    finally:
+        os.close(own)
+    reader = link.client.shared.board
+    assert not reader.window.writable and reader.window.view(0, 8).readonly
+
+
+def test_a_new_board_is_offered_to_connected_and_later_workers_and_the_old_one_goes(tmp_path):
+    link = Link(tmp_path)
+    try:
+        assert link.server.publish_board(board_bytes([1 << 20]))
+        _settle(link)
+        first = link.server._shared.board
+        assert link.server.publish_board(board_bytes([1 << 20, 1 << 20]))  # a larger job
+        _settle(link)
+        second = link.server._shared.board
+        assert second is not first and link.client.shared.board.name == second.name
+        assert link.server._shared.connections[link.peer].board is second
+        later = ZmqTransport(chunk_bytes=CHUNK).connect(link.server.address)  # a worker that connects afterwards
+        later.send(Header(msg_type=MsgType.QUERY, rank=1))
+        query = link.server.recv(10)
+        link.server.send(query.peer, _status())
+        assert later.recv(10).header.msg_type == MsgType.STATUS
+        link.server.recv(0.3)  # "mapped": answered with the offer
+        assert later.recv(0.5) is None  # the offer, taken and answered
+        link.server.recv(0.3)
+        assert link.server._shared.connections[query.peer].board is second
+        values = torch.randn(8192)
+        header = tensor_header(MsgType.PARAMS, values, chunk_bytes=CHUNK, bucket_id=0, step=1)
+        link.server.send_published(query.peer, header, values, 0, 1)
+        got = later.recv(10)
+        assert got.still_current() and torch.equal(joined(got), values)
+        later.close()
+        link.server.drop_board()
+        assert link.server._shared.board is None and link.server.shared_memory()["board_bytes"] == 0
+        plain = published(link, values, key=0, version=2)
+        assert plain.still_current is None  # through the window again
+    finally:
+        link.close()
+
+
+def test_a_worker_without_windows_gets_no_board_and_a_node_without_windows_has_none(tmp_path):
+    link = Link(tmp_path, shared_memory=False)
+    try:
+        assert link.server.publish_board(board_bytes([1 << 20]))
+        values = torch.randn(8192)
+        assert published(link, values, key=0, version=1).still_current is None
+    finally:
+        link.close()
+    off = ZmqTransport(chunk_bytes=CHUNK, same_host_window_bytes=0)
+    server = off.bind(f"ipc://{tmp_path}/off.sock")
+    try:
+        assert not server.publish_board(1 << 20)
+    finally:
+        server.close()
+        off.close()
+
+
+def test_bad_board_references_are_refused_and_a_worker_cannot_send_board_frames(board_link):
+    link = board_link
+    reader = link.client.shared.board
+    nbytes = reader.window.nbytes
+    for raw, code in [
+        (msgpack.packb([0, [nbytes], 1]), ErrorCode.BAD_PAYLOAD),  # past the end
+        (msgpack.packb([-64, [64], 1]), ErrorCode.BAD_PAYLOAD),
+        (msgpack.packb([3, [64], 1]), ErrorCode.BAD_PAYLOAD),  # not a slot's start
+        (msgpack.packb([0, [64], 0]), ErrorCode.BAD_PAYLOAD),  # no version is token 0
+        (msgpack.packb([0, [64]]), ErrorCode.MALFORMED),
+        (b"\xc1", ErrorCode.MALFORMED),
+    ]:
+        with pytest.raises(WireError) as caught:
+            reader.read(raw, 64)
+        assert caught.value.code == code
+    header = tensor_header(MsgType.PUSH, torch.zeros(16), chunk_bytes=CHUNK, bucket_id=0, step=1)
+    link.client.send_raw([BOARD, encode_header(header), msgpack.packb([0, [64], 1])])
+    with pytest.raises(WireError) as caught:
+        link.server.recv(5)
+    assert caught.value.code == ErrorCode.MALFORMED
+    assert torch.equal(joined(link.push(torch.arange(5000.0))), torch.arange(5000.0))  # the node serves on
+
+
+def test_a_stale_or_wrong_board_answer_is_ignored():
+    publisher = BoardPublisher(board_bytes([4096]), "netoptim-test-board")
+    try:
+        reader = BoardReader.open(publisher.describe())
+        with pytest.raises(ValueError):
+            BoardReader.open([1, 2, 3])
+        slot = publisher.reference("k", 1, [torch.ones(1024)], [4096])
+        chunks, current = reader.read(slot, 4096)
+        assert current() and torch.equal(torch.frombuffer(bytearray(chunks[0]), dtype=torch.float32), torch.ones(1024))
+        assert publisher.reference("other", 1, [torch.ones(1024)], [4096]) is None  # full: the caller copies instead
+        publisher.reference("k", 2, [torch.zeros(1024)], [4096])
+        assert not current()
+        reader.close()
+    finally:
+        publisher.close()
+    assert slot_bytes(1) == SLOT_HEADER_BYTES + 64 and board_bytes([]) == 4096
+    offer = msgpack.packb({"board": [os.getpid(), 999_999, "nothing", 4096]})
+    client = SharedClient()
+    assert client.answer(offer) is None  # no windows mapped: an offer is not taken
+    assert HANDSHAKE == b"H"

@@ -1,0 +1,174 @@
+"""A node's parameter board: one copy of the values it sends, read by all its same-host workers.
+
+Without it, a node copies a bucket's new values into the window of every same-host worker that asks
+for them, and a layer-wise worker asks twice a step (forward and backward): on a host with eight
+workers, eight to sixteen copies of the model a step. With it, the node writes a bucket's values
+once per version into a slot of the board, and every worker that mapped the board is sent only the
+slot's place, from which it installs (or copies to its device) directly.
+
+The board is a sealed ``memfd`` (:class:`~transport.shm_window.SharedWindow`) sized for the job's
+values, sealed against writable mappings once the node has its own (``F_SEAL_FUTURE_WRITE``):
+workers map it read-only, so no worker can change what another reads.
+
+A slot starts with a 64-byte header holding the token of the version it holds (0 while being
+written) and is followed by the payload. The caller of :meth:`BoardPublisher.reference` promises
+that once it publishes a newer version of a key, no peer still reads the older one (a node
+publishes a bucket's next values only after every rank pushed the gradients computed from the
+previous ones); a reader checks the token once it has copied the values out
+(:meth:`BoardReader.read`'s ``current``), so that a broken promise is an error, never torn values.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+from collections.abc import Callable, Hashable, Sequence
+
+import msgpack
+import torch
+
+from transport.shm_window import MAX_EXTENT_CHUNKS, UNIT_BYTES, SharedWindow
+from transport.wire import ErrorCode, WireError
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by every Python
+
+SLOT_HEADER_BYTES = 64
+"""A slot's token, in a cache line of its own: the payload after it stays 64-byte aligned."""
+
+_tokens = itertools.count(1)  # process-wide: a token never names two versions, even across boards
+
+
+def slot_bytes(payload_bytes: int) -> int:
+    """Room a payload of ``payload_bytes`` takes on a board: its header, and the payload rounded up to
+    a cache line."""
+    return SLOT_HEADER_BYTES + -(-payload_bytes // SLOT_HEADER_BYTES) * SLOT_HEADER_BYTES
+
+
+def board_bytes(payload_sizes: Sequence[int]) -> int:
+    """A board's size for payloads of ``payload_sizes`` bytes (one slot each), in whole units."""
+    total = sum(slot_bytes(n) for n in payload_sizes)
+    return max(UNIT_BYTES, -(-total // UNIT_BYTES) * UNIT_BYTES)
+
+
+class BoardPublisher:
+    """The node's side: the board's slots, one per key, and the copies into them."""
+
+    def __init__(self, nbytes: int, name: str) -> None:
+        self.window = SharedWindow.create(nbytes, name, extra_seals=F_SEAL_FUTURE_WRITE)
+        self._tokens = self.window.bytes.view(torch.int64)  # a slot's token is at its start // 8
+        self._slots: dict[Hashable, tuple[int, int, Hashable, int]] = {}  # key -> (start, payload bytes, version, token)
+        self._end = 0
+        self.written_bytes = 0  # payload bytes copied in
+        self.referenced_bytes = 0  # payload bytes sent as references
+
+    @property
+    def name(self) -> str:
+        return self.window.name
+
+    def describe(self) -> list:
+        """What a worker needs to open the board: ``[pid, fd, name, bytes]``."""
+        return [os.getpid(), self.window.fd, self.window.name, self.window.nbytes]
+
+    def reference(self, key: Hashable, version: Hashable, pieces: Sequence[torch.Tensor], lengths: list[int]) -> bytes | None:
+        """The place of ``key``'s values of ``version`` on the board, copying ``pieces`` there first if
+        the slot holds another version; ``None`` when the board has no room for them (the caller
+        sends them another way). ``lengths`` are the chunk lengths of the message, as
+        :func:`~transport.shm_window.payload_pieces` cuts them."""
+        total = sum(lengths)
+        slot = self._slots.get(key)
+        if slot is None or slot[1] != total:  # a new key, or one whose size changed (a new layout)
+            if self._end + slot_bytes(total) > self.window.nbytes:
+                return None
+            slot = (self._end, total, None, 0)
+            self._end += slot_bytes(total)
+        start, _total, held, token = slot
+        if held != version or token == 0:
+            index = start // 8
+            self._tokens[index] = 0  # a reader that copies now finds the slot changed under it
+            position = start + SLOT_HEADER_BYTES
+            for piece in pieces:
+                nbytes = piece.numel() * piece.element_size()
+                self.window.bytes[position : position + nbytes].view(piece.dtype).copy_(piece)
+                position += nbytes
+            token = next(_tokens)
+            self._tokens[index] = token
+            self.written_bytes += total
+        self._slots[key] = (start, total, version, token)
+        self.referenced_bytes += total
+        return msgpack.packb([start, lengths, token])
+
+    def close(self) -> None:
+        """Close the board; workers' mappings keep its pages until they unmap it."""
+        self._tokens = torch.empty(0, dtype=torch.int64)
+        self.window.close()
+
+
+class BoardReader:
+    """The worker's side: a read-only mapping of the node's board."""
+
+    def __init__(self, window: SharedWindow) -> None:
+        self.window = window
+        self.read_bytes = 0
+
+    @classmethod
+    def open(cls, description: object) -> BoardReader:
+        """The board a node described (:meth:`BoardPublisher.describe`); ``OSError``/``ValueError``
+        when it cannot be opened here or is not sealed as a board must be."""
+        if not isinstance(description, list) or len(description) != 4:
+            raise ValueError(f"a board is described as [pid, fd, name, bytes], not {description!r}")
+        pid, fd, name, nbytes = description
+        window = SharedWindow.open(int(pid), int(fd), int(nbytes), str(name), writable=False, extra_seals=F_SEAL_FUTURE_WRITE)
+        return cls(window)
+
+    @property
+    def name(self) -> str:
+        return self.window.name
+
+    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[list[memoryview], Callable[[], bool]]:
+        """The chunks of a message whose slot reference is ``raw`` (read-only views of the board),
+        and a check to call once they were copied out: whether the slot still holds that version.
+        ``WireError`` for a reference outside the board or not matching ``payload_bytes``."""
+        try:
+            start, lengths, token = msgpack.unpackb(raw, max_array_len=MAX_EXTENT_CHUNKS)
+            valid = isinstance(start, int) and isinstance(token, int) and isinstance(lengths, list) and all(isinstance(n, int) and n > 0 for n in lengths)
+        except Exception:
+            valid = False
+        if not valid:
+            raise WireError(ErrorCode.MALFORMED, "a board message's slot is not [start, [lengths], token]")
+        total = sum(lengths)
+        data = start + SLOT_HEADER_BYTES
+        if total != payload_bytes or start < 0 or start % SLOT_HEADER_BYTES or data + total > self.window.nbytes or token <= 0:
+            raise WireError(
+                ErrorCode.BAD_PAYLOAD,
+                f"a board slot of {total} bytes at {start} is not the declared {payload_bytes} bytes inside the {self.window.nbytes}-byte board",
+            )
+        whole = self.window.view(data, total)
+        token_view = self.window.view(start, 8).cast("q")
+        chunks, position = [], 0
+        for length in lengths:
+            chunks.append(whole[position : position + length])
+            position += length
+        self.read_bytes += total
+        return chunks, lambda: token_view[0] == token
+
+    def close(self) -> None:
+        self.window.close()
+
+
+def seals_supported() -> bool:
+    """Whether this kernel seals a memory file against new writable mappings (Linux 5.1 and later)."""
+    try:
+        fd = os.memfd_create("netoptim-seal-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+__all__ = ["BoardPublisher", "BoardReader", "board_bytes", "seals_supported", "slot_bytes"]
