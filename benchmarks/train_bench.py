@@ -112,6 +112,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         model = forward = GPT(config).to(device)
         opt = RemoteAdamW(model.named_parameters(), **options)
     else:
+        torch.manual_seed(0)  # the units' initial values, drawn on rank 0, as the other modes draw theirs
         with torch.device("meta"):
             model = forward = GPT(config)
         opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings["prefetch"], device=device, **options)

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from job.placement import BucketSpec, ParamSpec
+from transport.interface import Message
 from transport.wire import dtype_name
 
 TensorPieces = Sequence[tuple[int, torch.Tensor]]
@@ -122,3 +123,17 @@ class InstallTargets:
         targets = tuple(_flat(params[seg.param_index])[seg.param_offset : seg.param_offset + seg.numel] for seg in segments)
         entry = self._cached[bucket.bucket_id] = (bucket, pointers, targets)
         return entry
+
+
+def finish_board_read(message: Message, node: str) -> None:
+    """After values read in place from a node's parameter board were copied out: ``RuntimeError`` if
+    the node rewrote them meanwhile (the copy may be torn), else let go of the board's pages. The
+    protocol rules a rewrite out (a bucket's next values exist only once every rank pushed the
+    gradients of these), so it would be a node's bug, told rather than trained on."""
+    if message.still_current is not None and not message.still_current():
+        raise RuntimeError(
+            f"node {node} replaced bucket {message.header.bucket_id}'s values of step {message.header.step} on its parameter board while this worker "
+            "copied them: this worker's copy may be torn; restart the worker (it resumes at the nodes' step) and report this, it is a bug"
+        )
+    if message.release is not None:
+        message.release()

@@ -123,11 +123,13 @@ class NodeConnections:
         return [client.address for client in self._clients]
 
     def shared_memory_bytes(self) -> dict[str, int]:
-        """Payload bytes that went through same-host shared windows (``sent`` and ``received``), over
-        the connections open now."""
-        connections = [client.shared.connection for client in self._clients if getattr(client, "shared", None) is not None]
-        live = [connection for connection in connections if connection is not None]
-        return {"sent": sum(c.writer.written_bytes for c in live), "received": sum(c.reader.read_bytes for c in live)}
+        """Payload bytes that went through same-host shared memory over the connections open now:
+        ``sent`` and ``received`` through the windows, and ``received`` includes ``board``, the
+        parameters read in place from nodes' parameter boards."""
+        shared = [client.shared for client in self._clients if getattr(client, "shared", None) is not None]
+        live = [s.connection for s in shared if s.connection is not None]
+        board = sum(s.board.read_bytes for s in shared if s.board is not None)
+        return {"sent": sum(c.writer.written_bytes for c in live), "received": sum(c.reader.read_bytes for c in live) + board, "board": board}
 
     def send(self, index: int, header: Header, payload: torch.Tensor | None = None) -> SendHandle:
         return self._clients[index].send(header, payload)

@@ -20,7 +20,7 @@ import torch
 
 from gpu_worker.device_copy import lock_source_window
 from gpu_worker.gradient_sender import GradientSender
-from gpu_worker.layout import InstallTargets, gather_bucket
+from gpu_worker.layout import InstallTargets, finish_board_read, gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.push_pacing import PushPacer
@@ -757,7 +757,8 @@ class OffloadSession:
             started = time.perf_counter()
             if self._cuda:  # values in a same-host window: page-lock it (once), so the copies run at the bus's speed
                 lock_source_window(message.tensors)
-            self._install_targets.install(bucket, message.tensors, self.params)
+            self._install_targets.install(bucket, message.tensors, self.params)  # blocking copies, to the device too
+            finish_board_read(message, self.nodes[node_index])
             self.timings.install_s += elapsed(started)
             self.timings.installs += 1
         self.bucket_steps[bucket_id] = header.step

@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from gpu_worker.device_copy import HostToDevice
+from gpu_worker.layout import finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
 from job.hyper import AdamWHyper
@@ -251,6 +252,8 @@ class LayerStreamer:
                     start = seg.param_offset + low - seg.bucket_offset
                     target = self.params[seg.param_index].data.view(-1)[start : start + high - low]
                     self._copier.copy(target, view[low - chunk_offset : high - chunk_offset])
+        if not self._copier.cuda:  # copied already: from a node's board, the values must still be the ones sent
+            finish_board_read(message, self.session.nodes[node_index])
         self.stats.fetched_bytes += header.payload_bytes
         unit.pending.discard(bucket.bucket_id)
         if not unit.pending:

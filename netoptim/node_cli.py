@@ -59,6 +59,14 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="do not also listen on an ipc:// socket in the temporary directory (by default workers on this host switch to it after their HELLO: no TCP stack)",
     )
     node.add_argument(
+        "--same-host-board",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep one read-only copy of the parameters sent (the wire dtype) that every worker on this host with shared windows "
+        "installs from, written once per step, instead of a copy into each worker's window at each fetch; costs one more copy "
+        "of this node's share in RAM (not with --state-dir; skipped where the host's available memory cannot hold it) (default: on)",
+    )
+    node.add_argument(
         "--same-host-window-mb",
         type=int,
         default=64,
@@ -292,6 +300,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         listen=args.listen,
         same_host_ipc=args.same_host_ipc,
         same_host_window_mb=args.same_host_window_mb,
+        same_host_board=args.same_host_board,
         ready_file=args.ready_file,
         node_id=args.node_id,
         checkpoint_dir=args.checkpoint_dir,

@@ -41,6 +41,11 @@ class NodeConfig:
     """Shared memory a worker on this host's ipc:// socket gets for its payloads, each way, in MiB
     (pages are allocated as first written); 0 keeps its payloads on the socket."""
 
+    same_host_board: bool = True
+    """Keep one copy of the values sent (in the wire dtype) in a read-only parameter board that every
+    same-host worker with windows installs from, instead of a copy into each worker's window at each
+    fetch. In memory only (not with ``state_dir``), and only where the host's available memory holds it."""
+
     ready_file: str | None = None
     """Where to write ``{"data": ADDRESS, "pid": PID}`` as JSON once the node accepts work."""
 

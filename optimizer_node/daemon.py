@@ -331,6 +331,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._reset_job_state()
         self._store = self._new_store()
         self._endpoint.unlimit_payload()
+        self._endpoint.drop_board()
         self.metrics.step_reached(0)
         self.jobs_let_go += 1
         log.warning("let job %s go at step %d (%s)%s", fingerprint, step, reason, f"; its checkpoints are in {archived}" if archived else "")
@@ -385,7 +386,11 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             for state in states:
                 state.pending_sends.append(handle)
 
-    def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None:
+    def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None, *, published: tuple[int, tuple[int, int]] | None = None) -> None:
+        """Reply to ``peer``. ``published``: the payload is a bucket's values of a version (its
+        revision and step) that every rank is sent; a rank on this host may read them from the
+        parameter board (a rank pushes the gradients computed from them before the bucket's next
+        version exists, so nobody reads a version the board no longer holds)."""
         if self._outbox.holds(peer):  # what was queued for the peer goes first: its messages keep their order
             self._flush_outbox(peer)
         outsider = not self._ledger.is_rank_connection(peer)
@@ -403,7 +408,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 )
                 return
         try:
-            handle = self._endpoint.send(peer, header, payload, track=outsider)
+            if published is not None and payload is not None and not outsider:
+                handle = self._endpoint.send_published(peer, header, payload, *published)
+            else:
+                handle = self._endpoint.send(peer, header, payload, track=outsider)
         except ConnectionError as exc:
             log.warning("could not reply %s: %s", header.msg_type.name, exc)
             return

@@ -5,7 +5,8 @@ holds the gradients that arrived and are not applied yet: in full-model mode up 
 whole share (workers push everything at the end of the step), in layer-wise mode at most each
 worker's push window. A wire dtype other than fp32 adds an fp32 sum and a cast copy per resident
 bucket. In memory it also keeps, for a worker that restarts in the middle of a step, the values of
-each bucket before its last update, in the wire dtype (see :mod:`optimizer_node.step_ledger`). Out
+each bucket before its last update, in the wire dtype (see :mod:`optimizer_node.step_ledger`), and,
+where same-host workers read from it, the parameter board: one more copy in the wire dtype. Out
 of core (where those are not kept), the state in RAM is the budget, and the disk holds the live state plus, for
 each kept checkpoint, the versions it hard-links (at most one full copy each).
 """
@@ -43,15 +44,17 @@ def node_needs(
     push_window_bytes: int = 1 << 30,
     memory_budget: int | None = None,
     keep_checkpoints: int = 0,
+    board: bool = False,
 ) -> NodeNeeds:
-    """RAM and disk for a node owning ``params`` parameters of a job with ``workers`` workers."""
+    """RAM and disk for a node owning ``params`` parameters of a job with ``workers`` workers;
+    ``board``: with a parameter board for same-host workers (in memory only)."""
     gradients = workers * wire_bytes * params
     if layerwise:
         gradients = min(gradients, workers * push_window_bytes)
     state = STATE_BYTES_PER_PARAM * params
     cast = 0 if wire_bytes == 4 else (4 + wire_bytes) * params  # fp32 sums and the cast copy of what goes out
     kept_for_restarts = wire_bytes * params
-    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts
+    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts + (wire_bytes * params if board else 0)
     out_of_core = None
     if memory_budget is not None:
         resident_fraction = min(1.0, memory_budget / state) if state else 1.0

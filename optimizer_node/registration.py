@@ -121,6 +121,7 @@ class JobRegistration:
         def _answer_deferred_pulls(self, state: BucketState) -> None: ...
         def _rank_rejoined(self, rank: int) -> None: ...
         def _job_initialized(self) -> None: ...
+        def _publish_board(self, job: ActiveJob) -> None: ...
         def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool: ...
         def let_job_go(self, reason: str) -> dict: ...
         def _flush_outbox(self, peer: bytes | None = None) -> None: ...
@@ -191,6 +192,7 @@ class JobRegistration:
                 raise WireError(ErrorCode.CANNOT_FIT, f"node {self.node_id}: {problem}")
             self._job = ActiveJob.create(spec, node_index, plan)
             self._limit_payloads(self._job)
+            self._publish_board(self._job)
             owned = self._job.owned
             total = sum(b.numel for b in owned.values())
             log.info(
@@ -300,6 +302,7 @@ class JobRegistration:
         added = len(spec.params) - len(self._job.spec.params)
         self._job = ActiveJob.create(spec, node_index, plan, base_step=base)
         self._limit_payloads(self._job)
+        self._publish_board(self._job)
         log.info("rank 0 added %d parameter(s) in a new param group at step %d: this node now owns %d buckets", added, base, len(self._job.owned))
 
     def _parse_hello(self, message: Message) -> tuple[JobSpec, int, int]:

@@ -5,20 +5,25 @@ dtype. A mixin of :class:`~optimizer_node.daemon.NodeDaemon`; runs on the daemon
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from optimizer_node.config import NodeConfig
+from optimizer_node.memory_plan import available_memory, node_needs
 from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.storage import BucketState, BucketStore
+from transport.shm_board import board_bytes
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, tensor_header
 
 if TYPE_CHECKING:
     from job.placement import BucketSpec
     from optimizer_node.job_state import ActiveJob
     from optimizer_node.step_ledger import StepLedger
-    from transport.interface import Message
+    from transport.interface import Message, ServerEndpoint
+
+log = logging.getLogger(__name__)
 
 
 class ParameterReplies:
@@ -31,13 +36,15 @@ class ParameterReplies:
     _ledger: StepLedger
     _outbox: ParamsOutbox
     _batching_peers: frozenset[bytes]
+    _endpoint: ServerEndpoint
+    same_host_address: str | None
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
         def _require_job(self) -> ActiveJob: ...
         def _require_rank(self, message: Message) -> ActiveJob: ...
         def _owned_bucket(self, job: ActiveJob, header: Header) -> BucketSpec: ...
-        def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
+        def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None, *, published: tuple[int, tuple[int, int]] | None = None) -> None: ...
         def _flush_outbox(self, peer: bytes | None = None) -> None: ...
 
     def _on_pull(self, message: Message) -> None:
@@ -111,9 +118,29 @@ class ParameterReplies:
             payload = params.to(WIRE_DTYPES[job.spec.wire_dtype])
         batched = batched and self._outbox.takes(payload)
         header = None
+        version = (state.bucket_id, (state.revision, state.step))  # what the board holds for it, if it has it
         for peer in peers:
             if batched and self._batched_to(peer, state, meta or {}, payload):
                 continue
             if header is None:
                 header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
-            self._send(peer, header, payload)
+            self._send(peer, header, payload, published=version)
+
+    def _publish_board(self, job: ActiveJob) -> None:
+        """A parameter board for this job's values (same-host workers read them there), where the
+        node keeps its state in memory and the host's available memory holds one more copy."""
+        self._endpoint.drop_board()
+        if not self.config.same_host_board or self.config.state_dir is not None or not self.same_host_address:
+            return
+        wire_bytes = WIRE_DTYPES[job.spec.wire_dtype].itemsize
+        sizes = [bucket.numel * wire_bytes for bucket in job.owned.values()]
+        params = sum(bucket.numel for bucket in job.owned.values())
+        needs = node_needs(params, workers=job.spec.world_size, wire_bytes=wire_bytes, layerwise=job.spec.mode == "layerwise", board=True)
+        available = available_memory()
+        if available is not None and needs.ram_in_memory > available:
+            log.info(
+                "no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", needs.ram_in_memory / 2**30, available / 2**30
+            )
+            return
+        if self._endpoint.publish_board(board_bytes(sizes)):
+            log.info("same-host workers read parameters from a board of %.1f MiB", board_bytes(sizes) / 2**20)

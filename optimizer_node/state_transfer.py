@@ -53,6 +53,7 @@ def load_part(store: BucketStore, state: BucketState, message: Message, segments
             target[offset : offset + view.numel()].copy_(view)
         if part == "param":
             state.wire_step = -1  # the cast copy no longer holds these values
+            state.new_revision()  # nor does the parameter board
         if steps is not None:
             state.set_segment_step_counts([float(s) for s in steps])
     finally:

@@ -9,6 +9,7 @@ tells the store which buckets it will need soon (``prefetch``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -24,6 +25,9 @@ from transport.interface import SendHandle
 class StorageError(Exception):
     """The store cannot read or write a bucket's state (disk full, a damaged or changed state file);
     the message says which bucket and what to do. The bucket's state in memory is unchanged."""
+
+
+_revisions = itertools.count(1)
 
 
 @dataclass(slots=True)
@@ -44,6 +48,9 @@ class BucketState:
     wire_copy: torch.Tensor | None = None  # reused cast buffer when the wire dtype is not fp32
     wire_step: int = -1  # the step whose parameters wire_copy holds (the update pass casts them); -1: none
     numel: int = -1  # set from param at creation; known while the tensors are on disk
+    # Which values ``param`` holds at ``step``: a new one whenever they are replaced other than by an
+    # update (created, loaded); what the parameter board tells versions apart by, with the step.
+    revision: int = field(default_factory=lambda: next(_revisions))
     # AdamW's step count per segment (parameter piece), once the segments' counts differ (a parameter
     # with no gradient on any rank is not stepped, as in torch); None: every segment at ``step_tensor``.
     segment_steps: list[float] | None = None
@@ -54,6 +61,10 @@ class BucketState:
     def __post_init__(self) -> None:
         if self.numel < 0:
             self.numel = self.param.numel()
+
+    def new_revision(self) -> None:
+        """``param`` was replaced other than by an update: what was sent of it before is not it."""
+        self.revision = next(_revisions)
 
     def numpy_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Zero-copy numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step_tensor``."""

@@ -29,6 +29,9 @@ class Message:
     """For a payload read in place from memory its sender may rewrite (a node's parameter board):
     whether the sender still holds these values there, to be asked once they were copied out (a
     ``False`` means the copy may be torn). ``None``: the payload is the receiver's own."""
+    release: Callable[[], None] | None = None
+    """For such a payload: called once its views are no longer read, lets the receiver's resident
+    memory stop counting the sender's pages (they stay the sender's)."""
     user_id: str | None = None
     """The sender's authenticated identity, where the backend has one: with CURVE on a ZeroMQ server
     endpoint, the client's public key (z85) as the node's authenticator vouched for it. ``None``

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import mmap
 import os
 from collections.abc import Callable, Hashable, Sequence
 
@@ -125,10 +126,13 @@ class BoardReader:
     def name(self) -> str:
         return self.window.name
 
-    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[list[memoryview], Callable[[], bool]]:
-        """The chunks of a message whose slot reference is ``raw`` (read-only views of the board),
-        and a check to call once they were copied out: whether the slot still holds that version.
-        ``WireError`` for a reference outside the board or not matching ``payload_bytes``."""
+    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[list[memoryview], Callable[[], bool], Callable[[], None]]:
+        """The chunks of a message whose slot reference is ``raw`` (read-only views of the board); a
+        check to call once they were copied out (whether the slot still holds that version); and a
+        release that takes the slot's pages out of this process's page tables (not out of memory:
+        they are the node's), so that a worker's resident size does not count the node's copy. The
+        release does nothing on a board page-locked for a device. ``WireError`` for a reference
+        outside the board or not matching ``payload_bytes``."""
         try:
             start, lengths, token = msgpack.unpackb(raw, max_array_len=MAX_EXTENT_CHUNKS)
             valid = isinstance(start, int) and isinstance(token, int) and isinstance(lengths, list) and all(isinstance(n, int) and n > 0 for n in lengths)
@@ -150,7 +154,13 @@ class BoardReader:
             chunks.append(whole[position : position + length])
             position += length
         self.read_bytes += total
-        return chunks, lambda: token_view[0] == token
+        first_page, end_page = -(-data // mmap.PAGESIZE) * mmap.PAGESIZE, (data + total) // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages of the slot only
+
+        def release() -> None:
+            if end_page > first_page and not self.window.page_locked:
+                self.window.drop_pages(first_page, end_page - first_page)
+
+        return chunks, lambda: token_view[0] == token, release
 
     def close(self) -> None:
         self.window.close()

@@ -129,6 +129,12 @@ class SharedWindow:
         assert self._map is not None and offset % mmap.PAGESIZE == 0, "whole pages of an open window"
         self._map.madvise(mmap.MADV_REMOVE, offset, nbytes)
 
+    def drop_pages(self, offset: int, nbytes: int) -> None:
+        """Take whole pages out of this process's page tables only (``MADV_DONTNEED``): they stay in
+        the file, and the next read maps them again."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED, offset, nbytes)
+
     def region(self, offset: int, nbytes: int) -> ctypes.Array:
         """``nbytes`` of the window from ``offset``, as an object that keeps the mapping alive."""
         assert self._map is not None, "a closed window is not read"

@@ -88,7 +88,7 @@ def test_the_board_is_read_only_to_workers_and_sealed_against_writable_mappings(
     link = board_link
     published(link, torch.randn(10_000), key=0, version=1)
     described = link.server._shared.board.describe()
-    pid, fd, name, nbytes = described
+    pid, fd, _name, nbytes = described
     path = f"/proc/{pid}/fd/{fd}"
     own = os.open(path, os.O_RDWR)  # the file's mode allows it, the seal does not
     try:
@@ -183,7 +183,7 @@ def test_a_stale_or_wrong_board_answer_is_ignored():
         with pytest.raises(ValueError):
             BoardReader.open([1, 2, 3])
         slot = publisher.reference("k", 1, [torch.ones(1024)], [4096])
-        chunks, current = reader.read(slot, 4096)
+        chunks, current, _release = reader.read(slot, 4096)
         assert current() and torch.equal(torch.frombuffer(bytearray(chunks[0]), dtype=torch.float32), torch.ones(1024))
         assert publisher.reference("other", 1, [torch.ones(1024)], [4096]) is None  # full: the caller copies instead
         publisher.reference("k", 2, [torch.zeros(1024)], [4096])
@@ -196,3 +196,27 @@ def test_a_stale_or_wrong_board_answer_is_ignored():
     client = SharedClient()
     assert client.answer(offer) is None  # no windows mapped: an offer is not taken
     assert HANDSHAKE == b"H"
+
+
+def _resident_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that starts at ``address``."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            if "-" in line.split()[0] and ":" not in line.split()[0]:
+                inside = int(line.split("-")[0], 16) == address
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("no such mapping")
+
+
+def test_releasing_a_read_takes_the_boards_pages_out_of_the_readers_resident_size(board_link):
+    link = board_link
+    values = torch.randn(1 << 20)  # 4 MiB
+    message = published(link, values, key=0, version=1)
+    address = link.client.shared.board.window.address
+    copy = joined(message).clone()
+    assert _resident_kib(address) >= 4000
+    message.release()
+    assert _resident_kib(address) < 64  # only the slot's partial edge pages may stay
+    assert torch.equal(joined(message), copy) and message.still_current()  # the pages are the node's: read again, they come back

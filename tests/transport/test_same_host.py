@@ -133,4 +133,42 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerw
         opt.zero_grad()
     for rank in range(world_size):
         assert moved[rank]["sent"] > 0 and moved[rank]["received"] > 0, f"rank {rank} moved nothing through shared memory: {moved[rank]}"
+        assert moved[rank]["board"] > 0, f"rank {rank} read no parameters from the nodes' boards: {moved[rank]}"
         assert max_difference(finals[rank], [p.detach() for p in reference.parameters()]) == 0.0
+
+
+def test_values_loaded_between_steps_replace_what_the_board_held(start_node):
+    """Rank 0 loads parameters into the nodes between steps (``load_state_dict``): a worker that joins
+    afterwards gets those, not the ones sent for that step before (the board tells them apart by the
+    bucket's revision, which loading changes: tests/optimizer_node/test_state_transfer.py)."""
+    nodes = [start_node("b0").address]
+    options = dict(lr=1e-2, nodes=nodes, rank=0, world_size=1, bucket_numel=8192, timeout_s=60)
+    model = _wide_model()
+    opt = RemoteAdamW(model.parameters(), **options)
+    for step in range(2):
+        _loss(model, step, 0).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.shared_memory_bytes["board"] > 0
+    saved = opt.state_dict()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(0.5)
+    opt.load_state_dict(saved)
+    opt.close()
+    fresh = _wide_model()  # a new process of rank 0: it takes the nodes' values of their step
+    again = RemoteAdamW(fresh.parameters(), **options)
+    assert again.remote_step == 2
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in fresh.parameters())
+    again.close()
+
+
+def test_a_node_started_without_the_board_sends_copies(start_node):
+    nodes = [start_node("nb", extra_args=("--no-same-host-board",)).address]
+    model = _wide_model()
+    opt = RemoteAdamW(model.parameters(), lr=1e-2, nodes=nodes, rank=0, world_size=1, bucket_numel=8192, timeout_s=60)
+    _loss(model, 0, 0).backward()
+    opt.step()
+    moved = opt.shared_memory_bytes
+    assert moved["board"] == 0 and moved["received"] > 0
+    opt.close()
