@@ -235,7 +235,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         summary["node_cpu_s_per_step"] = reports[0]["node_cpu_s_per_step"]  # all local nodes, measured by rank 0
         if "shared_memory_gb_per_step" in reports[0]:
             summary["shared_memory_gb_per_step_per_worker"] = {
-                key: statistics.mean(r["shared_memory_gb_per_step"][key] for r in reports) for key in ("sent", "received")
+                key: statistics.mean(r["shared_memory_gb_per_step"][key] for r in reports) for key in ("sent", "received", "board")
             }
     if "peak_gpu_mb" in reports[0]:
         summary["peak_gpu_mb_per_worker"] = max(r["peak_gpu_mb"] for r in reports)

@@ -103,13 +103,24 @@ class _ScrapeTimeCollector(Collector):
         )
         yield CounterMetricFamily(
             "netoptim_same_host_shared_bytes_sent",
-            "Payload bytes written into same-host workers' windows (not sent on a socket).",
+            "Payload bytes written into same-host workers' windows or sent as places on the parameter board (not sent on a socket).",
             value=shared["written_bytes"],
         )
         yield CounterMetricFamily(
             "netoptim_same_host_shared_bytes_received",
             "Payload bytes read from same-host workers' windows (not received on a socket).",
             value=shared["read_bytes"],
+        )
+        yield GaugeMetricFamily("netoptim_same_host_board_bytes", "Size of the job's parameter board for same-host workers (0: none).", value=shared.get("board_bytes", 0))
+        yield CounterMetricFamily(
+            "netoptim_same_host_board_written_bytes",
+            "Payload bytes copied onto the parameter board (once per bucket version).",
+            value=shared.get("board_written_bytes", 0),
+        )
+        yield CounterMetricFamily(
+            "netoptim_same_host_board_referenced_bytes",
+            "Payload bytes sent to same-host workers as places on the parameter board.",
+            value=shared.get("board_referenced_bytes", 0),
         )
         yield from self._non_finite()
 
