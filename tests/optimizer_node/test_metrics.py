@@ -102,8 +102,9 @@ def test_metrics_of_a_training_node(start_node, tmp_path, monkeypatch):
     assert values["netoptim_same_host_shared_bytes_received_total"] >= STEPS * 64 * 32 * 4, "the pushes came through the worker's window"
     assert values["netoptim_same_host_shared_bytes_sent_total"] >= STEPS * 64 * 32 * 4, "the new values went through it"
     assert values["netoptim_same_host_board_bytes"] > 0, "the job has a parameter board"
-    assert values["netoptim_same_host_board_referenced_bytes_total"] >= STEPS * 64 * 32 * 4, "the new values were read from the board"
-    assert values["netoptim_same_host_board_written_bytes_total"] >= STEPS * 64 * 32 * 4
+    # a bucket this small travels in the batches of small buckets after each step, which are copies: the board had the values pulled alone
+    assert values["netoptim_same_host_board_referenced_bytes_total"] >= 64 * 32 * 4, "values were read from the board"
+    assert values["netoptim_same_host_board_written_bytes_total"] >= 64 * 32 * 4
 
     with grpc.insecure_channel(node.admin_address) as channel:
         admin = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
