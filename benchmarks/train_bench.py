@@ -6,7 +6,10 @@ batch and sequence length:
 - ``ddp``: ``DistributedDataParallel`` over gloo with ``torch.optim.AdamW(fused=True)`` on every worker;
 - ``full``: netoptim full-model mode (``RemoteAdamW``; every worker holds the model, the nodes the state);
 - ``layerwise``: netoptim layer-wise mode (``gpu_worker.offload``; the model is built on the meta
-  device and the worker holds the blocks it computes plus ``--prefetch`` more).
+  device and the worker holds the blocks it computes plus ``--prefetch`` more);
+- ``compute``: forward and backward alone, no optimizer and no communication: what any mode's step
+  costs at least on these workers, the ceiling the others are measured against
+  (``*_over_compute_only_tokens``).
 
 Each worker is a fresh process, so its peak RSS (``ru_maxrss``) is its own. Communication hidden
 behind compute (layer-wise) is ``1 - blocked / transfer``: ``transfer`` sums, over every unit fetch,
@@ -35,8 +38,9 @@ SIZES = {
     "base": GPTConfig(vocab_size=256, block_size=64, n_layer=12, n_head=12, n_embd=768),
     "1b": GPTConfig(vocab_size=256, block_size=64, n_layer=20, n_head=16, n_embd=2048),
 }
-MODES = ("ddp", "full", "layerwise")
-BYTES_PER_PARAM = {"ddp": 16, "full": 12, "layerwise": 0}  # per worker: params, grads, Adam moments / send buffers
+MODES = ("compute", "ddp", "full", "layerwise")
+LOCAL_MODES = ("compute", "ddp")  # no optimizer node
+BYTES_PER_PARAM = {"compute": 8, "ddp": 16, "full": 12, "layerwise": 0}  # per worker: params, grads, Adam moments / send buffers
 NODE_BYTES_PER_PARAM = 16  # fp32 params, two moments, a reduction buffer
 
 
@@ -107,6 +111,10 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         model = GPT(config).to(device)
         forward = DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    elif mode == "compute":
+        torch.manual_seed(0)
+        model = forward = GPT(config).to(device)
+        opt = None
     elif mode == "full":
         torch.manual_seed(0)
         model = forward = GPT(config).to(device)
@@ -132,8 +140,11 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         if cuda:
             torch.cuda.synchronize(device)
         stepping = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)  # the step's work is done, not only queued
         finished = time.perf_counter()
@@ -147,7 +158,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     stats = opt_stats(opt)
     if mode == "ddp":
         dist.destroy_process_group()
-    else:
+    elif opt is not None:
         opt.close()
     step_s = statistics.median(step_times)
     report = {
@@ -201,7 +212,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="netoptim-bench-") as workdir:
-        node_processes = [] if mode == "ddp" else [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)]
+        node_processes = [] if mode in LOCAL_MODES else [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)]
         try:
             nodes = [n.address for n in node_processes]
             settings["node_pids"] = [n.process.pid for n in node_processes if n.process is not None]
@@ -231,7 +242,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "worker_cpu_s_per_step": statistics.mean(r["cpu_s_per_step"] for r in reports),
         "loss": reports[0]["loss"],
     }
-    if mode != "ddp":
+    if mode not in LOCAL_MODES:
         summary["node_cpu_s_per_step"] = reports[0]["node_cpu_s_per_step"]  # all local nodes, measured by rank 0
         if "shared_memory_gb_per_step" in reports[0]:
             summary["shared_memory_gb_per_step_per_worker"] = {
@@ -251,7 +262,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
 
 def _fits(mode: str, numel: int, args: argparse.Namespace) -> str | None:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    need = args.workers * BYTES_PER_PARAM[mode] * numel + (0 if mode == "ddp" else NODE_BYTES_PER_PARAM * numel)
+    need = args.workers * BYTES_PER_PARAM[mode] * numel + (0 if mode in LOCAL_MODES else NODE_BYTES_PER_PARAM * numel)
     if need > 0.8 * ram:
         return f"skipped: needs about {need / 2**30:.0f} GiB of the machine's {ram / 2**30:.0f} GiB"
     return None
@@ -296,6 +307,10 @@ def run(args: argparse.Namespace) -> dict:
                 entry["layerwise_over_ddp_peak_gpu"] = entry["layerwise"]["peak_gpu_mb_per_worker"] / entry["ddp"]["peak_gpu_mb_per_worker"]
             if "tokens_per_s" in entry["full"]:
                 entry["full_over_ddp_tokens"] = entry["full"]["tokens_per_s"] / entry["ddp"]["tokens_per_s"]
+            if "tokens_per_s" in entry["compute"]:  # how near each mode comes to forward and backward alone
+                for mode in ("ddp", "full", "layerwise"):
+                    if "tokens_per_s" in entry[mode]:
+                        entry[f"{mode}_over_compute_only_tokens"] = entry[mode]["tokens_per_s"] / entry["compute"]["tokens_per_s"]
             ratio = entry["layerwise_over_ddp_tokens"]  # the largest size both ran
     report["ratio"] = ratio
     return report

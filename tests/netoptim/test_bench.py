@@ -52,7 +52,7 @@ def test_transport_bench_over_mooncake_moves_the_bytes_by_one_sided_writes():
     assert counted["written_bytes"] >= 8 << 20  # everything after the first message went one-sided
 
 
-@pytest.mark.slow  # three training modes in processes of their own: ~20 s
+@pytest.mark.slow  # four training modes in processes of their own: ~25 s
 def test_train_bench_compares_ddp_full_and_layerwise():
     report = bench("train", "--sizes", "small", "--steps", "1", "--warmup", "0", "--batch", "1", "--seq", "16")
     entry = report["sizes"]["small"]
@@ -60,6 +60,8 @@ def test_train_bench_compares_ddp_full_and_layerwise():
     for mode in ("ddp", "full", "layerwise"):
         assert entry[mode]["tokens_per_s"] > 0 and entry[mode]["peak_rss_mb_per_worker"] > entry[mode]["rss_after_import_mb"] > 0
     assert 0.0 <= entry["layerwise"]["comm_hidden_fraction"] <= 1.0 and entry["layerwise"]["peak_param_mb"] > 0
+    assert entry["compute"]["tokens_per_s"] > 0 and "node_cpu_s_per_step" not in entry["compute"]
+    assert entry["layerwise_over_compute_only_tokens"] == entry["layerwise"]["tokens_per_s"] / entry["compute"]["tokens_per_s"]
 
 
 def test_offload_bench_compares_with_the_disk(tmp_path):
