@@ -212,7 +212,14 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="netoptim-bench-") as workdir:
-        node_processes = [] if mode in LOCAL_MODES else [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)]
+        node_processes = (
+            []
+            if mode in LOCAL_MODES
+            else [
+                NodeProcess(workdir, name=f"node{i}", threads=args.node_threads, extra_args=() if args.same_host_board else ("--no-same-host-board",)).start()
+                for i in range(args.nodes)
+            ]
+        )
         try:
             nodes = [n.address for n in node_processes]
             settings["node_pids"] = [n.process.pid for n in node_processes if n.process is not None]
@@ -279,6 +286,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "seq": args.seq,
         "device": args.device,
+        "same_host_board": args.same_host_board,
     }
     if args.device == "cuda":
         if not torch.cuda.is_available():

@@ -70,6 +70,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--node-threads", type=positive_int, default=1, help="update threads per local node (more only where cores are free for them) (default: %(default)s)"
     )
+    train.add_argument(
+        "--same-host-board",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="whether the local nodes keep a parameter board their workers read from (netoptim node --same-host-board) (default: on)",
+    )
     offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
     offload.add_argument("--numel", type=positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
     offload.add_argument("--bucket-numel", type=positive_int, default=1 << 20, help="parameters per bucket (default: %(default)s)")
