@@ -111,7 +111,9 @@ class _ScrapeTimeCollector(Collector):
             "Payload bytes read from same-host workers' windows (not received on a socket).",
             value=shared["read_bytes"],
         )
-        yield GaugeMetricFamily("netoptim_same_host_board_bytes", "Size of the job's parameter board for same-host workers (0: none).", value=shared.get("board_bytes", 0))
+        yield GaugeMetricFamily(
+            "netoptim_same_host_board_bytes", "Size of the job's parameter board for same-host workers (0: none).", value=shared.get("board_bytes", 0)
+        )
         yield CounterMetricFamily(
             "netoptim_same_host_board_written_bytes",
             "Payload bytes copied onto the parameter board (once per bucket version).",
