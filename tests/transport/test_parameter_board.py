@@ -220,3 +220,20 @@ def test_releasing_a_read_takes_the_boards_pages_out_of_the_readers_resident_siz
     message.release()
     assert _resident_kib(address) < 64  # only the slot's partial edge pages may stay
     assert torch.equal(joined(message), copy) and message.still_current()  # the pages are the node's: read again, they come back
+
+
+def test_a_board_the_worker_cannot_open_is_declined_and_a_wrong_answer_changes_nothing(board_link):
+    link = board_link
+    client = link.client.shared
+    offer = msgpack.packb({"board": [os.getpid(), 999_999, "netoptim-board-none", 4096]})  # no such descriptor
+    reply = client.answer(offer)
+    assert reply is not None and reply[0] == HANDSHAKE
+    answer = msgpack.unpackb(reply[1])
+    assert answer["board_mapped"] is False and "could not be mapped" in answer["why"]
+    assert client.board is not None  # the board it had stays
+    peers = link.server._shared
+    connection = peers.connections[link.peer]
+    assert peers.handshake(link.peer, msgpack.packb({"board_mapped": "netoptim-board-another"})) is None
+    assert connection.board is peers.board  # an answer naming another board is ignored
+    assert peers.handshake(link.peer, reply[1]) is None
+    assert connection.board is peers.board  # and a decline of an offer it never made too
