@@ -73,6 +73,7 @@ class SharedConnection:
     ready: bool = False
     pidfd: int = -1
     board: BoardPublisher | None = None  # the node's board, once the peer mapped it
+    board_offered: str | None = None  # the board offered to the peer and not answered yet
 
     def frames(self, header: Header, payload: Payload | None, chunk_bytes: int, published: tuple[Hashable, Hashable] | None = None) -> list[bytes] | None:
         """The control frames of a message whose payload went into the peer's window, or is on the
@@ -151,11 +152,11 @@ class SharedPeers:
         except OSError as exc:
             log.warning("no parameter board of %d bytes: %s; same-host workers get their own copies", nbytes, exc)
             return []
-        offer = self._board_offer()
-        return [(peer, offer) for peer, connection in self.connections.items() if connection.ready]
+        return [(peer, self._board_offer(connection)) for peer, connection in self.connections.items() if connection.ready]
 
-    def _board_offer(self) -> bytes:
+    def _board_offer(self, connection: SharedConnection) -> bytes:
         assert self.board is not None
+        connection.board_offered = self.board.name
         return msgpack.packb({"board": self.board.describe()})
 
     def drop_board(self) -> None:
@@ -163,7 +164,7 @@ class SharedPeers:
         if self.board is None:
             return
         for connection in self.connections.values():
-            connection.board = None
+            connection.board = connection.board_offered = None
         for key in self._board_bytes_before:
             self._board_bytes_before[key] += getattr(self.board, key.removeprefix("board_"))
         self.board.close()
@@ -179,16 +180,19 @@ class SharedPeers:
             if connection is not None and info["mapped"] is True:
                 connection.ready = True
                 log.debug("peer %s reads its payloads from shared memory", peer.hex())
-                return self._board_offer() if self.board is not None else None
+                return self._board_offer(connection) if self.board is not None else None
             elif connection is not None:  # logged once per pair of windows made, not once per message
                 self.forget(peer)
                 log.info("a same-host worker could not map its windows (%s); its payloads go on the socket", str(info.get("why", "?"))[:200])
             return None
         if "board_mapped" in info:
             connection = self.connections.get(peer)
-            if connection is not None and self.board is not None and info["board_mapped"] == self.board.name:
+            if connection is None or self.board is None or connection.board_offered != self.board.name:
+                return None  # only the answer to the board offered now counts, once
+            connection.board_offered = None
+            if info["board_mapped"] == self.board.name:
                 connection.board = self.board
-            elif connection is not None and info["board_mapped"] is False:
+            else:
                 log.info("a same-host worker could not map the parameter board (%s): it gets its own copies", str(info.get("why", "?"))[:200])
             return None
         if info.get("closed"):

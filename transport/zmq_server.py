@@ -142,7 +142,7 @@ class ZmqServer(ServerEndpoint):
         if self._shared is None:  # shared memory is off here: say so, and the worker stays on the socket
             if kind == HANDSHAKE:
                 why = "this node uses CURVE: payloads stay on its socket" if self._curve is not None else "this node keeps payloads on its socket"
-                self._ipc_socket.send_multipart([peer, HANDSHAKE, msgpack.packb({"refused": why})])
+                self._send_control(peer, [HANDSHAKE, msgpack.packb({"refused": why})])
                 return None
             raise WireError(ErrorCode.BAD_REQUEST, "a shared-memory frame to a node that gave no windows", peer=peer)
         if kind == SHARED and len(frames) == 3:
@@ -158,7 +158,7 @@ class ZmqServer(ServerEndpoint):
         if kind == HANDSHAKE and len(frames) == 2:
             answer = self._shared.handshake(peer, frames[1].buffer)
             if answer is not None:
-                self._ipc_socket.send_multipart([peer, HANDSHAKE, answer])
+                self._send_control(peer, [HANDSHAKE, answer])
             return None
         raise WireError(ErrorCode.MALFORMED, f"not a shared-memory frame set ({kind!r}, {len(frames)} frames)", peer=peer)
 
@@ -173,9 +173,16 @@ class ZmqServer(ServerEndpoint):
         if self._shared is None or self._ipc_socket is None:
             return
         for peer, body in self._shared.credits():
-            try:
-                self._ipc_socket.send_multipart([peer, CREDIT, body])
-            except zmq.ZMQError:  # the peer is gone: so are its windows
+            self._send_control(peer, [CREDIT, body])
+
+    def _send_control(self, peer: bytes, frames: list[bytes]) -> None:
+        """A frame set of the shared-memory path to ``peer``; a peer already gone (it may close right
+        after its last frame) takes its windows with it, and the node goes on."""
+        assert self._ipc_socket is not None
+        try:
+            self._ipc_socket.send_multipart([peer, *frames])
+        except zmq.ZMQError:
+            if self._shared is not None:
                 self._shared.forget(peer)
 
     def limit_payload(self, max_bytes: int, why: str) -> None:
@@ -249,10 +256,7 @@ class ZmqServer(ServerEndpoint):
         if self._shared is None or self._ipc_socket is None:
             return False
         for peer, offer in self._shared.publish_board(nbytes, f"netoptim-board-{secrets.token_hex(8)}"):
-            try:
-                self._ipc_socket.send_multipart([peer, HANDSHAKE, offer])
-            except zmq.ZMQError:  # the peer is gone: so are its windows
-                self._shared.forget(peer)
+            self._send_control(peer, [HANDSHAKE, offer])
         return self._shared.board is not None
 
     def drop_board(self) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import msgpack
 import pytest
 import torch
+import zmq
 
 from tests.transport.test_shared_windows import CHUNK, Link, joined
 from transport.same_host_shm import BOARD, HANDSHAKE, SharedClient
@@ -237,3 +239,28 @@ def test_a_board_the_worker_cannot_open_is_declined_and_a_wrong_answer_changes_n
     assert connection.board is peers.board  # an answer naming another board is ignored
     assert peers.handshake(link.peer, reply[1]) is None
     assert connection.board is peers.board  # and a decline of an offer it never made too
+    link.server.publish_board(board_bytes([1 << 20]))  # a new board: offered, and declined once
+    assert connection.board is None and connection.board_offered == peers.board.name
+    assert peers.handshake(link.peer, reply[1]) is None and connection.board_offered is None and connection.board is None
+    assert peers.handshake(link.peer, msgpack.packb({"board_mapped": peers.board.name})) is None
+    assert connection.board is None  # an answer after the decline is not taken: the node uses the windows
+
+
+def test_a_worker_gone_before_the_offer_reaches_it_leaves_the_node_serving(board_link):
+    """A worker may close right after saying it mapped its windows (a job it refuses): the board's
+    offer then has nobody to go to, and the node forgets that worker's windows and serves on."""
+    link = board_link
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.connect(link.server.address)
+    socket.send_multipart([HANDSHAKE, msgpack.packb({"pid": os.getpid()})])
+    assert link.server.recv(0.5) is None  # the handshake: windows made, answered
+    assert socket.poll(5000)
+    socket.recv_multipart()
+    socket.send_multipart([HANDSHAKE, msgpack.packb({"mapped": True})])
+    socket.close(linger=1000)
+    time.sleep(0.5)  # the node sees the connection go before it reads the last frame
+    windows = len(link.server._shared.connections)
+    assert link.server.recv(0.5) is None  # "mapped": the offer finds no peer
+    assert len(link.server._shared.connections) == windows - 1
+    assert torch.equal(joined(link.push(torch.arange(5000.0))), torch.arange(5000.0))
