@@ -4,14 +4,14 @@ On the node's ``ipc://`` socket, a frame set whose first frame is one byte long 
 this path; anything else is an ordinary message (:mod:`transport.wire`), so either side may always
 fall back to sending payloads on the socket:
 
-- ``H`` handshake. The worker asks (``{"pid": ...}``); the node makes the connection's two windows
+- ``H`` handshake. The worker asks (``{"pid": ..., "board": true}``: it reads parameter boards); the node makes the connection's two windows
   and answers with its pid and their descriptors, or why not; the worker maps them and says whether
   it could (``{"mapped": ...}``); either side may close (``{"closed": ...}``).
 - ``M`` a message whose payload is in the receiver's window: ``[M, header, extent]``.
 - ``C`` credits: extents of the sender's window that the receiver no longer reads.
 - ``B`` a message whose payload is on the node's parameter board (:mod:`transport.shm_board`):
   ``[B, header, slot]``. The node offers its board in a handshake frame (``{"board": ...}``) to
-  each worker whose windows are mapped, and uses it for a worker once it answered that it mapped it
+  each worker whose windows are mapped and that said it reads boards, and uses it for a worker once it answered that it mapped it
   (``{"board_mapped": name}``).
 
 The node writes into a worker's window only once the worker said it mapped it, opens nothing a
@@ -74,6 +74,7 @@ class SharedConnection:
     pidfd: int = -1
     board: BoardPublisher | None = None  # the node's board, once the peer mapped it
     board_offered: str | None = None  # the board offered to the peer and not answered yet
+    takes_board: bool = False  # the peer said, when it asked for windows, that it reads boards
 
     def frames(self, header: Header, payload: Payload | None, chunk_bytes: int, published: tuple[Hashable, Hashable] | None = None) -> list[bytes] | None:
         """The control frames of a message whose payload went into the peer's window, or is on the
@@ -152,7 +153,7 @@ class SharedPeers:
         except OSError as exc:
             log.warning("no parameter board of %d bytes: %s; same-host workers get their own copies", nbytes, exc)
             return []
-        return [(peer, self._board_offer(connection)) for peer, connection in self.connections.items() if connection.ready]
+        return [(peer, self._board_offer(connection)) for peer, connection in self.connections.items() if connection.ready and connection.takes_board]
 
     def _board_offer(self, connection: SharedConnection) -> bytes:
         assert self.board is not None
@@ -174,13 +175,17 @@ class SharedPeers:
         """Handle a worker's handshake; the body of the answer to send it, if any."""
         info = _decode_handshake(raw, peer)
         if "pid" in info:
-            return msgpack.packb(self._open(peer, info["pid"]))
+            answer = self._open(peer, info["pid"])
+            connection = self.connections.get(peer)
+            if connection is not None:
+                connection.takes_board = info.get("board") is True
+            return msgpack.packb(answer)
         if "mapped" in info:
             connection = self.connections.get(peer)
             if connection is not None and info["mapped"] is True:
                 connection.ready = True
                 log.debug("peer %s reads its payloads from shared memory", peer.hex())
-                return self._board_offer(connection) if self.board is not None else None
+                return self._board_offer(connection) if self.board is not None and connection.takes_board else None
             elif connection is not None:  # logged once per pair of windows made, not once per message
                 self.forget(peer)
                 log.info("a same-host worker could not map its windows (%s); its payloads go on the socket", str(info.get("why", "?"))[:200])
@@ -268,7 +273,7 @@ class SharedClient:
 
     @staticmethod
     def request() -> list[bytes]:
-        return [HANDSHAKE, msgpack.packb({"pid": os.getpid()})]
+        return [HANDSHAKE, msgpack.packb({"pid": os.getpid(), "board": True})]
 
     def answer(self, raw: bytes | memoryview) -> list[bytes] | None:
         """Handle the node's handshake answer; the frames to send back, if any."""

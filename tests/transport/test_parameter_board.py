@@ -253,7 +253,7 @@ def test_a_worker_gone_before_the_offer_reaches_it_leaves_the_node_serving(board
     context = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.connect(link.server.address)
-    socket.send_multipart([HANDSHAKE, msgpack.packb({"pid": os.getpid()})])
+    socket.send_multipart([HANDSHAKE, msgpack.packb({"pid": os.getpid(), "board": True})])
     assert link.server.recv(0.5) is None  # the handshake: windows made, answered
     assert socket.poll(5000)
     socket.recv_multipart()
@@ -264,3 +264,23 @@ def test_a_worker_gone_before_the_offer_reaches_it_leaves_the_node_serving(board
     assert link.server.recv(0.5) is None  # "mapped": the offer finds no peer
     assert len(link.server._shared.connections) == windows - 1
     assert torch.equal(joined(link.push(torch.arange(5000.0))), torch.arange(5000.0))
+
+
+def test_a_worker_that_does_not_say_it_reads_boards_is_not_offered_one(board_link):
+    """A worker of an earlier release asks for windows without ``"board"``: it keeps them and gets
+    copies, never an offer it would take for a broken handshake."""
+    link = board_link
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        socket.connect(link.server.address)
+        socket.send_multipart([HANDSHAKE, msgpack.packb({"pid": os.getpid()})])
+        assert link.server.recv(0.5) is None
+        assert socket.poll(5000)
+        kind, body = socket.recv_multipart()
+        assert kind == HANDSHAKE and "write" in msgpack.unpackb(body)
+        socket.send_multipart([HANDSHAKE, msgpack.packb({"mapped": True})])
+        assert link.server.recv(0.5) is None
+        assert not socket.poll(300)  # no offer
+        assert sum(c.ready and c.board_offered is None and c.board is None for c in link.server._shared.connections.values()) == 1
+    finally:
+        socket.close(linger=0)
