@@ -88,13 +88,15 @@ def run_plan_memory(args: argparse.Namespace) -> int:
         memory_budget=args.memory_budget,
         keep_checkpoints=args.keep,
     )
+    board = wire_bytes * share  # the parameter board, where workers share the node's host (netoptim node --same-host-board)
     available = available_memory()
     if args.json:
-        print(json.dumps({"nodes": args.nodes, "per_node": needs.to_dict(), "this_host_available_ram": available}, indent=2))
+        print(json.dumps({"nodes": args.nodes, "per_node": needs.to_dict() | {"same_host_board": board}, "this_host_available_ram": available}, indent=2))
         return 0
     gib = 2**30
     print(f"{args.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire")
     print(f"  in memory:   {needs.ram_in_memory / gib:8.1f} GiB RAM per node")
+    print(f"               {board / gib:8.1f} GiB more for the parameter board where workers run on the node's host (--no-same-host-board: none)")
     if needs.ram_out_of_core is not None:
         print(f"  out of core: {needs.ram_out_of_core / gib:8.1f} GiB RAM per node with --memory-budget {args.memory_budget / gib:.1f}GiB")
     print(f"               {needs.disk_out_of_core / gib:8.1f} GiB disk per node under --state-dir (live state + {args.keep} checkpoint(s))")
