@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from optimizer_node.control import StepTimings
 from optimizer_node.non_finite import NonFiniteStats
+from transport.interface import no_shared_memory
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,34 @@ def _no_workers() -> Iterable[float]:
     return ()
 
 
-def _no_shared_memory() -> dict[str, int]:
-    return {"connections": 0, "written_bytes": 0, "read_bytes": 0}
+_SAME_HOST_SERIES = (  # (family, name, help, key of ServerEndpoint.shared_memory())
+    (GaugeMetricFamily, "netoptim_same_host_windows", "Same-host worker connections whose payloads go through shared windows.", "connections"),
+    (
+        CounterMetricFamily,
+        "netoptim_same_host_shared_bytes_sent",
+        "Payload bytes written into same-host workers' windows or sent as places on the parameter board (not sent on a socket).",
+        "written_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "netoptim_same_host_shared_bytes_received",
+        "Payload bytes read from same-host workers' windows (not received on a socket).",
+        "read_bytes",
+    ),
+    (GaugeMetricFamily, "netoptim_same_host_board_bytes", "Size of the job's parameter board for same-host workers (0: none).", "board_bytes"),
+    (
+        CounterMetricFamily,
+        "netoptim_same_host_board_written_bytes",
+        "Payload bytes copied onto the parameter board (once per bucket version).",
+        "board_written_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "netoptim_same_host_board_referenced_bytes",
+        "Payload bytes sent to same-host workers as places on the parameter board.",
+        "board_referenced_bytes",
+    ),
+)
 
 
 class _ScrapeTimeCollector(Collector):
@@ -98,32 +125,8 @@ class _ScrapeTimeCollector(Collector):
         if created is not None:
             yield GaugeMetricFamily("netoptim_checkpoint_age_seconds", "Seconds since the newest checkpoint was written.", value=max(0.0, now - created))
         shared = m.shared_memory()
-        yield GaugeMetricFamily(
-            "netoptim_same_host_windows", "Same-host worker connections whose payloads go through shared windows.", value=shared["connections"]
-        )
-        yield CounterMetricFamily(
-            "netoptim_same_host_shared_bytes_sent",
-            "Payload bytes written into same-host workers' windows or sent as places on the parameter board (not sent on a socket).",
-            value=shared["written_bytes"],
-        )
-        yield CounterMetricFamily(
-            "netoptim_same_host_shared_bytes_received",
-            "Payload bytes read from same-host workers' windows (not received on a socket).",
-            value=shared["read_bytes"],
-        )
-        yield GaugeMetricFamily(
-            "netoptim_same_host_board_bytes", "Size of the job's parameter board for same-host workers (0: none).", value=shared.get("board_bytes", 0)
-        )
-        yield CounterMetricFamily(
-            "netoptim_same_host_board_written_bytes",
-            "Payload bytes copied onto the parameter board (once per bucket version).",
-            value=shared.get("board_written_bytes", 0),
-        )
-        yield CounterMetricFamily(
-            "netoptim_same_host_board_referenced_bytes",
-            "Payload bytes sent to same-host workers as places on the parameter board.",
-            value=shared.get("board_referenced_bytes", 0),
-        )
+        for family, name, text, key in _SAME_HOST_SERIES:
+            yield family(name, text, value=shared[key])
         yield from self._non_finite()
 
     def _non_finite(self) -> Iterator[Metric]:
@@ -172,7 +175,7 @@ class NodeMetrics:
         paused: Callable[[], bool] = _never,
         draining: Callable[[], bool] = _never,
         last_checkpoint_unix: Callable[[], float | None] = _no_checkpoint,
-        shared_memory: Callable[[], dict[str, int]] = _no_shared_memory,
+        shared_memory: Callable[[], dict[str, int]] = no_shared_memory,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")

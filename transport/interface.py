@@ -16,6 +16,11 @@ import torch
 from transport.wire import Header, Payload
 
 
+def no_shared_memory() -> dict[str, int]:
+    """:meth:`ServerEndpoint.shared_memory` of an endpoint without shared memory."""
+    return dict.fromkeys(("connections", "written_bytes", "read_bytes", "board_bytes", "board_written_bytes", "board_referenced_bytes"), 0)
+
+
 @dataclass(slots=True)
 class Message:
     """One received message. ``peer`` identifies the sender on a server endpoint (``b""`` on a client);
@@ -107,10 +112,10 @@ class ServerEndpoint(ABC):
         return None
 
     def shared_memory(self) -> dict[str, int]:
-        """Same-host connections whose payloads go through shared memory, and the bytes that did each
-        way (``connections``, ``written_bytes``, ``read_bytes``); zeros where the backend has none.
-        Safe to call from another thread."""
-        return {"connections": 0, "written_bytes": 0, "read_bytes": 0}
+        """Same-host connections whose payloads go through shared memory, the bytes that did each way,
+        and the parameter board's size and traffic (the keys of :func:`no_shared_memory`); zeros where
+        the backend has none. Safe to call from another thread."""
+        return no_shared_memory()
 
 
 class ClientEndpoint(ABC):

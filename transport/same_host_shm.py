@@ -4,15 +4,16 @@ On the node's ``ipc://`` socket, a frame set whose first frame is one byte long 
 this path; anything else is an ordinary message (:mod:`transport.wire`), so either side may always
 fall back to sending payloads on the socket:
 
-- ``H`` handshake. The worker asks (``{"pid": ..., "board": true}``: it reads parameter boards); the node makes the connection's two windows
-  and answers with its pid and their descriptors, or why not; the worker maps them and says whether
-  it could (``{"mapped": ...}``); either side may close (``{"closed": ...}``).
+- ``H`` handshake. The worker asks (``{"pid": ..., "board": true}``: it reads parameter boards);
+  the node makes the connection's two windows and answers with its pid and their descriptors, or
+  why not; the worker maps them and says whether it could (``{"mapped": ...}``); either side may
+  close (``{"closed": ...}``).
 - ``M`` a message whose payload is in the receiver's window: ``[M, header, extent]``.
 - ``C`` credits: extents of the sender's window that the receiver no longer reads.
 - ``B`` a message whose payload is on the node's parameter board (:mod:`transport.shm_board`):
   ``[B, header, slot]``. The node offers its board in a handshake frame (``{"board": ...}``) to
-  each worker whose windows are mapped and that said it reads boards, and uses it for a worker once it answered that it mapped it
-  (``{"board_mapped": name}``).
+  each worker whose windows are mapped and that said it reads boards, and uses it for a worker once
+  it answered that it mapped it (``{"board_mapped": name}``).
 
 The node writes into a worker's window only once the worker said it mapped it, opens nothing a
 client names, and forgets a worker's windows when it closes them, when its process exits (a pidfd
@@ -142,8 +143,8 @@ class SharedPeers:
 
     def publish_board(self, nbytes: int, name: str) -> list[tuple[bytes, bytes]]:
         """Make a board of ``nbytes`` (replacing any), to be offered to every windowed peer: the
-        ``(peer, body)`` handshake frames that offer it to those ready now. None where this kernel
-        cannot seal a board against writers."""
+        ``(peer, body)`` handshake frames that offer it to those ready now. No board (and no frames)
+        where this kernel cannot seal one against writers."""
         self.drop_board()
         if not seals_supported():
             log.info("no parameter board: this kernel cannot seal memory files against writers (Linux 5.1 or later can)")

@@ -21,6 +21,7 @@ previous ones); a reader checks the token once it has copied the values out
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import mmap
 import os
@@ -29,7 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 import msgpack
 import torch
 
-from transport.shm_window import MAX_EXTENT_CHUNKS, UNIT_BYTES, SharedWindow
+from transport.shm_window import MAX_EXTENT_CHUNKS, UNIT_BYTES, SharedWindow, copy_pieces
 from transport.wire import ErrorCode, WireError
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not named by every Python
@@ -87,11 +88,7 @@ class BoardPublisher:
         if held != version or token == 0:
             index = start // 8
             self._tokens[index] = 0  # a reader that copies now finds the slot changed under it
-            position = start + SLOT_HEADER_BYTES
-            for piece in pieces:
-                nbytes = piece.numel() * piece.element_size()
-                self.window.bytes[position : position + nbytes].view(piece.dtype).copy_(piece)
-                position += nbytes
+            copy_pieces(self.window.bytes, start + SLOT_HEADER_BYTES, pieces)
             token = next(_tokens)
             self._tokens[index] = token
             self.written_bytes += total
@@ -166,6 +163,7 @@ class BoardReader:
         self.window.close()
 
 
+@functools.cache
 def seals_supported() -> bool:
     """Whether this kernel seals a memory file against new writable mappings (Linux 5.1 and later)."""
     try:

@@ -172,6 +172,15 @@ def payload_pieces(payload: Payload, chunk_bytes: int) -> tuple[list[torch.Tenso
     return pieces, lengths
 
 
+def copy_pieces(target: torch.Tensor, position: int, pieces: Sequence[torch.Tensor]) -> None:
+    """Copy ``pieces`` back to back into the bytes ``target`` (a window's) from ``position``: a copy
+    between views of one dtype, which torch spreads over cores when large."""
+    for piece in pieces:
+        nbytes = piece.numel() * piece.element_size()
+        target[position : position + nbytes].view(piece.dtype).copy_(piece)
+        position += nbytes
+
+
 class WindowWriter:
     """The sender's side of the peer's window: which extents are free, and the copies into them."""
 
@@ -216,12 +225,7 @@ class WindowWriter:
         start = self._take(total)
         if start is None:
             return None
-        position = start
-        for piece in pieces:
-            nbytes = piece.numel() * piece.element_size()
-            # The same bytes: a copy between views of one dtype (torch spreads large ones over cores).
-            self.window.bytes[position : position + nbytes].view(piece.dtype).copy_(piece)
-            position += nbytes
+        copy_pieces(self.window.bytes, start, pieces)
         self.written_bytes += total
         return msgpack.packb([start, lengths])
 

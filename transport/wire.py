@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import reprlib
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -392,20 +391,13 @@ def payload_views(
             raise WireError(ErrorCode.BAD_PAYLOAD, f"chunk of {len(chunk)} bytes splits a {header.dtype} element", peer=peer)
         if len(chunk):
             # Receivers may accumulate into what arrived; a read-only buffer (a small frame the
-            # transport copied into bytes) is copied once more so every view is writable.
-            if read_only:
-                views.append((offset, _read_only_view(chunk, dtype)))
-            else:
-                writable = chunk if not chunk.readonly else memoryview(bytearray(chunk))
-                views.append((offset, torch.frombuffer(writable, dtype=dtype)))
+            # transport copied into bytes) is copied once more so every view is writable. A board's
+            # chunks are read-only and only read: torch's warning about such buffers comes once per
+            # process, and the board's own mapping (SharedWindow) took it, silenced.
+            writable = chunk if read_only or not chunk.readonly else memoryview(bytearray(chunk))
+            views.append((offset, torch.frombuffer(writable, dtype=dtype)))
         offset += len(chunk) // itemsize
     return views
-
-
-def _read_only_view(chunk: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    with warnings.catch_warnings():  # torch warns of read-only buffers: here nothing writes through them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(chunk, dtype=dtype)
 
 
 def error_header(code: ErrorCode, message: str, *, bucket_id: int = -1, step: int = -1) -> Header:
