@@ -26,6 +26,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.transport_bench import run
     elif args.bench == "offload":
         from benchmarks.offload_bench import run
+    elif args.bench == "gpu":
+        from benchmarks.gpu_bench import run
     elif args.bench == "train":
         from benchmarks.train_bench import run
     elif args.bench == "plan":

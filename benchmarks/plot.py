@@ -21,6 +21,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "transport": (r".*_gbs$", "GB/s"),
     "offload": (r".*_mparams_per_s$", "Mparam/s"),
     "train": (r"^tokens_per_s$", "tokens/s"),
+    "gpu": (r"^tokens_per_s$", "tokens/s"),
     "cluster": (r"^tokens_per_s$", "tokens/s"),
     "plan": (r"^(measured|predicted)_step_s$", "s per step"),
     "cost": (r"^(measured|predicted)_step_s$", "s per step"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -53,6 +53,19 @@ def size_list(text: str) -> list[str]:
     if not sizes or unknown:
         raise argparse.ArgumentTypeError(f"{text!r}: sizes are a comma-separated list of {', '.join(known)}")
     return sizes
+
+
+def choice_list(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """A comma-separated list of ``what``, each one of ``known`` (order kept, repeats dropped)."""
+
+    def parse(text: str) -> list[str]:
+        picked = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+        unknown = [item for item in picked if item not in known]
+        if not picked or unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} are a comma-separated list of {', '.join(known)}")
+        return picked
+
+    return parse
 
 
 def address(text: str) -> str:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from netoptim.arg_types import non_negative_int, positive_int, positive_int_list, size, size_list
+from netoptim.arg_types import choice_list, non_negative_int, positive_int, positive_int_list, size, size_list
 from netoptim.cluster_cli import add_cluster_flags
 from netoptim.plan_cli import add_model_flags
 
@@ -15,7 +16,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,offload,plan,cost,step,cluster,morph}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,gpu,offload,plan,cost,step,cluster,morph}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -76,6 +77,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="whether the local nodes keep a parameter board their workers read from (netoptim node --same-host-board) (default: on)",
     )
+    add_gpu_parser(which)
     offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
     offload.add_argument("--numel", type=positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
     offload.add_argument("--bucket-numel", type=positive_int, default=1 << 20, help="parameters per bucket (default: %(default)s)")
@@ -139,3 +141,48 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
             metavar="FILE.png",
             help="also draw the comparison into this PNG (matplotlib: pip install 'netoptim[plot]'); the JSON on stdout is unchanged",
         )
+
+
+def add_gpu_parser(which: argparse._SubParsersAction) -> None:
+    from benchmarks.gpu_modes import MODES
+
+    gpu = which.add_parser(
+        "gpu",
+        help="GPT training on one GPU: torch alone vs netoptim full and layer-wise vs DeepSpeed ZeRO-2/ZeRO-3 CPU offload (needs CUDA; says so and exits 0 without)",
+        description="Each mode trains in a fresh process on GPU 0 with the same batches; the box's limits (pinned bandwidth each way, CPU AdamW at all cores, GPU compute alone) are measured in the same run. DeepSpeed modes need pip install 'netoptim[bench]'.",
+    )
+    gpu.add_argument(
+        "--sizes",
+        type=choice_list(("small", "350m", "1b", "3b", "7b"), "sizes"),
+        default=["350m", "1b"],
+        help="comma-separated GPT sizes: small (3M), 350m, 1b, 3b, 7b; torch alone is skipped where it cannot fit the GPU (default: 350m,1b)",
+    )
+    gpu.add_argument(
+        "--dtypes",
+        type=choice_list(("float32", "bfloat16"), "dtypes"),
+        default=["float32", "bfloat16"],
+        help="comma-separated: float32, bfloat16 (the model computes in it, netoptim's wire carries it, masters stay fp32) (default: float32,bfloat16)",
+    )
+    gpu.add_argument(
+        "--modes",
+        type=choice_list(MODES, "modes"),
+        default=list(MODES),
+        help=f"comma-separated, run in this order: {', '.join(MODES)} (compute: forward and backward alone; torch: AdamW on the GPU) (default: all)",
+    )
+    gpu.add_argument("--batch", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
+    gpu.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence, at most 64 (the models' block size) (default: %(default)s)")
+    gpu.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
+    gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
+    gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    gpu.add_argument("--bucket-numel", type=positive_int, default=1 << 22, help="netoptim: elements per bucket (default: %(default)s, 16 MiB of fp32)")
+    gpu.add_argument("--nodes", type=positive_int, default=1, help="local optimizer nodes for the netoptim modes (default: %(default)s)")
+    gpu.add_argument(
+        "--node-threads",
+        type=positive_int,
+        default=max(1, (os.cpu_count() or 1) - 2),
+        help="update threads per local node (default: the cores less two, left to the worker: %(default)s)",
+    )
+    gpu.add_argument("--copy-bytes", type=size, default=1 << 30, help="bytes per copy when measuring host-device bandwidth (default: 1GiB)")
+    gpu.add_argument("--adam-numel", type=positive_int, default=1 << 26, help="parameters when measuring CPU AdamW at all cores (default: %(default)s)")
+    gpu.add_argument("--timeout-s", type=positive_int, default=900, help="give up on a mode after this long (default: %(default)s)")
+    gpu.add_argument("--out", default="", metavar="FILE.json", help="also write the report there after every mode, so a run cut short keeps what it measured")

@@ -1,0 +1,186 @@
+"""``netoptim bench gpu``: GPT training on one GPU, netoptim against DeepSpeed's CPU offload.
+
+For each model size and dtype, in one run, with the same batches (``--batch`` x ``--seq`` tokens a
+step), each mode in a fresh process on GPU 0:
+
+- ``compute``: forward and backward alone (the GPU's share of any step);
+- ``torch``: the model and ``torch.optim.AdamW(fused=True)`` all on the GPU, where it fits (the ceiling);
+- ``full``: netoptim full model (``RemoteAdamW``, pushing during backward) with local optimizer nodes;
+- ``layerwise``: netoptim layer-wise (``gpu_worker.offload``, the model built on the meta device);
+- ``zero2`` / ``zero3``: DeepSpeed ZeRO-2 with its optimizer on the CPU, ZeRO-3 with parameters and
+  optimizer on the CPU (``pip install 'netoptim[bench]'``).
+
+In bfloat16 the model computes in bf16 in every mode; netoptim sends bf16 on the wire and the
+nodes keep fp32 masters, as DeepSpeed's bf16 mode keeps fp32 masters in its CPU optimizer.
+
+The run also measures the box's limits (pinned bandwidth each way, torch's fused CPU AdamW at all
+cores) and reports, per mode, the fraction of the *offload limit*: the step time if the slowest of
+GPU compute, gradients down, parameters up and the CPU update hid all the others.
+Without CUDA it says so and exits 0 without a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, offload_limit_step_s
+from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
+from gpu_worker.models import GPTConfig
+
+log = logging.getLogger(__name__)
+
+SIZES = {
+    "small": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
+    "350m": GPTConfig(vocab_size=256, block_size=64, n_layer=28, n_head=16, n_embd=1024),
+    "1b": GPTConfig(vocab_size=256, block_size=64, n_layer=20, n_head=16, n_embd=2048),
+    "3b": GPTConfig(vocab_size=256, block_size=64, n_layer=32, n_head=32, n_embd=2560),
+    "7b": GPTConfig(vocab_size=256, block_size=64, n_layer=32, n_head=32, n_embd=4096),
+}
+# GPU bytes per parameter beyond activations, per mode and model dtype (fp32 | bf16): what decides
+# whether a mode is tried at all. torch holds weights, gradients and two moments.
+GPU_BYTES_PER_PARAM = {"torch": (16, 8), "compute": (8, 4), "full": (8, 4), "zero2": (8, 4)}
+
+
+def param_count(config: GPTConfig) -> int:
+    per_block = 12 * config.n_embd**2 + 13 * config.n_embd
+    return config.n_layer * per_block + (2 * config.vocab_size + config.block_size + 2) * config.n_embd
+
+
+def _child(target, args: tuple, results: mp.Queue) -> None:
+    try:
+        results.put({"ok": target(*args)})
+    except BaseException as exc:
+        results.put({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)})
+
+
+def in_child(target, args: tuple, timeout_s: float) -> dict:
+    """``target(*args)`` in a fresh spawned process (its own CUDA context, peak memory and RSS)."""
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    process = context.Process(target=_child, args=(target, args, results))
+    process.start()
+    try:
+        outcome = results.get(timeout=timeout_s)
+    except Exception:
+        outcome = {"error": f"no result within {timeout_s:.0f} s"}
+    process.join(30)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    return outcome
+
+
+def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int) -> dict:
+    """The box's limits (see :mod:`benchmarks.gpu_limits`), in this process."""
+    return copy_bandwidth_gbs(device, copy_bytes) | cpu_adamw_mparams(adam_numel)
+
+
+def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, device: torch.device, args: argparse.Namespace) -> dict:
+    """One mode in a fresh process, with its own local nodes for the netoptim modes."""
+    from launch.processes import NodeProcess
+
+    config = SIZES[size]
+    with tempfile.TemporaryDirectory(prefix="netoptim-bench-gpu-") as workdir:
+        nodes = [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)] if mode in NETOPTIM_MODES else []
+        try:
+            mode_settings = ModeSettings(**{**asdict(settings), "nodes": [n.address for n in nodes], "node_pids": [n.process.pid for n in nodes]})
+            outcome = in_child(train_mode, (mode, config, dtype_name, mode_settings, device), args.timeout_s)
+        finally:
+            for node in nodes:
+                node.stop()
+    if "error" in outcome:
+        log.error("gpu bench: %s %s %s failed: %s\n%s", size, dtype_name, mode, outcome["error"], outcome.get("traceback", ""))
+        return {"status": f"failed: {outcome['error']}"}
+    return outcome["ok"]
+
+
+def _fits(mode: str, params: int, dtype_name: str, gpu_bytes: int) -> str | None:
+    per_param = GPU_BYTES_PER_PARAM.get(mode)
+    if per_param is None:
+        return None
+    need = params * per_param[0 if dtype_name == "float32" else 1]
+    if need > 0.85 * gpu_bytes:
+        return f"skipped: needs about {need / 2**30:.0f} GiB of the GPU's {gpu_bytes / 2**30:.0f} GiB before activations"
+    return None
+
+
+def summarize(entry: dict, params: int, dtype_name: str, limits: dict) -> None:
+    """Ratios between the modes of one size and dtype, and each mode's fraction of the offload limit."""
+    done = {mode: entry[mode] for mode in MODES if "tokens_per_s" in entry.get(mode, {})}
+    for ours, theirs in (("full", "zero2"), ("layerwise", "zero3"), ("full", "zero3"), ("layerwise", "zero2"), ("full", "torch"), ("layerwise", "torch")):
+        if ours in done and theirs in done:
+            entry[f"{ours}_over_{theirs}_tokens"] = done[ours]["tokens_per_s"] / done[theirs]["tokens_per_s"]
+    if "compute" in done and limits:
+        bound = offload_limit_step_s(params, DTYPES[dtype_name].itemsize, done["compute"]["step_s"], limits)
+        entry["offload_limit"] = bound
+        for mode in ("full", "layerwise", "zero2", "zero3"):
+            if mode in done:
+                entry[f"{mode}_fraction_of_offload_limit"] = bound["offload_limit_step_s"] / done[mode]["step_s"]
+
+
+def headline(report: dict) -> float | None:
+    """full over ZeRO-2 in fp32 at the largest size where both ran (else bf16)."""
+    for dtype_name in ("float32", "bfloat16"):
+        for size in reversed(list(report["sizes"])):
+            value = report["sizes"][size].get(dtype_name, {}).get("full_over_zero2_tokens")
+            if value is not None:
+                return value
+    return None
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    report: dict = {"benchmark": "gpu", "ratio": None}
+    if not torch.cuda.is_available():
+        report["status"] = "skipped: torch sees no CUDA device here (a CPU build of torch, or no GPU); no figure"
+        return report
+    too_long = [size for size in args.sizes if args.seq > SIZES[size].block_size]
+    if too_long:
+        raise ValueError(f"--seq {args.seq}: the {', '.join(too_long)} model(s) take at most {SIZES[too_long[0]].block_size} tokens per sequence")
+    device = torch.device("cuda", 0)
+    properties = torch.cuda.get_device_properties(device)
+    settings = ModeSettings(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, prefetch=args.prefetch, bucket_numel=args.bucket_numel)
+    report |= {
+        "gpu": properties.name,
+        "gpu_memory_gb": properties.total_memory / 1e9,
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "settings": {**asdict(settings), "nodes": args.nodes, "node_threads": args.node_threads},
+        "sizes": {},
+    }
+    try:
+        import deepspeed
+
+        report["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        report["deepspeed"] = None
+    limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel), args.timeout_s)
+    report["limits"] = limits.get("ok", {"status": limits.get("error")})
+    _save(report, args.out)
+    jobs = [(size, dtype_name, mode) for size in args.sizes for dtype_name in args.dtypes for mode in args.modes]
+    for size, dtype_name, mode in tqdm(jobs, desc="gpu bench", leave=False):
+        params = param_count(SIZES[size])
+        entry = report["sizes"].setdefault(size, {"params": params, "config": asdict(SIZES[size])}).setdefault(dtype_name, {})
+        skipped = _fits(mode, params, dtype_name, properties.total_memory)
+        entry[mode] = {"status": skipped} if skipped else run_mode(mode, size, dtype_name, settings, device, args)
+        summarize(entry, params, dtype_name, report["limits"] if "pinned_h2d_gbs" in report["limits"] else {})
+        report["ratio"] = headline(report)
+        _save(report, args.out)
+    return report
+
+
+def _save(report: dict, out: str) -> None:
+    """The report so far, for a run cut short (``--out``)."""
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))

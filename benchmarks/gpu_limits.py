@@ -1,0 +1,67 @@
+"""The box's limits for an offloaded step, measured in the run of ``netoptim bench gpu``: pinned
+host-device bandwidth each way, pageable host-to-device bandwidth, and torch's fused CPU AdamW at all
+cores. With the GPU's forward and backward alone they bound any offloaded step from below."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+
+def _median_s(run, repeats: int, synchronize) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        synchronize()
+        started = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """GB/s of one large copy: pinned host to device, device to pinned host, pageable host to device."""
+    numel = nbytes // 4
+    pinned = torch.empty(numel, pin_memory=device.type == "cuda").uniform_()
+    pageable = torch.empty(numel).uniform_()
+    on_device = torch.empty(numel, device=device)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return {
+        "pinned_h2d_gbs": nbytes / 1e9 / _median_s(lambda: on_device.copy_(pinned, non_blocking=True), repeats, synchronize),
+        "pinned_d2h_gbs": nbytes / 1e9 / _median_s(lambda: pinned.copy_(on_device, non_blocking=True), repeats, synchronize),
+        "pageable_h2d_gbs": nbytes / 1e9 / _median_s(lambda: on_device.copy_(pageable), repeats, synchronize),
+    }
+
+
+def cpu_adamw_mparams(numel: int = 1 << 26, threads: int | None = None, repeats: int = 5) -> dict[str, float]:
+    """Million parameters a second through ``torch.optim.AdamW(fused=True)`` on the CPU, all cores."""
+    threads = threads or os.cpu_count() or 1
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        param = torch.zeros(numel, requires_grad=True)
+        param.grad = torch.randn(numel)
+        opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
+        seconds = _median_s(opt.step, repeats, lambda: None)
+    finally:
+        torch.set_num_threads(previous)
+    return {"cpu_adamw_mparams_per_s": numel / 1e6 / seconds, "cpu_adamw_threads": threads}
+
+
+def offload_limit_step_s(params: int, wire_bytes_per_param: int, compute_step_s: float, limits: dict) -> dict[str, float]:
+    """The fastest an offloaded step can be on this box: every part overlapped with the others, so
+    the slowest of GPU compute, gradients down, parameters up and the CPU update sets the pace."""
+    parts = {
+        "gpu_compute_s": compute_step_s,
+        "d2h_s": params * wire_bytes_per_param / 1e9 / limits["pinned_d2h_gbs"],
+        "h2d_s": params * wire_bytes_per_param / 1e9 / limits["pinned_h2d_gbs"],
+        "cpu_adamw_s": params / 1e6 / limits["cpu_adamw_mparams_per_s"],
+    }
+    return parts | {"offload_limit_step_s": max(parts.values())}

@@ -1,0 +1,180 @@
+"""One mode of ``netoptim bench gpu`` trained in this process: the same GPT, batches and timing for
+torch alone, netoptim (full model and layer-wise) and DeepSpeed ZeRO-2/ZeRO-3 with CPU offload.
+
+:func:`train_mode` runs on whatever device it is given, so the netoptim and torch modes are tested
+on the CPU; the benchmark itself runs them on a GPU, each mode in a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NETOPTIM_MODES = ("full", "layerwise")
+DEEPSPEED_MODES = ("zero2", "zero3")
+# compute: forward and backward alone (the GPU's share of any step); torch: the model and
+# torch.optim.AdamW(fused=True) all on the GPU (the ceiling where it fits).
+MODES = ("compute", "torch", "zero2", "full", "zero3", "layerwise")
+LR, WEIGHT_DECAY = 1e-4, 0.01
+
+
+@dataclass
+class ModeSettings:
+    """What every mode of one run shares, so that their figures compare."""
+
+    batch: int = 16
+    seq: int = 64
+    warmup: int = 2
+    steps: int = 5
+    prefetch: int = 2
+    bucket_numel: int = 1 << 22
+    nodes: list[str] = field(default_factory=list)
+    node_pids: list[int] = field(default_factory=list)
+
+
+def batch_for(config: GPTConfig, step: int, settings: ModeSettings, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s tokens: the same in every mode (drawn on the CPU from a seed)."""
+    generator = torch.Generator().manual_seed(7919 + step)
+    data = torch.randint(0, config.vocab_size, (settings.batch, settings.seq + 1), generator=generator)
+    return data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
+
+
+def peak_rss_mb(pids: list[int]) -> float:
+    """Peak resident memory of this process plus the processes ``pids`` (the local nodes), MiB."""
+    total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+    return total
+
+
+def _deepspeed_engine(mode: str, model: torch.nn.Module, dtype: torch.dtype, settings: ModeSettings):
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise RuntimeError("DeepSpeed is not installed: pip install 'netoptim[bench]' (its CPU Adam op builds on first use)") from exc
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    zero: dict = {"stage": 2 if mode == "zero2" else 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if mode == "zero3":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    else:
+        zero |= {"overlap_comm": True, "contiguous_gradients": True}
+    config = {
+        "train_micro_batch_size_per_gpu": settings.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSettings, device: torch.device) -> dict:
+    """Train ``mode`` for ``settings.warmup + settings.steps`` steps; return its figures.
+
+    The step time is the wall time of the timed steps over their number, the device synchronized at
+    both ends: layer-wise work that spills into the next step's forward counts where it happens.
+    """
+    from gpu_worker import RemoteAdamW, offload
+
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    dtype = DTYPES[dtype_name]
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    options = dict(
+        nodes=settings.nodes, rank=0, world_size=1, lr=LR, weight_decay=WEIGHT_DECAY, timeout_s=600, wire_dtype=dtype, bucket_numel=settings.bucket_numel
+    )
+    torch.manual_seed(0)
+    started_init = time.perf_counter()
+    opt = engine = None
+    if mode == "layerwise":
+        with torch.device("meta"):
+            model = GPT(config).to(dtype)
+        opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings.prefetch, device=device, **options)
+    elif mode in DEEPSPEED_MODES:
+        with torch.device(device):
+            model = GPT(config)  # DeepSpeed casts to bf16 itself and keeps the fp32 master on the CPU
+        engine = _deepspeed_engine(mode, model, dtype, settings)
+    else:
+        with torch.device(device):
+            model = GPT(config).to(dtype)
+        if mode == "torch":
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        elif mode == "full":
+            opt = RemoteAdamW(model.named_parameters(), push_during_backward=True, **options)
+    init_s = time.perf_counter() - started_init
+    forward = engine if engine is not None else model
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    stats = getattr(opt, "stream_stats", None)
+    session = getattr(opt, "_session", None)  # netoptim: the worker's time per phase
+    loss = torch.zeros(())
+    timed_from = waited = transferred = 0.0
+    for step in range(settings.warmup + settings.steps):
+        if step == settings.warmup:
+            if cuda:
+                torch.cuda.synchronize(device)
+            timed_from = time.perf_counter()
+            if stats is not None:
+                waited, transferred = stats.fetch_wait_s, stats.fetch_transfer_s
+            if session is not None:
+                session.take_timings()
+        _logits, loss = forward(*batch_for(config, step, settings, device))
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize(device)
+    step_s = (time.perf_counter() - timed_from) / settings.steps
+    report = {
+        "step_s": step_s,
+        "tokens_per_s": settings.batch * settings.seq / step_s,
+        "init_s": init_s,
+        "loss": float(loss.detach().float().item()),
+        "peak_host_rss_mb": peak_rss_mb(settings.node_pids),
+    }
+    if cuda:
+        report["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    if session is not None:
+        phases = session.take_timings()
+        report["worker_phases_s_per_step"] = {name: getattr(phases, name) / settings.steps for name in ("gather_s", "send_s", "wait_s", "install_s")}
+    if stats is not None:
+        blocked, transfer = stats.fetch_wait_s - waited, stats.fetch_transfer_s - transferred
+        report["comm_hidden_fraction"] = 1 - blocked / transfer if transfer > 0 else 1.0
+    if opt is not None and hasattr(opt, "close"):
+        opt.close()
+    return report
