@@ -91,9 +91,20 @@ def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, devi
 
     config = SIZES[size]
     with tempfile.TemporaryDirectory(prefix="netoptim-bench-gpu-") as workdir:
-        nodes = [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads).start() for i in range(args.nodes)] if mode in NETOPTIM_MODES else []
+        nodes = (
+            [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads, extra_args=("--admin", "127.0.0.1:0")).start() for i in range(args.nodes)]
+            if mode in NETOPTIM_MODES
+            else []
+        )
         try:
-            mode_settings = ModeSettings(**{**asdict(settings), "nodes": [n.address for n in nodes], "node_pids": [n.process.pid for n in nodes]})
+            mode_settings = ModeSettings(
+                **{
+                    **asdict(settings),
+                    "nodes": [n.address for n in nodes],
+                    "node_pids": [n.process.pid for n in nodes],
+                    "node_admins": [n.admin_address for n in nodes],
+                }
+            )
             outcome = in_child(train_mode, (mode, config, dtype_name, mode_settings, device), args.timeout_s)
         finally:
             for node in nodes:

@@ -37,6 +37,35 @@ class ModeSettings:
     bucket_numel: int = 1 << 22
     nodes: list[str] = field(default_factory=list)
     node_pids: list[int] = field(default_factory=list)
+    node_admins: list[str] = field(default_factory=list)
+
+
+def node_status(admins: list[str], *, settle_s: float = 0.0) -> list[dict]:
+    """Each local node's update path and last step's phases (its admin service); with ``settle_s``,
+    first wait up to that long for every node's compiled update loop to be checked and in use, so
+    the timed steps do not measure a node's first seconds."""
+    import grpc
+
+    from protos import admin_pb2, admin_pb2_grpc
+
+    statuses = []
+    for address in admins:
+        with grpc.insecure_channel(address) as channel:
+            stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
+            deadline = time.monotonic() + settle_s
+            while True:
+                status = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+                if "compiled" in status.update_path or status.update_path == "torch-ops" or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+            last = status.last_step
+            statuses.append(
+                {
+                    "update_path": status.update_path,
+                    "last_step_s": {"wall": last.wall_seconds, "reduce": last.reduce_seconds, "update": last.update_seconds, "send": last.send_seconds},
+                }
+            )
+    return statuses
 
 
 def batch_for(config: GPTConfig, step: int, settings: ModeSettings, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +173,8 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
             timed_from = time.perf_counter()
             if stats is not None:
                 waited, transferred = stats.fetch_wait_s, stats.fetch_transfer_s
+            if settings.node_admins:
+                node_status(settings.node_admins, settle_s=120.0)
             if session is not None:
                 session.take_timings()
         _logits, loss = forward(*batch_for(config, step, settings, device))
@@ -172,6 +203,8 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if session is not None:
         phases = session.take_timings()
         report["worker_phases_s_per_step"] = {name: getattr(phases, name) / settings.steps for name in ("gather_s", "send_s", "wait_s", "install_s")}
+    if settings.node_admins:
+        report["nodes"] = node_status(settings.node_admins)
     if stats is not None:
         blocked, transfer = stats.fetch_wait_s - waited, stats.fetch_transfer_s - transferred
         report["comm_hidden_fraction"] = 1 - blocked / transfer if transfer > 0 else 1.0

@@ -1,0 +1,82 @@
+"""``netoptim bench gpu``: without CUDA it says so and exits 0; its modes train for real on whatever
+device they are given (here the CPU, with real nodes), and its summary is the arithmetic it claims."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import gpu_bench
+from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
+from benchmarks.gpu_modes import ModeSettings
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
+def test_without_cuda_it_says_so_and_exits_zero_without_a_figure():
+    result = subprocess.run([sys.executable, "-m", "netoptim", "bench", "gpu"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["benchmark"] == "gpu" and report["ratio"] is None and "no CUDA device" in report["status"]
+
+
+def test_a_bad_size_is_refused_naming_the_sizes():
+    result = subprocess.run([sys.executable, "-m", "netoptim", "bench", "gpu", "--sizes", "1b,2b"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "350m" in result.stderr and "7b" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["compute", "torch", "full", "layerwise"])
+def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
+    args = argparse.Namespace(nodes=1, node_threads=1, timeout_s=180)
+    settings = ModeSettings(batch=2, seq=16, warmup=1, steps=2, bucket_numel=1 << 16)
+    report = gpu_bench.run_mode(mode, "small", "float32", settings, torch.device("cpu"), args)
+    assert "status" not in report, report.get("status")
+    assert report["step_s"] > 0 and report["tokens_per_s"] == pytest.approx(2 * 16 / report["step_s"])
+    assert math.isfinite(report["loss"]) and 4 < report["loss"] < 7  # ln(256) ~ 5.5 at the start
+    assert report["peak_host_rss_mb"] > 0
+    if mode in ("full", "layerwise"):
+        (node,) = report["nodes"]
+        assert "compiled" in node["update_path"] or node["update_path"].startswith("torch-ops")
+        assert node["last_step_s"]["wall"] > 0
+        assert set(report["worker_phases_s_per_step"]) == {"gather_s", "send_s", "wait_s", "install_s"}
+    if mode == "layerwise":
+        assert 0 <= report["comm_hidden_fraction"] <= 1
+
+
+def test_a_failing_mode_is_reported_and_the_run_goes_on():
+    args = argparse.Namespace(nodes=1, node_threads=1, timeout_s=60)
+    report = gpu_bench.run_mode("zero2", "small", "float32", ModeSettings(batch=0), torch.device("cpu"), args)
+    assert report["status"].startswith("failed: ")
+
+
+def test_the_offload_limit_is_the_slowest_part_and_fractions_follow_from_it():
+    limits = {"pinned_h2d_gbs": 50.0, "pinned_d2h_gbs": 40.0, "cpu_adamw_mparams_per_s": 5000.0}
+    bound = offload_limit_step_s(1_000_000_000, 4, 0.15, limits)
+    assert bound["d2h_s"] == pytest.approx(0.1) and bound["h2d_s"] == pytest.approx(0.08) and bound["cpu_adamw_s"] == pytest.approx(0.2)
+    assert bound["offload_limit_step_s"] == pytest.approx(0.2)
+    entry = {
+        "compute": {"step_s": 0.15, "tokens_per_s": 6000.0},
+        "full": {"step_s": 0.4, "tokens_per_s": 2000.0},
+        "zero2": {"step_s": 0.8, "tokens_per_s": 1000.0},
+        "layerwise": {"status": "failed: x"},
+    }
+    gpu_bench.summarize(entry, 1_000_000_000, "float32", limits)
+    assert entry["full_over_zero2_tokens"] == pytest.approx(2.0) and "layerwise_over_zero3_tokens" not in entry
+    assert entry["full_fraction_of_offload_limit"] == pytest.approx(0.5) and entry["zero2_fraction_of_offload_limit"] == pytest.approx(0.25)
+    assert gpu_bench.headline({"sizes": {"1b": {"float32": entry}}}) == pytest.approx(2.0)
+
+
+def test_torch_alone_is_skipped_where_it_cannot_fit_the_gpu():
+    assert gpu_bench._fits("torch", 7_000_000_000, "float32", 80 << 30).startswith("skipped: needs about 104 GiB")
+    assert gpu_bench._fits("torch", 7_000_000_000, "bfloat16", 80 << 30) is None
+    assert gpu_bench._fits("layerwise", 70_000_000_000, "float32", 80 << 30) is None
+
+
+def test_copy_bandwidth_is_measured_each_way():
+    figures = copy_bandwidth_gbs(torch.device("cpu"), nbytes=1 << 20, repeats=1)
+    assert set(figures) == {"pinned_h2d_gbs", "pinned_d2h_gbs", "pageable_h2d_gbs"} and min(figures.values()) > 0
