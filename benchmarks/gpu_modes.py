@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NETOPTIM_MODES = ("full", "layerwise")
@@ -34,7 +35,7 @@ class ModeSettings:
     warmup: int = 2
     steps: int = 5
     prefetch: int = 2
-    bucket_numel: int = 1 << 22
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
     nodes: list[str] = field(default_factory=list)
     node_pids: list[int] = field(default_factory=list)
     node_admins: list[str] = field(default_factory=list)
@@ -55,7 +56,7 @@ def node_status(admins: list[str], *, settle_s: float = 0.0) -> list[dict]:
             deadline = time.monotonic() + settle_s
             while True:
                 status = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
-                if "compiled" in status.update_path or status.update_path == "torch-ops" or time.monotonic() >= deadline:
+                if "checking" not in status.update_path or time.monotonic() >= deadline:  # settled one way or the other
                     break
                 time.sleep(0.2)
             last = status.last_step

@@ -145,6 +145,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     from benchmarks.gpu_modes import MODES
+    from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
 
     gpu = which.add_parser(
         "gpu",
@@ -174,7 +175,9 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     gpu.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
     gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
     gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
-    gpu.add_argument("--bucket-numel", type=positive_int, default=1 << 22, help="netoptim: elements per bucket (default: %(default)s, 16 MiB of fp32)")
+    gpu.add_argument(
+        "--bucket-numel", type=positive_int, default=DEFAULT_BUCKET_NUMEL, help="netoptim: elements per bucket (default: RemoteAdamW's, %(default)s)"
+    )
     gpu.add_argument("--nodes", type=positive_int, default=1, help="local optimizer nodes for the netoptim modes (default: %(default)s)")
     gpu.add_argument(
         "--node-threads",

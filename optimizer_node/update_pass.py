@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -268,30 +269,39 @@ def _compiled_pass(
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> bool:
     """The update (and bf16 copy) through the compiled loop, the segments' tails through torch ops;
-    False, having done nothing, if the loop does not take these terms or is not ready."""
-    wholes = [pieces[0][1] if len(pieces) == 1 else None for pieces in pending]  # the loop takes whole frames
-    if any(whole is None for whole in wholes):
-        return False
-    head = wholes[0] if len(wholes) > 1 and wholes[0].dtype == torch.float32 and wholes[1].dtype != torch.float32 else None
-    frames = wholes[1:] if head is not None else wholes
-    if not compiled_update.supports(head, frames) or not compiled_update.ready():
+    False, having done nothing, if the loop does not take these terms or is not ready.
+
+    A gradient that came in several frames (the wire cuts a message into ``chunk_bytes`` pieces: a
+    16 MiB bucket is four) is taken window by window, a window being a stretch where every term is
+    one frame: the loop is elementwise, so where its blocks are cut changes no bit."""
+    windows = _frame_windows(pending, param.numel())
+    for _lo, _hi, views in windows:
+        head = views[0] if len(views) > 1 and views[0].dtype == torch.float32 and views[1].dtype != torch.float32 else None
+        if not compiled_update.supports(head, views[1:] if head is not None else views):
+            return False
+    if not compiled_update.ready():
         return False
     plan = plan_loop(segments)
     bf16_copy = wire_out if wire_out is not None and wire_out.dtype == torch.bfloat16 else None  # the loop writes it
-    if len(plan.blocks):
+    for lo, hi, views in windows:
+        blocks = plan.blocks if len(windows) == 1 else _blocks_within(plan.blocks, lo, hi)
+        if not len(blocks):
+            continue
+        head = views[0] if len(views) > 1 and views[0].dtype == torch.float32 and views[1].dtype != torch.float32 else None
+        window_arrays = arrays and tuple(array[lo:hi] for array in arrays[:3])
         compiled_update.update(
-            param,
-            exp_avg,
-            exp_avg_sq,
+            param[lo:hi],
+            exp_avg[lo:hi],
+            exp_avg_sq[lo:hi],
             head,
-            frames,
-            bf16_copy,
-            plan.blocks,
+            views[1:] if head is not None else views,
+            bf16_copy[lo:hi] if bf16_copy is not None else None,
+            blocks,
             hyper,
             float(step),
             float(grad_divisor),
-            previous_out,
-            arrays=arrays and arrays[:3],
+            previous_out[lo:hi] if previous_out is not None else None,
+            arrays=window_arrays,
         )
     if plan.tails:
         start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]
@@ -305,6 +315,32 @@ def _compiled_pass(
     if wire_out is not None and bf16_copy is None:
         wire_out.copy_(param)
     return True
+
+
+def _frame_windows(pending: Sequence[TensorPieces], numel: int) -> list[tuple[int, int, list[torch.Tensor]]]:
+    """``(start, stop, views)``: ``0 .. numel`` cut wherever any term's frame ends, with each term's
+    view of that stretch (one frame each)."""
+    if all(len(pieces) == 1 for pieces in pending):
+        return [(0, numel, [pieces[0][1] for pieces in pending])]
+    cuts = sorted({offset for pieces in pending for offset, _view in pieces} | {numel})
+    windows = []
+    at = [0] * len(pending)  # each term's piece holding the window's start
+    for lo, hi in itertools.pairwise(cuts):
+        views = []
+        for index, pieces in enumerate(pending):
+            while pieces[at[index]][0] + pieces[at[index]][1].numel() <= lo:
+                at[index] += 1
+            offset, view = pieces[at[index]]
+            views.append(view[lo - offset : hi - offset])
+        windows.append((lo, hi, views))
+    return windows
+
+
+def _blocks_within(blocks: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The parts of ``blocks`` inside ``lo .. hi``, counted from ``lo``."""
+    starts, stops = np.maximum(blocks[:, 0], lo), np.minimum(blocks[:, 1], hi)
+    keep = starts < stops
+    return np.stack([starts[keep] - lo, stops[keep] - lo], axis=1)
 
 
 def _update_pieces(
