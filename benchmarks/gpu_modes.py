@@ -77,12 +77,25 @@ def batch_for(config: GPTConfig, step: int, settings: ModeSettings, device: torc
 
 
 def peak_rss_mb(pids: list[int]) -> float:
-    """Peak resident memory of this process plus the processes ``pids`` (the local nodes), MiB."""
+    """Peak resident memory of this process plus the processes ``pids`` (the local nodes), MiB. Pages
+    that several of them map (same-host windows, the parameter board) count once in each."""
     total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for pid in pids:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+    return total
+
+
+def host_pss_mb(pids: list[int]) -> float:
+    """Proportional resident memory now of this process plus ``pids``, MiB: pages shared between them
+    (a node's and its worker's shared windows) count once in all, where peak RSS counts them in each."""
+    total = 0.0
+    for pid in ["self", *pids]:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
                     total += int(line.split()[1]) / 1024
     return total
 
@@ -192,12 +205,14 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if cuda:
         torch.cuda.synchronize(device)
     step_s = (time.perf_counter() - timed_from) / settings.steps
+    pss_mb = host_pss_mb(settings.node_pids)
     report = {
         "step_s": step_s,
         "tokens_per_s": settings.batch * settings.seq / step_s,
         "init_s": init_s,
         "loss": float(loss.detach().float().item()),
         "peak_host_rss_mb": peak_rss_mb(settings.node_pids),
+        "host_pss_mb_after_training": pss_mb,
     }
     if cuda:
         report["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
