@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, offload_limit_step_s
+from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
 from gpu_worker.models import GPTConfig
 
@@ -80,9 +80,9 @@ def in_child(target, args: tuple, timeout_s: float) -> dict:
     return outcome
 
 
-def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int) -> dict:
+def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, node_threads: int) -> dict:
     """The box's limits (see :mod:`benchmarks.gpu_limits`), in this process."""
-    return copy_bandwidth_gbs(device, copy_bytes) | cpu_adamw_mparams(adam_numel)
+    return copy_bandwidth_gbs(device, copy_bytes) | cpu_adamw_mparams(adam_numel) | node_update_mparams(node_threads, adam_numel)
 
 
 def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, device: torch.device, args: argparse.Namespace) -> dict:
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
         report["deepspeed"] = deepspeed.__version__
     except ImportError:
         report["deepspeed"] = None
-    limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel), args.timeout_s)
+    limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, args.node_threads), args.timeout_s)
     report["limits"] = limits.get("ok", {"status": limits.get("error")})
     _save(report, args.out)
     jobs = [(size, dtype_name, mode) for size in args.sizes for dtype_name in args.dtypes for mode in args.modes]

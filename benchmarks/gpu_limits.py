@@ -1,6 +1,6 @@
 """The box's limits for an offloaded step, measured in the run of ``netoptim bench gpu``: pinned
 host-device bandwidth each way, pageable host-to-device bandwidth, and torch's fused CPU AdamW at all
-cores. With the GPU's forward and backward alone they bound any offloaded step from below."""
+cores (with the node's own update pass at its threads beside it). With the GPU's forward and backward alone they bound any offloaded step from below."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ def cpu_adamw_mparams(numel: int = 1 << 26, threads: int | None = None, repeats:
     finally:
         torch.set_num_threads(previous)
     return {"cpu_adamw_mparams_per_s": numel / 1e6 / seconds, "cpu_adamw_threads": threads}
+
+
+def node_update_mparams(threads: int, numel: int = 1 << 26) -> dict[str, float]:
+    """The node's update pass (one gradient term, 1 Mi-element buckets) on ``threads`` threads, Mparam/s:
+    its compiled loop and torch ops, the two paths a node can take (which is faster depends on the cores)."""
+    from optimizer_node.update_profile import update_pass_seconds_per_param
+
+    return {
+        f"node_update_{path}_mparams_per_s": 1e-6 / update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, compiled=path == "compiled")
+        for path in ("compiled", "torch_ops")
+    } | {"node_update_threads": threads}
 
 
 def offload_limit_step_s(params: int, wire_bytes_per_param: int, compute_step_s: float, limits: dict) -> dict[str, float]:

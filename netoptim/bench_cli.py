@@ -186,6 +186,11 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         help="update threads per local node (default: the cores less two, left to the worker: %(default)s)",
     )
     gpu.add_argument("--copy-bytes", type=size, default=1 << 30, help="bytes per copy when measuring host-device bandwidth (default: 1GiB)")
-    gpu.add_argument("--adam-numel", type=positive_int, default=1 << 26, help="parameters when measuring CPU AdamW at all cores (default: %(default)s)")
+    gpu.add_argument(
+        "--adam-numel",
+        type=positive_int,
+        default=1 << 26,
+        help="parameters when measuring CPU AdamW at all cores and the node's update pass (compiled loop and torch ops) at --node-threads (default: %(default)s)",
+    )
     gpu.add_argument("--timeout-s", type=positive_int, default=900, help="give up on a mode after this long (default: %(default)s)")
     gpu.add_argument("--out", default="", metavar="FILE.json", help="also write the report there after every mode, so a run cut short keeps what it measured")

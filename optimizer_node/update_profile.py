@@ -17,9 +17,10 @@ from optimizer_node.update_pass import reduce_and_update
 BUCKET_NUMEL = 1 << 20
 
 
-def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5) -> float:
+def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True) -> float:
     """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
-    1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first)."""
+    1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
+    ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked."""
     if terms < 1 or threads < 1 or numel < BUCKET_NUMEL or repeats < 1:
         raise ValueError(f"terms, threads and repeats must be >= 1 and numel >= {BUCKET_NUMEL}, got {terms}, {threads}, {repeats}, {numel}")
     buckets = numel // BUCKET_NUMEL
@@ -39,7 +40,7 @@ def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 <<
             for rank in range(terms):
                 reduction.add(rank, [(0, frames[index][rank])])
             exp_avg, exp_avg_sq = moments[index]
-            reduce_and_update(reduction, params[index], exp_avg, exp_avg_sq, steps[index], hyper, grad_divisor=divisor)
+            reduce_and_update(reduction, params[index], exp_avg, exp_avg_sq, steps[index], hyper, grad_divisor=divisor, compiled=compiled)
         return time.perf_counter() - started
 
     previous = torch.get_num_threads()

@@ -77,6 +77,12 @@ def test_torch_alone_is_skipped_where_it_cannot_fit_the_gpu():
     assert gpu_bench._fits("layerwise", 70_000_000_000, "float32", 80 << 30) is None
 
 
+def test_the_limits_include_both_update_paths_of_the_node():
+    figures = gpu_bench.measure_limits(torch.device("cpu"), 1 << 20, 1 << 20, 1)
+    assert figures["node_update_compiled_mparams_per_s"] > 0 and figures["node_update_torch_ops_mparams_per_s"] > 0
+    assert figures["node_update_threads"] == 1 and figures["cpu_adamw_threads"] >= 1
+
+
 def test_copy_bandwidth_is_measured_each_way():
     figures = copy_bandwidth_gbs(torch.device("cpu"), nbytes=1 << 20, repeats=1)
     assert set(figures) == {"pinned_h2d_gbs", "pinned_d2h_gbs", "pageable_h2d_gbs"} and min(figures.values()) > 0
