@@ -16,7 +16,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 def _jit(**options):
@@ -128,10 +128,28 @@ def cast_bf16(p, out):  # pragma: no cover - compiled
         out[i] = _to_bf16(p[i])
 
 
+def write_copy(p, out):  # pragma: no cover - replaced by the overload below in compiled code
+    """``out`` = ``p`` in ``out``'s dtype: bf16 bits (uint16), or fp32 as it is (a node's parameter board)."""
+    raise NotImplementedError
+
+
+@_jit()
+def _copy_fp32(p, out):  # pragma: no cover - compiled
+    for i in range(p.shape[0]):
+        out[i] = p[i]
+
+
+@overload(write_copy, inline="always")
+def _write_copy(p, out):  # pragma: no cover - compiled
+    if out.dtype == types.float32:
+        return lambda p, out: _copy_fp32(p, out)
+    return lambda p, out: cast_bf16(p, out)
+
+
 @_jit(inline="always")
 def _block_fp32(p, m, v, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
     """Elements ``lo .. hi - 1``: (``prev`` not empty) the parameters kept as they were; AdamW with the
-    fp32 frames summed in order; then (``wire`` not empty) the bf16 copy."""
+    fp32 frames summed in order; then (``wire`` not empty) the outgoing copy: bf16 bits, or fp32."""
     count = len(frames)
     if prev.shape[0] > 0:  # the block is in cache for the update that follows
         prev[lo:hi] = p[lo:hi]
@@ -146,8 +164,8 @@ def _block_fp32(p, m, v, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_f
             for k in range(1, count - 1):
                 rest += frames[k][lo:hi]
         _pair_fp32(p[lo:hi], m[lo:hi], v[lo:hi], rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
-    if wire.shape[0] > 0:
-        cast_bf16(p[lo:hi], wire[lo:hi])
+    if wire.shape[0] > 0:  # the outgoing copy (bf16 bits or fp32) while the block is in cache
+        write_copy(p[lo:hi], wire[lo:hi])
 
 
 @_jit(inline="always")

@@ -18,10 +18,11 @@ from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper
 
 
-def _variants() -> list[tuple[torch.dtype, bool, int]]:
-    """(frame dtype, fp32 head first, frames) for every call the update pass can make."""
-    fp32 = [(torch.float32, False, n) for n in range(1, compiled_update.MAX_TERMS + 1)]
-    bf16 = [(torch.bfloat16, head, n) for head in (False, True) for n in range(1, compiled_update.MAX_TERMS + 1 - head)]
+def _variants() -> list[tuple[torch.dtype, bool, int, torch.dtype | None]]:
+    """(frame dtype, fp32 head first, frames, outgoing copy's dtype) for every call the update pass can
+    make: fp32 frames with no copy or an fp32 one (a parameter board), bf16 frames with a bf16 copy."""
+    fp32 = [(torch.float32, False, n, wire) for wire in (None, torch.float32) for n in range(1, compiled_update.MAX_TERMS + 1)]
+    bf16 = [(torch.bfloat16, head, n, torch.bfloat16) for head in (False, True) for n in range(1, compiled_update.MAX_TERMS + 1 - head)]
     return fp32 + bf16
 
 
@@ -30,10 +31,10 @@ def warm_up() -> None:
     numel = 64
     blocks = np.array([[0, numel]], dtype=np.int64)
     hyper = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.0)
-    for dtype, with_head, count in _variants():
+    for dtype, with_head, count, wire_dtype in _variants():
         head = torch.zeros(numel) if with_head else None
         frames = [torch.zeros(numel, dtype=dtype) for _ in range(count)]
-        wire = torch.empty(numel, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
+        wire = torch.empty(numel, dtype=wire_dtype) if wire_dtype is not None else None
         for serial in (True, False):
             param, exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
             compiled_update.update(param, exp_avg, exp_avg_sq, head, frames, wire, blocks, hyper, 1.0, 1.0, torch.empty(numel), serial=serial)

@@ -634,11 +634,14 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
     def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, previous: torch.Tensor | None) -> None:
         started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
-        wire = None
+        wire = board = None
         if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy
+        else:  # where same-host ranks read the parameter board, the update pass writes the values there too
+            board = self._endpoint.board_slot(state.bucket_id, state.numel * 4)
+            wire = board.view(torch.float32) if board is not None else None
         segments = job.segments[state.bucket_id]
         absent = in_flight.absent or frozenset()
         # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
@@ -660,12 +663,14 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             # with clipping, the sum was divided by world_size for the norm: it is only multiplied
             grad_divisor=job.divisor if in_flight.clip is None else None,
             grad_multiplier=in_flight.clip,
-            wire_out=wire if not unchanged or state.wire_step != state.step else None,
+            wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
             previous_out=previous,
             compiled=self._compiled_update,
         )
         state.step += 1
-        state.wire_step = state.step if wire is not None else -1
+        state.wire_step = state.step if wire is not None and board is None else -1
+        if board is not None:  # the version _send_params publishes: sending it copies nothing
+            self._endpoint.board_written(state.bucket_id, (state.revision, state.step))
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()
         self.clock.current.update_s += sending - started

@@ -282,7 +282,9 @@ def _compiled_pass(
     if not compiled_update.ready():
         return False
     plan = plan_loop(segments)
-    bf16_copy = wire_out if wire_out is not None and wire_out.dtype == torch.bfloat16 else None  # the loop writes it
+    fp32_frames = all(view.dtype == torch.float32 for view in windows[0][2])
+    # the loop writes the outgoing copy: bf16 bits, or fp32 (a parameter board's slot) from fp32 frames
+    loop_copy = wire_out if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and fp32_frames)) else None
     for lo, hi, views in windows:
         blocks = plan.blocks if len(windows) == 1 else _blocks_within(plan.blocks, lo, hi)
         if not len(blocks):
@@ -295,7 +297,7 @@ def _compiled_pass(
             exp_avg_sq[lo:hi],
             head,
             views[1:] if head is not None else views,
-            bf16_copy[lo:hi] if bf16_copy is not None else None,
+            loop_copy[lo:hi] if loop_copy is not None else None,
             blocks,
             hyper,
             float(step),
@@ -309,10 +311,10 @@ def _compiled_pass(
             for offset, numel in plan.tails:
                 previous_out[offset : offset + numel].copy_(param[offset : offset + numel])
         _update_pieces([_Term(pieces) for pieces in pending], start, stop, plan.tails, param, exp_avg, exp_avg_sq, step, hyper, grad_divisor, None)
-        if bf16_copy is not None:
+        if loop_copy is not None:
             for offset, numel in plan.tails:
-                bf16_copy[offset : offset + numel].copy_(param[offset : offset + numel])
-    if wire_out is not None and bf16_copy is None:
+                loop_copy[offset : offset + numel].copy_(param[offset : offset + numel])
+    if wire_out is not None and loop_copy is None:
         wire_out.copy_(param)
     return True
 

@@ -89,6 +89,17 @@ class ServerEndpoint(ABC):
         """Close the parameter board, if any; what it held goes to peers as copies again."""
         return None
 
+    def board_slot(self, key: Hashable, nbytes: int) -> torch.Tensor | None:
+        """Writable bytes where the next version of ``key`` (``nbytes`` of payload) goes on the board, for
+        the caller to compute it there in place and then call :meth:`board_written`, so that
+        :meth:`send_published` of that version copies nothing. ``None`` where no peer reads the
+        board (or there is none, or no room): by default."""
+        return None
+
+    def board_written(self, key: Hashable, version: Hashable) -> None:
+        """The bytes :meth:`board_slot` gave for ``key`` now hold ``version``."""
+        return None
+
     def send_published(self, peer: bytes, header: Header, payload: Payload, key: Hashable, version: Hashable) -> SendHandle:
         """:meth:`send` of values that several peers are sent: the ``version`` of ``key`` (a bucket's
         values of a step). Where the peer mapped this endpoint's board, the values are copied onto it

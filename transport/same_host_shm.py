@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import msgpack
+import torch
 
 from transport.shm_board import BoardPublisher, BoardReader, seals_supported
 from transport.shm_window import MIN_SHARED_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits, payload_pieces
@@ -160,6 +161,18 @@ class SharedPeers:
         assert self.board is not None
         connection.board_offered = self.board.name
         return msgpack.packb({"board": self.board.describe()})
+
+    def board_slot(self, key: Hashable, nbytes: int) -> torch.Tensor | None:
+        """Writable bytes of ``key``'s slot on the board (:meth:`BoardPublisher.open_slot`), where a peer
+        reads from the board and the payload is one the board would carry; else ``None``."""
+        if self.board is None or nbytes < MIN_SHARED_BYTES or not any(connection.board is not None for connection in self.connections.values()):
+            return None
+        return self.board.open_slot(key, nbytes)
+
+    def board_written(self, key: Hashable, version: Hashable) -> None:
+        """The slot :meth:`board_slot` gave now holds ``version``."""
+        if self.board is not None:
+            self.board.written(key, version)
 
     def drop_board(self) -> None:
         """Stop using the board and close it (workers keep their mappings until they drop them)."""

@@ -78,12 +78,9 @@ class BoardPublisher:
         sends them another way). ``lengths`` are the chunk lengths of the message, as
         :func:`~transport.shm_window.payload_pieces` cuts them."""
         total = sum(lengths)
-        slot = self._slots.get(key)
-        if slot is None or slot[1] != total:  # a new key, or one whose size changed (a new layout)
-            if self._end + slot_bytes(total) > self.window.nbytes:
-                return None
-            slot = (self._end, total, None, 0)
-            self._end += slot_bytes(total)
+        slot = self._slot(key, total)
+        if slot is None:
+            return None
         start, _total, held, token = slot
         if held != version or token == 0:
             index = start // 8
@@ -95,6 +92,42 @@ class BoardPublisher:
         self._slots[key] = (start, total, version, token)
         self.referenced_bytes += total
         return msgpack.packb([start, lengths, token])
+
+    def open_slot(self, key: Hashable, nbytes: int) -> torch.Tensor | None:
+        """``key``'s slot for ``nbytes`` of payload, as writable bytes for the caller to write the next
+        version into in place (the node's update pass writes it as it computes the values), then
+        :meth:`written`. Until then the slot holds no version: a reader that copies meanwhile finds
+        its token changed. ``None`` when the board has no room."""
+        slot = self._slot(key, nbytes)
+        if slot is None:
+            return None
+        start = slot[0]
+        self._tokens[start // 8] = 0
+        self._slots[key] = (start, nbytes, None, 0)
+        payload = start + SLOT_HEADER_BYTES
+        return self.window.bytes[payload : payload + nbytes]
+
+    def written(self, key: Hashable, version: Hashable) -> None:
+        """The slot :meth:`open_slot` gave for ``key`` now holds ``version``."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return
+        start, nbytes, _held, _token = slot
+        token = next(_tokens)
+        self._tokens[start // 8] = token
+        self._slots[key] = (start, nbytes, version, token)
+        self.written_bytes += nbytes
+
+    def _slot(self, key: Hashable, nbytes: int) -> tuple[int, int, Hashable, int] | None:
+        """``key``'s slot, made at the board's end for a new key or one whose size changed (a new
+        layout); ``None`` when there is no room."""
+        slot = self._slots.get(key)
+        if slot is None or slot[1] != nbytes:
+            if self._end + slot_bytes(nbytes) > self.window.nbytes:
+                return None
+            slot = (self._end, nbytes, None, 0)
+            self._end += slot_bytes(nbytes)
+        return slot
 
     def close(self) -> None:
         """Close the board; workers' mappings keep its pages until they unmap it."""

@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from pathlib import Path
 
 import msgpack
+import torch
 import zmq
 
 from transport.interface import Message, SendHandle, ServerEndpoint
@@ -262,6 +263,13 @@ class ZmqServer(ServerEndpoint):
     def drop_board(self) -> None:
         if self._shared is not None:
             self._shared.drop_board()
+
+    def board_slot(self, key: Hashable, nbytes: int) -> torch.Tensor | None:
+        return self._shared.board_slot(key, nbytes) if self._shared is not None else None
+
+    def board_written(self, key: Hashable, version: Hashable) -> None:
+        if self._shared is not None:
+            self._shared.board_written(key, version)
 
     def _send(self, peer: bytes, header: Header, payload: Payload | None, track: bool, published: tuple[Hashable, Hashable] | None) -> SendHandle:
         lanes = self._lanes.get(peer)

@@ -68,6 +68,38 @@ def test_published_values_are_read_from_the_board_in_place_and_written_once_per_
     assert snapshot["board_bytes"] == board.window.nbytes and snapshot["board_referenced_bytes"] == 3 * values.numel() * 4
 
 
+def test_values_written_in_place_into_a_slot_are_sent_without_a_copy(board_link):
+    """The node's update pass writes a bucket's new values straight into its slot (board_slot), then
+    says which version they are (board_written): sending that version copies nothing."""
+    link = board_link
+    board = link.server._shared.board
+    values = torch.randn(300_001)
+    old = published(link, values, key=4, version=1)
+    slot = link.server.board_slot(4, values.numel() * 4)
+    assert slot is not None and slot.numel() == values.numel() * 4
+    assert not old.still_current()  # the slot holds no version while it is written
+    newer = values * 2
+    slot.view(torch.float32).copy_(newer)
+    link.server.board_written(4, 2)
+    written = board.written_bytes
+    got = published(link, newer, key=4, version=2)
+    assert torch.equal(joined(got), newer) and got.still_current()
+    assert board.written_bytes == written  # sent from where it was written
+    assert link.server.board_slot(5, 1000) is None  # under the shared-memory threshold: it goes on the socket anyway
+    assert link.server.board_slot(6, 1 << 30) is None  # no room
+
+
+def test_no_slot_is_given_while_no_peer_reads_the_board(tmp_path):
+    pair = Link(tmp_path)
+    try:
+        assert pair.server.publish_board(board_bytes([4 << 20]))
+        assert pair.server.board_slot(0, 1 << 20) is None  # the worker has not mapped it yet
+        _settle(pair)
+        assert pair.server.board_slot(0, 1 << 20) is not None
+    finally:
+        pair.close()
+
+
 def test_keys_get_slots_of_their_own_and_bf16_is_bitwise(board_link):
     link = board_link
     a, b = torch.randn(70_000).to(torch.bfloat16), torch.randn(50_000).to(torch.bfloat16)
