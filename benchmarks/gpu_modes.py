@@ -76,16 +76,16 @@ def batch_for(config: GPTConfig, step: int, settings: ModeSettings, device: torc
     return data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
 
 
-def peak_rss_mb(pids: list[int]) -> float:
-    """Peak resident memory of this process plus the processes ``pids`` (the local nodes), MiB. Pages
-    that several of them map (same-host windows, the parameter board) count once in each."""
-    total = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mb(pids: list[int]) -> tuple[float, float]:
+    """Peak resident memory of this process and the sum over the processes ``pids`` (the local nodes),
+    MiB. Pages that several of them map (same-host windows, the parameter board) count in each."""
+    nodes = 0.0
     for pid in pids:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) / 1024
-    return total
+                    nodes += int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, nodes
 
 
 def host_pss_mb(pids: list[int]) -> float:
@@ -205,13 +205,15 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if cuda:
         torch.cuda.synchronize(device)
     step_s = (time.perf_counter() - timed_from) / settings.steps
-    pss_mb = host_pss_mb(settings.node_pids)
+    pss_mb, peak_rss = host_pss_mb(settings.node_pids), peak_rss_mb(settings.node_pids)
     report = {
         "step_s": step_s,
         "tokens_per_s": settings.batch * settings.seq / step_s,
         "init_s": init_s,
         "loss": float(loss.detach().float().item()),
-        "peak_host_rss_mb": peak_rss_mb(settings.node_pids),
+        "peak_host_rss_mb": sum(peak_rss),
+        "peak_rss_mb_worker": peak_rss[0],
+        "peak_rss_mb_nodes": peak_rss[1],
         "host_pss_mb_after_training": pss_mb,
     }
     if cuda:
