@@ -67,8 +67,10 @@ class RemoteAdamW(RemoteOptimizer):
             so the nodes update early buckets while backward still runs. Hyperparameters are then
             read when backward produces the gradients (change them before ``backward()``), and
             gradient accumulation over several backward passes must run inside :meth:`no_sync`,
-            as with DDP. Pushes happen only from the thread that built the optimizer (autograd's
-            CUDA threads fall back to pushing in ``step()``).
+            as with DDP. Pushes happen only from the thread that built the optimizer: where autograd
+            runs the hooks on a thread of its own (its device thread, on a GPU), a bucket's copy out
+            of the device starts there as its gradients are final, on a side stream that overlaps
+            the rest of backward, and ``step()`` sends it (hyperparameters are then read in ``step()``).
         curve_secret_key, curve_server_key: for nodes that require CURVE (``netoptim node
             --curve-secret-key``): this worker's ``.key_secret`` file and the node's ``.key`` file.
         units: set by :func:`gpu_worker.offload` for layer-wise mode: the worker then holds only the

@@ -285,8 +285,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._sync_enabled = previous
 
     def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
-        if not self._sync_enabled or threading.get_ident() != self._owner_thread:
+        if not self._sync_enabled:
             return
+        # On a GPU autograd runs the hooks on its device thread, which must not block (it launches the
+        # rest of backward) nor use this thread's sockets: there the bucket's copy out of the device
+        # starts, and step() sends it.
+        foreign = threading.get_ident() != self._owner_thread
         for bucket_id in self._param_buckets[index]:
             ready = self._ready[bucket_id]
             if index in ready:
@@ -294,7 +298,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
             ready.add(index)
             if self._bucket_ready(bucket_id) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
-                self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
+                if foreign:
+                    self._session.stage_bucket(bucket_id, [p.grad for p in self._params])
+                else:
+                    self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
 
     def _bucket_ready(self, bucket_id: int) -> bool:
         """Every parameter of the bucket that trains now has its gradient. One unfrozen after the

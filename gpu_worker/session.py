@@ -369,6 +369,20 @@ class OffloadSession:
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
 
+    def stage_bucket(self, bucket_id: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """A bucket's gradients are final (a hook on autograd's device thread, during backward): start
+        copying them out of the device now, for :meth:`push_bucket` to send from there in ``step()``.
+        Buckets that go in a batch with their neighbours, or that hold a parameter without a gradient,
+        are gathered in ``step()`` as before."""
+        bucket = self.buckets[bucket_id]
+        if bucket.node in self._batching_nodes and bucket.numel * self._wire_dtype.itemsize < BATCH_BYTES:
+            return
+        if bucket_id in self._pushed or (bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step):
+            return
+        if any(grads[seg.param_index] is None for seg in bucket.segments):
+            return
+        self._sender.stage(bucket, grads)
+
     def _wait_for_room(self, pacer: PushPacer, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Wait until ``nbytes`` more fit the push window. Values that come while nothing awaits them
         (a full-model worker pushing during backward) are kept for ``finish_step``; a node that restarts
@@ -483,6 +497,7 @@ class OffloadSession:
         finally:
             self.on_params = None
             self._refusals.collecting = False
+            self._sender.drop_staged()  # what was staged and not sent (a retried step stages again)
             if not self._refusals.step_open:
                 if self.pacer is not None:
                     self.pacer.clear()

@@ -41,6 +41,10 @@ class SendBuffers:
         """``buffer`` is read by the send ``handle`` on ``connection`` until that send is done."""
         self._sending.setdefault(connection, deque()).append((handle, buffer))
 
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """A buffer taken and then not sent: free for the next taker."""
+        self._free.setdefault(buffer.numel(), []).append(buffer)
+
     def forget(self, connection: Hashable) -> None:
         """The connection was closed: its sends will not finish; their buffers are not reused."""
         self._sending.pop(connection, None)

@@ -20,7 +20,7 @@ from tests.gpu_worker.harness import run_threads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=64)
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=128)
 STEPS = 4
 WORLD_SIZE = 2
 OPTIONS = dict(lr=3e-3, weight_decay=0.1, bucket_numel=8192, timeout_s=60)
@@ -48,8 +48,9 @@ def make_gpt() -> GPT:
     return GPT(CONFIG).cuda()
 
 
-def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1) -> dict[str, torch.Tensor]:
-    """Two worker threads on the GPU; returns rank 0's final parameters (checked equal on both ranks)."""
+def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1, push_during_backward: bool = False) -> dict[str, torch.Tensor]:
+    """Two worker threads on the GPU; returns rank 0's final parameters (checked equal on both ranks).
+    ``push_during_backward``: 1 MiB buckets, whose copies out of the GPU start during backward."""
     models = [make_gpt() for _ in range(WORLD_SIZE)]
     results: dict[int, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
@@ -58,6 +59,8 @@ def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1) -> 
         try:
             model = models[rank]
             options = dict(nodes=nodes, rank=rank, world_size=WORLD_SIZE, **OPTIONS)
+            if push_during_backward:
+                options |= {"push_during_backward": True, "bucket_numel": 1 << 18}
             opt = offload(model, model.blocks, prefetch=prefetch, **options) if layerwise else RemoteAdamW(model.named_parameters(), **options)
             for step in range(STEPS):
                 _logits, loss = model(*tokens(step, rank))
@@ -67,6 +70,8 @@ def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1) -> 
             if not layerwise:
                 for name, param in model.named_parameters():
                     assert param.device.type == "cuda", f"{name} left the GPU"
+            if push_during_backward:  # autograd's device thread staged the large buckets' copies
+                assert opt._session._sender.staged_pushes >= STEPS
             results[rank] = {name: value.cpu() for name, value in opt.gather_parameters().items()}
             opt.close()
         except BaseException as exc:
@@ -104,9 +109,10 @@ def reference() -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in master.items()}
 
 
-def test_full_model_on_cuda_is_bitwise_equal_to_fused_adamw(start_node):
+@pytest.mark.parametrize("push_during_backward", [False, True])
+def test_full_model_on_cuda_is_bitwise_equal_to_fused_adamw(start_node, push_during_backward):
     nodes = [start_node("node0").address, start_node("node1").address]
-    got, want = train_offloaded(nodes, layerwise=False), reference()
+    got, want = train_offloaded(nodes, layerwise=False, push_during_backward=push_during_backward), reference()
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: max diff {(got[name] - want[name]).abs().max():.3g}"
 

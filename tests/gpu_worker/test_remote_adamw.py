@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -151,6 +152,44 @@ def test_push_during_backward_with_accumulation_is_bitwise_the_same(start_node):
     early = accumulate_and_step(start_node("early").address, push_during_backward=True)
     late = accumulate_and_step(start_node("late").address, push_during_backward=False)
     assert all(torch.equal(a, b) for a, b in zip(early, late, strict=True))
+
+
+def _backward(model: torch.nn.Module, x: torch.Tensor, errors: list[BaseException]) -> None:
+    try:
+        model(x).pow(2).mean().backward()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def test_gradients_final_on_another_thread_are_staged_there_and_sent_by_step(start_node):
+    """Where autograd runs the hooks on a thread of its own (its device thread on a GPU; here a
+    backward called from another thread), each bucket's gather starts there and step() sends it:
+    bitwise torch's AdamW, and every bucket too large to batch went from its staged gather."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 768), torch.nn.Tanh(), torch.nn.Linear(768, 4))
+    reference = copy.deepcopy(model)
+    node = start_node("staged")
+    opt = RemoteAdamW(model.parameters(), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=300_000, push_during_backward=True)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    sender = opt._session._sender
+    large = sum(1 for bucket in opt._session.buckets if bucket.numel * 4 >= 1 << 20)
+    assert large >= 1 and large < len(opt._session.buckets)  # some are staged, the small last one is batched or sent as usual
+    for step in range(4):
+        x = torch.randn(8, 512, generator=torch.Generator().manual_seed(step))
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=_backward, args=(model, x, errors))
+        thread.start()
+        thread.join()
+        assert not errors, errors
+        assert opt._session.pushed == frozenset()  # nothing was sent from autograd's thread
+        opt.step()
+        opt.zero_grad()
+        reference(x).pow(2).mean().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    assert sender.staged_pushes >= 4 * large and not sender._staged
+    opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
 
 
 def test_accumulating_outside_no_sync_is_an_error(node):
