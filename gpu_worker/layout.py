@@ -4,7 +4,7 @@ installing received values back into the parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -75,8 +75,15 @@ def gather_run(buckets: Sequence[BucketSpec], tensors: Sequence[torch.Tensor | N
             target.copy_(_flat(source)[param_offset : param_offset + numel], non_blocking=True)
 
 
-def scatter_bucket(bucket: BucketSpec, pieces: TensorPieces, params: Sequence[torch.Tensor]) -> None:
-    """Install received bucket values (``(element_offset, view)`` chunks) into the parameters, in place."""
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)
+
+
+def scatter_bucket(
+    bucket: BucketSpec, pieces: TensorPieces, params: Sequence[torch.Tensor], copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy
+) -> None:
+    """Install received bucket values (``(element_offset, view)`` chunks) into the parameters, in place
+    (``copy(target, source)`` does each piece's copy)."""
     for chunk_offset, view in pieces:
         chunk_end = chunk_offset + view.numel()
         for seg in bucket.segments:
@@ -85,7 +92,7 @@ def scatter_bucket(bucket: BucketSpec, pieces: TensorPieces, params: Sequence[to
             if low >= high:
                 continue
             start = seg.param_offset + low - seg.bucket_offset
-            _flat(params[seg.param_index])[start : start + high - low].copy_(view[low - chunk_offset : high - chunk_offset])
+            copy(_flat(params[seg.param_index])[start : start + high - low], view[low - chunk_offset : high - chunk_offset])
 
 
 class InstallTargets:
@@ -98,10 +105,12 @@ class InstallTargets:
     def __init__(self) -> None:
         self._cached: dict[int, tuple[BucketSpec, tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
 
-    def install(self, bucket: BucketSpec, pieces: TensorPieces, params: Sequence[torch.Tensor]) -> None:
+    def install(
+        self, bucket: BucketSpec, pieces: TensorPieces, params: Sequence[torch.Tensor], copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy
+    ) -> None:
         """As :func:`scatter_bucket`."""
         if len(pieces) != 1 or pieces[0][0] != 0 or pieces[0][1].numel() != bucket.numel:
-            scatter_bucket(bucket, pieces, params)  # values in several chunks: cut as they fall
+            scatter_bucket(bucket, pieces, params, copy)  # values in several chunks: cut as they fall
             return
         view = pieces[0][1]
         segments = bucket.segments
@@ -110,12 +119,12 @@ class InstallTargets:
             pointer = params[segments[0].param_index].data_ptr()
             if entry is None or entry[0] is not bucket or entry[1][0] != pointer:
                 entry = self._made(bucket, params)
-            entry[2][0].copy_(view)
+            copy(entry[2][0], view)
             return
         if entry is None or entry[0] is not bucket or entry[1] != tuple(params[seg.param_index].data_ptr() for seg in segments):
             entry = self._made(bucket, params)
         for seg, target in zip(segments, entry[2], strict=True):
-            target.copy_(view[seg.bucket_offset : seg.bucket_offset + seg.numel])
+            copy(target, view[seg.bucket_offset : seg.bucket_offset + seg.numel])
 
     def _made(self, bucket: BucketSpec, params: Sequence[torch.Tensor]) -> tuple[BucketSpec, tuple[int, ...], tuple[torch.Tensor, ...]]:
         segments = bucket.segments

@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.device_copy import lock_source_window
 from gpu_worker.gradient_sender import GradientSender
-from gpu_worker.layout import InstallTargets, finish_board_read, gather_bucket
+from gpu_worker.layout import gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.push_pacing import PushPacer
 from gpu_worker.refusals import RefusedGradients
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
+from gpu_worker.value_installer import ValueInstaller
 from job.hyper import AdamWHyper
 from job.placement import BucketSpec
 from job.spec import JobSpec
@@ -83,7 +83,7 @@ class OffloadSession:
         self.last_grad_norm: float | None = None
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
         self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
-        self._install_targets = InstallTargets()  # each bucket's views of the parameters, made once
+        self._installer = ValueInstaller(cuda=self._cuda)  # received values into the parameters (on a GPU, on a side stream)
         self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
         # Flow control (gpu_worker.push_pacing): gradient bytes pushed and not yet acknowledged; a push
@@ -146,6 +146,7 @@ class OffloadSession:
             self.receive_until(lambda: not waiting, lambda: f"no parameters for {len(waiting)} bucket(s)")
         finally:
             self.on_params = None
+        self._installer.settle()
         log.info("rank %d connected to %d node(s); the job is at step %d", self.rank, len(self.nodes), self.step)
 
     def extend(self, job: JobSpec, params: Sequence[torch.Tensor]) -> list[int]:
@@ -184,6 +185,7 @@ class OffloadSession:
             self.receive_until(lambda: not waiting, lambda: f"no values for {len(waiting)} bucket(s) of the added param group")
         finally:
             self.on_params = None
+        self._installer.settle()
         return added
 
     def hello(self) -> list[int]:
@@ -497,6 +499,7 @@ class OffloadSession:
         finally:
             self.on_params = None
             self._refusals.collecting = False
+            self._installer.settle()
             self._sender.drop_staged()  # what was staged and not sent (a retried step stages again)
             if not self._refusals.step_open:
                 if self.pacer is not None:
@@ -770,10 +773,7 @@ class OffloadSession:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
         if not unchanged:
             started = time.perf_counter()
-            if self._cuda:  # values in a same-host window: page-lock it (once), so the copies run at the bus's speed
-                lock_source_window(message.tensors)
-            self._install_targets.install(bucket, message.tensors, self.params)  # blocking copies, to the device too
-            finish_board_read(message, self.nodes[node_index])
+            self._installer.install(bucket, message, self.params, node=self.nodes[node_index], staging_numel=max(self.job.bucket_numel, bucket.numel))
             self.timings.install_s += elapsed(started)
             self.timings.installs += 1
         self.bucket_steps[bucket_id] = header.step

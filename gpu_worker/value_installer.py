@@ -1,0 +1,57 @@
+"""Received bucket values into a full-model worker's parameters.
+
+On the CPU each bucket is copied in place as it comes. On a GPU the copies go up on a side stream
+(:class:`~gpu_worker.device_copy.HostToDevice`: page-locked windows and parameter boards read in
+place, other values through pinned staging buffers), and each bucket's copy is ordered before the
+compute stream's next kernels by an event: the host never waits for a copy to land, so the values of
+bucket i go up while the worker waits for bucket i+1. Values read from a node's parameter board are
+checked (:func:`~gpu_worker.layout.finish_board_read`) once their copy is done, at :meth:`settle`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpu_worker.device_copy import HostToDevice, lock_source_window
+from gpu_worker.layout import InstallTargets, finish_board_read
+from job.placement import BucketSpec
+from transport.interface import Message
+
+
+class ValueInstaller:
+    """Copies bucket values into the parameters (views made once per bucket), on the CPU or to a GPU."""
+
+    def __init__(self, *, cuda: bool) -> None:
+        self._targets = InstallTargets()
+        self._cuda = cuda
+        self._device_copies: HostToDevice | None = None  # made at the first install on a GPU
+        self._board_reads: list[tuple[Message, str, torch.cuda.Event]] = []
+
+    def install(self, bucket: BucketSpec, message: Message, params: Sequence[torch.Tensor], *, node: str, staging_numel: int) -> None:
+        """``message``'s values of ``bucket`` into ``params`` (sent by ``node``). ``staging_numel``: the
+        largest bucket, for the GPU's staging buffers."""
+        if not self._cuda:
+            self._targets.install(bucket, message.tensors, params)
+            finish_board_read(message, node)
+            return
+        copies = self._device_copies
+        if copies is None:
+            device = next(p.device for p in params if p.device.type == "cuda")
+            copies = self._device_copies = HostToDevice(device, staging_numel=staging_numel)
+        lock_source_window(message.tensors)  # values in a same-host window: page-lock it (once), so the copies run at the bus's speed
+        self._targets.install(bucket, message.tensors, params, copies.copy)
+        copied = copies.record()
+        assert copied is not None
+        torch.cuda.current_stream(copies.device).wait_event(copied)  # the next forward reads them after the copy
+        if message.still_current is not None:
+            self._board_reads.append((message, node, copied))
+
+    def settle(self) -> None:
+        """Values read from parameter boards onto the GPU: once each copy is done, check that the node
+        did not rewrite them meanwhile (between steps; the protocol rules it out)."""
+        reads, self._board_reads = self._board_reads, []
+        for message, node, copied in reads:
+            copied.synchronize()
+            finish_board_read(message, node)
