@@ -78,8 +78,7 @@ class HostToDevice:
         if not self.cuda:
             target.copy_(source)
             return
-        while self._held and self._held[0][1].query():
-            self._held.popleft()
+        self.drop_finished()
         window = window_holding(source.data_ptr(), source.numel() * source.element_size())
         if window is not None and page_locked(window):
             with torch.cuda.stream(self._stream):
@@ -98,6 +97,13 @@ class HostToDevice:
             done = torch.cuda.Event()
             done.record(self._stream)
         self._staging.append((staging, done))
+
+    def drop_finished(self) -> None:
+        """Let go of the sources read in place whose copies are done (a window's extents go back to
+        their sender as their last views go)."""
+        if self.cuda:
+            while self._held and self._held[0][1].query():
+                self._held.popleft()
 
     def record(self) -> torch.cuda.Event | None:
         """An event after every copy queued so far (``None`` on CPU)."""

@@ -27,7 +27,7 @@ class ValueInstaller:
         self._targets = InstallTargets()
         self._cuda = cuda
         self._device_copies: HostToDevice | None = None  # made at the first install on a GPU
-        self._board_reads: list[tuple[Message, str, torch.cuda.Event]] = []
+        self._board_reads: list[tuple[Message, str]] = []  # read from a board, checked at settle()
 
     def install(self, bucket: BucketSpec, message: Message, params: Sequence[torch.Tensor], *, node: str, staging_numel: int) -> None:
         """``message``'s values of ``bucket`` into ``params`` (sent by ``node``). ``staging_numel``: the
@@ -46,12 +46,18 @@ class ValueInstaller:
         assert copied is not None
         torch.cuda.current_stream(copies.device).wait_event(copied)  # the next forward reads them after the copy
         if message.still_current is not None:
-            self._board_reads.append((message, node, copied))
+            self._board_reads.append((message, node))
 
     def settle(self) -> None:
-        """Values read from parameter boards onto the GPU: once each copy is done, check that the node
-        did not rewrite them meanwhile (between steps; the protocol rules it out)."""
+        """Once every value is in (the end of a step): wait for the last copies (most landed while
+        later buckets were awaited), let go of the windows' extents they read, and check that no node
+        rewrote board values meanwhile (the protocol rules it out)."""
+        if self._device_copies is None:
+            return
+        last = self._device_copies.record()
+        if last is not None:
+            last.synchronize()
+        self._device_copies.drop_finished()
         reads, self._board_reads = self._board_reads, []
-        for message, node, copied in reads:
-            copied.synchronize()
+        for message, node in reads:
             finish_board_read(message, node)
