@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> dict:
     report: dict = {"benchmark": "gpu", "ratio": None}
     if not torch.cuda.is_available():
         report["status"] = "skipped: torch sees no CUDA device here (a CPU build of torch, or no GPU); no figure"
+        _save(report, args.out)
         return report
     too_long = [size for size in args.sizes if args.seq > SIZES[size].block_size]
     if too_long:

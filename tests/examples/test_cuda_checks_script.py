@@ -1,0 +1,36 @@
+"""scripts/cuda_checks.sh: valid and shellcheck-clean bash that runs the CUDA tests and then
+``netoptim bench gpu``, writing its logs and report; on a machine without CUDA the tests skip and the
+report says why there is no figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "cuda_checks.sh"
+
+
+def test_shellcheck():
+    result = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the whole benchmark: minutes")
+def test_without_cuda_it_writes_the_logs_and_a_report_without_a_figure(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)  # the script calls python3: this interpreter
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TESTS_TIMEOUT_S": "120", "BENCH_TIMEOUT_S": "120"}
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "tests exit status: 0" in result.stdout and "bench exit status: 0" in result.stdout
+    assert "skipped" in (tmp_path / "out" / "tests.log").read_text()
+    report = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    assert report["ratio"] is None and "no CUDA device" in report["status"]
