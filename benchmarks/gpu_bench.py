@@ -51,6 +51,20 @@ SIZES = {
 GPU_BYTES_PER_PARAM = {"torch": (16, 8), "compute": (8, 4), "full": (8, 4), "zero2": (8, 4)}
 
 
+# Host bytes per parameter of the hungriest mode (netoptim: the node's state, board, kept values and
+# gradients in flight, the worker's pinned buffers), and GPU bytes of the full model: what "largest" fits.
+HOST_BYTES_PER_PARAM, FULL_GPU_BYTES_PER_PARAM = 28, 8
+
+
+def largest_fitting(host_bytes: int, gpu_bytes: int) -> str:
+    """The largest of :data:`SIZES` that every offloaded mode can run here (``--sizes largest``)."""
+    for size in sorted(SIZES, key=lambda name: param_count(SIZES[name]), reverse=True):
+        params = param_count(SIZES[size])
+        if params * HOST_BYTES_PER_PARAM <= 0.8 * host_bytes and params * FULL_GPU_BYTES_PER_PARAM <= 0.85 * gpu_bytes:
+            return size
+    return "small"
+
+
 def param_count(config: GPTConfig) -> int:
     per_block = 12 * config.n_embd**2 + 13 * config.n_embd
     return config.n_layer * per_block + (2 * config.vocab_size + config.block_size + 2) * config.n_embd
@@ -157,7 +171,10 @@ def run(args: argparse.Namespace) -> dict:
         report["status"] = "skipped: torch sees no CUDA device here (a CPU build of torch, or no GPU); no figure"
         _save(report, args.out)
         return report
-    too_long = [size for size in args.sizes if args.seq > SIZES[size].block_size]
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    sizes = list(dict.fromkeys(largest_fitting(host_bytes, gpu_bytes) if size == "largest" else size for size in args.sizes))
+    too_long = [size for size in sizes if args.seq > SIZES[size].block_size]
     if too_long:
         raise ValueError(f"--seq {args.seq}: the {', '.join(too_long)} model(s) take at most {SIZES[too_long[0]].block_size} tokens per sequence")
     device = torch.device("cuda", 0)
@@ -180,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, args.node_threads), args.timeout_s)
     report["limits"] = limits.get("ok", {"status": limits.get("error")})
     _save(report, args.out)
-    jobs = [(size, dtype_name, mode) for size in args.sizes for dtype_name in args.dtypes for mode in args.modes]
+    jobs = [(size, dtype_name, mode) for size in sizes for dtype_name in args.dtypes for mode in args.modes]
     for size, dtype_name, mode in tqdm(jobs, desc="gpu bench", leave=False):
         params = param_count(SIZES[size])
         entry = report["sizes"].setdefault(size, {"params": params, "config": asdict(SIZES[size])}).setdefault(dtype_name, {})

@@ -154,9 +154,9 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     )
     gpu.add_argument(
         "--sizes",
-        type=choice_list(("small", "350m", "1b", "3b", "7b"), "sizes"),
+        type=choice_list(("small", "350m", "1b", "3b", "7b", "largest"), "sizes"),
         default=["350m", "1b"],
-        help="comma-separated GPT sizes: small (3M), 350m, 1b, 3b, 7b; torch alone is skipped where it cannot fit the GPU (default: 350m,1b)",
+        help="comma-separated GPT sizes: small (3M), 350m, 1b, 3b, 7b, or largest (the largest of those every offloaded mode fits on this host and GPU); torch alone is skipped where it cannot fit the GPU (default: 350m,1b)",
     )
     gpu.add_argument(
         "--dtypes",

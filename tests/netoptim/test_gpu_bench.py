@@ -71,6 +71,13 @@ def test_the_offload_limit_is_the_slowest_part_and_fractions_follow_from_it():
     assert gpu_bench.headline({"sizes": {"1b": {"float32": entry}}}) == pytest.approx(2.0)
 
 
+def test_the_largest_size_is_the_largest_every_offloaded_mode_fits():
+    assert gpu_bench.largest_fitting(128 << 30, 141 << 30) == "3b"  # 7B would need ~190 GB of host memory
+    assert gpu_bench.largest_fitting(512 << 30, 141 << 30) == "7b"
+    assert gpu_bench.largest_fitting(16 << 30, 80 << 30) == "350m"
+    assert gpu_bench.largest_fitting(1 << 30, 8 << 30) == "small"
+
+
 def test_torch_alone_is_skipped_where_it_cannot_fit_the_gpu():
     assert gpu_bench._fits("torch", 7_000_000_000, "float32", 80 << 30).startswith("skipped: needs about 104 GiB")
     assert gpu_bench._fits("torch", 7_000_000_000, "bfloat16", 80 << 30) is None
