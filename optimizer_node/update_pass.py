@@ -275,36 +275,53 @@ def _compiled_pass(
     16 MiB bucket is four) is taken window by window, a window being a stretch where every term is
     one frame: the loop is elementwise, so where its blocks are cut changes no bit."""
     windows = _frame_windows(pending, param.numel())
-    for _lo, _hi, views in windows:
-        head = views[0] if len(views) > 1 and views[0].dtype == torch.float32 and views[1].dtype != torch.float32 else None
+    heads = [_head_of(views) for _lo, _hi, views in windows]
+    for head, (_lo, _hi, views) in zip(heads, windows, strict=True):
         if not compiled_update.supports(head, views[1:] if head is not None else views):
             return False
     if not compiled_update.ready():
         return False
     plan = plan_loop(segments)
-    fp32_frames = all(view.dtype == torch.float32 for view in windows[0][2])
     # the loop writes the outgoing copy: bf16 bits, or fp32 (a parameter board's slot) from fp32 frames
-    loop_copy = wire_out if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and fp32_frames)) else None
-    for lo, hi, views in windows:
-        blocks = plan.blocks if len(windows) == 1 else _blocks_within(plan.blocks, lo, hi)
-        if not len(blocks):
-            continue
-        head = views[0] if len(views) > 1 and views[0].dtype == torch.float32 and views[1].dtype != torch.float32 else None
-        window_arrays = arrays and tuple(array[lo:hi] for array in arrays[:3])
-        compiled_update.update(
-            param[lo:hi],
-            exp_avg[lo:hi],
-            exp_avg_sq[lo:hi],
-            head,
-            views[1:] if head is not None else views,
-            loop_copy[lo:hi] if loop_copy is not None else None,
-            blocks,
-            hyper,
-            float(step),
-            float(grad_divisor),
-            previous_out[lo:hi] if previous_out is not None else None,
-            arrays=window_arrays,
-        )
+    loop_copy = None
+    if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and windows[0][2][-1].dtype == torch.float32)):
+        loop_copy = wire_out
+    if len(windows) == 1:  # every term one frame: the whole bucket in one call (a bucket's hot path)
+        head, views = heads[0], windows[0][2]
+        if len(plan.blocks):
+            compiled_update.update(
+                param,
+                exp_avg,
+                exp_avg_sq,
+                head,
+                views[1:] if head is not None else views,
+                loop_copy,
+                plan.blocks,
+                hyper,
+                float(step),
+                float(grad_divisor),
+                previous_out,
+                arrays=arrays and arrays[:3],
+            )
+    else:
+        for head, (lo, hi, views) in zip(heads, windows, strict=True):
+            blocks = _blocks_within(plan.blocks, lo, hi)
+            if not len(blocks):
+                continue
+            compiled_update.update(
+                param[lo:hi],
+                exp_avg[lo:hi],
+                exp_avg_sq[lo:hi],
+                head,
+                views[1:] if head is not None else views,
+                loop_copy[lo:hi] if loop_copy is not None else None,
+                blocks,
+                hyper,
+                float(step),
+                float(grad_divisor),
+                previous_out[lo:hi] if previous_out is not None else None,
+                arrays=arrays and tuple(array[lo:hi] for array in arrays[:3]),
+            )
     if plan.tails:
         start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]
         if previous_out is not None:
@@ -317,6 +334,11 @@ def _compiled_pass(
     if wire_out is not None and loop_copy is None:
         wire_out.copy_(param)
     return True
+
+
+def _head_of(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The fp32 partial sum that leads lower-precision frames, if the terms start with one."""
+    return views[0] if len(views) > 1 and views[0].dtype == torch.float32 and views[1].dtype != torch.float32 else None
 
 
 def _frame_windows(pending: Sequence[TensorPieces], numel: int) -> list[tuple[int, int, list[torch.Tensor]]]:
