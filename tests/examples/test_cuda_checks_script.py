@@ -22,6 +22,7 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.slow  # two Python start-ups with torch and a pytest run: ~10-20 s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the whole benchmark: minutes")
 def test_without_cuda_it_writes_the_logs_and_a_report_without_a_figure(tmp_path):
     bin_dir = tmp_path / "bin"
