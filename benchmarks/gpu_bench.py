@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
+from benchmarks.train_bench import param_count
 from gpu_worker.models import GPTConfig
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,6 @@ def largest_fitting(host_bytes: int, gpu_bytes: int) -> str:
         if params * HOST_BYTES_PER_PARAM <= 0.8 * host_bytes and params * FULL_GPU_BYTES_PER_PARAM <= 0.85 * gpu_bytes:
             return size
     return "small"
-
-
-def param_count(config: GPTConfig) -> int:
-    per_block = 12 * config.n_embd**2 + 13 * config.n_embd
-    return config.n_layer * per_block + (2 * config.vocab_size + config.block_size + 2) * config.n_embd
 
 
 def _child(target, args: tuple, results: mp.Queue) -> None:

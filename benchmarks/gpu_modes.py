@@ -16,6 +16,7 @@ import torch
 
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
+from launch.processes import free_port
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NETOPTIM_MODES = ("full", "layerwise")
@@ -106,7 +107,7 @@ def _deepspeed_engine(mode: str, model: torch.nn.Module, dtype: torch.dtype, set
     except ImportError as exc:
         raise RuntimeError("DeepSpeed is not installed: pip install 'netoptim[bench]' (its CPU Adam op builds on first use)") from exc
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     zero: dict = {"stage": 2 if mode == "zero2" else 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
@@ -126,14 +127,6 @@ def _deepspeed_engine(mode: str, model: torch.nn.Module, dtype: torch.dtype, set
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
     engine, _opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSettings, device: torch.device) -> dict:

@@ -23,7 +23,6 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -191,14 +190,8 @@ def opt_stats(opt: object):
     return getattr(opt, "stream_stats", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
-    from launch.processes import NodeProcess
+    from launch.processes import NodeProcess, free_port
 
     settings = {
         "threads": args.threads,
@@ -223,7 +216,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         try:
             nodes = [n.address for n in node_processes]
             settings["node_pids"] = [n.process.pid for n in node_processes if n.process is not None]
-            dist_url = f"tcp://127.0.0.1:{_free_port()}"
+            dist_url = f"tcp://127.0.0.1:{free_port()}"
             workers = [
                 context.Process(target=_worker, args=(mode, rank, args.workers, asdict(config), settings, nodes, dist_url, results))
                 for rank in range(args.workers)

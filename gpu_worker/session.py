@@ -83,7 +83,8 @@ class OffloadSession:
         self.last_grad_norm: float | None = None
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
         self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
-        self._installer = ValueInstaller(cuda=self._cuda)  # received values into the parameters (on a GPU, on a side stream)
+        # received values into the parameters (on a GPU on a side stream, staged through buffers of the largest bucket)
+        self._installer = ValueInstaller(cuda=self._cuda, staging_numel=max([job.bucket_numel, *(b.numel for b in self.buckets)]))
         self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
         # Flow control (gpu_worker.push_pacing): gradient bytes pushed and not yet acknowledged; a push
@@ -377,7 +378,7 @@ class OffloadSession:
         Buckets that go in a batch with their neighbours, or that hold a parameter without a gradient,
         are gathered in ``step()`` as before."""
         bucket = self.buckets[bucket_id]
-        if bucket.node in self._batching_nodes and bucket.numel * self._wire_dtype.itemsize < BATCH_BYTES:
+        if self._small_for_batches(bucket):
             return
         if bucket_id in self._pushed or (bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step):
             return
@@ -418,8 +419,7 @@ class OffloadSession:
                 continue
             nbytes = bucket.numel * self._wire_dtype.itemsize
             batchable = (
-                bucket.node in self._batching_nodes
-                and nbytes < BATCH_BYTES
+                self._small_for_batches(bucket)
                 and (self.pacer is None or self.pacer_ack == MsgType.PARAMS)
                 and not (bucket.bucket_id in self._contributed and self.bucket_steps[bucket.bucket_id] == self.resume_step)
                 and all(grads[seg.param_index] is not None for seg in bucket.segments)
@@ -434,6 +434,10 @@ class OffloadSession:
                 self.push_bucket(bucket.bucket_id, grads, hypers)
         if run:
             self._push_run(run, grads, hypers)
+
+    def _small_for_batches(self, bucket: BucketSpec) -> bool:
+        """Whether the bucket is small enough to go in a batch, to a node that takes batches."""
+        return bucket.node in self._batching_nodes and bucket.numel * self._wire_dtype.itemsize < BATCH_BYTES
 
     def _push_run(self, run: Sequence[BucketSpec], grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push buckets of one node and param group, all at one step, in one message (one alone as it is)."""
@@ -773,7 +777,7 @@ class OffloadSession:
             raise RuntimeError(f"node {self.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
         if not unchanged:
             started = time.perf_counter()
-            self._installer.install(bucket, message, self.params, node=self.nodes[node_index], staging_numel=max(self.job.bucket_numel, bucket.numel))
+            self._installer.install(bucket, message, self.params, node=self.nodes[node_index])
             self.timings.install_s += elapsed(started)
             self.timings.installs += 1
         self.bucket_steps[bucket_id] = header.step

@@ -23,15 +23,16 @@ from transport.interface import Message
 class ValueInstaller:
     """Copies bucket values into the parameters (views made once per bucket), on the CPU or to a GPU."""
 
-    def __init__(self, *, cuda: bool) -> None:
+    def __init__(self, *, cuda: bool, staging_numel: int) -> None:
+        """``staging_numel``: elements of the largest bucket (the GPU's staging buffers hold one)."""
         self._targets = InstallTargets()
         self._cuda = cuda
+        self._staging_numel = staging_numel
         self._device_copies: HostToDevice | None = None  # made at the first install on a GPU
         self._board_reads: list[tuple[Message, str]] = []  # read from a board, checked at settle()
 
-    def install(self, bucket: BucketSpec, message: Message, params: Sequence[torch.Tensor], *, node: str, staging_numel: int) -> None:
-        """``message``'s values of ``bucket`` into ``params`` (sent by ``node``). ``staging_numel``: the
-        largest bucket, for the GPU's staging buffers."""
+    def install(self, bucket: BucketSpec, message: Message, params: Sequence[torch.Tensor], *, node: str) -> None:
+        """``message``'s values of ``bucket`` into ``params`` (sent by ``node``)."""
         if not self._cuda:
             self._targets.install(bucket, message.tensors, params)
             finish_board_read(message, node)
@@ -39,7 +40,7 @@ class ValueInstaller:
         copies = self._device_copies
         if copies is None:
             device = next(p.device for p in params if p.device.type == "cuda")
-            copies = self._device_copies = HostToDevice(device, staging_numel=staging_numel)
+            copies = self._device_copies = HostToDevice(device, staging_numel=self._staging_numel)
         lock_source_window(message.tensors)  # values in a same-host window: page-lock it (once), so the copies run at the bus's speed
         self._targets.install(bucket, message.tensors, params, copies.copy)
         copied = copies.record()

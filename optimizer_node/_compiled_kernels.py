@@ -128,9 +128,12 @@ def cast_bf16(p, out):  # pragma: no cover - compiled
         out[i] = _to_bf16(p[i])
 
 
-def write_copy(p, out):  # pragma: no cover - replaced by the overload below in compiled code
+def write_copy(p, out):  # pragma: no cover - compiled code calls the overload below
     """``out`` = ``p`` in ``out``'s dtype: bf16 bits (uint16), or fp32 as it is (a node's parameter board)."""
-    raise NotImplementedError
+    if out.dtype == np.float32:
+        out[:] = p
+    else:
+        cast_bf16(p, out)
 
 
 @_jit()

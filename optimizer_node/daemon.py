@@ -54,7 +54,7 @@ from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import backend_for, create_transport
-from transport.batches import BATCH_BYTES, split_batch
+from transport.batches import split_batch
 from transport.interface import Message, SendHandle
 from transport.security import CurveServerConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
@@ -639,7 +639,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy
-        elif not (job.spec.mode == "full" and self._batching_peers and state.numel * 4 < BATCH_BYTES):  # small ones leave in batches, as copies
+        elif not (job.spec.mode == "full" and self._batching_peers and self._outbox.takes_bytes(state.numel * 4)):  # those leave in batches, as copies
             # where same-host ranks read the parameter board, the update pass writes the values there too
             board = self._endpoint.board_slot(state.bucket_id, state.numel * 4)
             wire = board.view(torch.float32) if board is not None else None

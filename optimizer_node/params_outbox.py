@@ -57,7 +57,12 @@ class ParamsOutbox:
     @staticmethod
     def takes(payload: torch.Tensor | None) -> bool:
         """Whether values of this size go into a batch (larger ones leave alone, as they are)."""
-        return payload is None or payload.numel() * payload.element_size() < BATCH_BYTES
+        return payload is None or ParamsOutbox.takes_bytes(payload.numel() * payload.element_size())
+
+    @staticmethod
+    def takes_bytes(nbytes: int) -> bool:
+        """:meth:`takes` for a payload of ``nbytes``."""
+        return nbytes < BATCH_BYTES
 
     def add(self, peer: bytes, state: BucketState, meta: dict, payload: torch.Tensor | None) -> bool:
         """Queue ``state``'s values of its current step for ``peer``; True when the batch is full."""
