@@ -29,7 +29,7 @@ import functools
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -286,42 +286,25 @@ def _compiled_pass(
     loop_copy = None
     if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and windows[0][2][-1].dtype == torch.float32)):
         loop_copy = wire_out
-    if len(windows) == 1:  # every term one frame: the whole bucket in one call (a bucket's hot path)
-        head, views = heads[0], windows[0][2]
-        if len(plan.blocks):
-            compiled_update.update(
-                param,
-                exp_avg,
-                exp_avg_sq,
-                head,
-                views[1:] if head is not None else views,
-                loop_copy,
-                plan.blocks,
-                hyper,
-                float(step),
-                float(grad_divisor),
-                previous_out,
-                arrays=arrays and arrays[:3],
-            )
-    else:
-        for head, (lo, hi, views) in zip(heads, windows, strict=True):
-            blocks = _blocks_within(plan.blocks, lo, hi)
-            if not len(blocks):
-                continue
-            compiled_update.update(
-                param[lo:hi],
-                exp_avg[lo:hi],
-                exp_avg_sq[lo:hi],
-                head,
-                views[1:] if head is not None else views,
-                loop_copy[lo:hi] if loop_copy is not None else None,
-                blocks,
-                hyper,
-                float(step),
-                float(grad_divisor),
-                previous_out[lo:hi] if previous_out is not None else None,
-                arrays=arrays and tuple(array[lo:hi] for array in arrays[:3]),
-            )
+    whole = len(windows) == 1  # every term one frame: the whole bucket in one call, nothing cut (a bucket's hot path)
+    for head, (lo, hi, views) in zip(heads, windows, strict=True):
+        blocks = plan.blocks if whole else _blocks_within(plan.blocks, lo, hi)
+        if not len(blocks):
+            continue
+        compiled_update.update(
+            _cut(param, lo, hi, whole),
+            _cut(exp_avg, lo, hi, whole),
+            _cut(exp_avg_sq, lo, hi, whole),
+            head,
+            views[1:] if head is not None else views,
+            _cut(loop_copy, lo, hi, whole),
+            blocks,
+            hyper,
+            float(step),
+            float(grad_divisor),
+            _cut(previous_out, lo, hi, whole),
+            arrays=arrays and (arrays[:3] if whole else tuple(array[lo:hi] for array in arrays[:3])),
+        )
     if plan.tails:
         start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]
         if previous_out is not None:
@@ -334,6 +317,14 @@ def _compiled_pass(
     if wire_out is not None and loop_copy is None:
         wire_out.copy_(param)
     return True
+
+
+_T = TypeVar("_T", torch.Tensor, np.ndarray)
+
+
+def _cut(values: _T | None, lo: int, hi: int, whole: bool) -> _T | None:
+    """``values[lo:hi]``, or ``values`` itself (or ``None``) when the window is the whole bucket."""
+    return values if whole or values is None else values[lo:hi]
 
 
 def _head_of(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
