@@ -28,7 +28,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_up
 from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
 from benchmarks.train_bench import param_count
 from gpu_worker.models import GPTConfig
+from launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -90,30 +91,63 @@ def in_child(target, args: tuple, timeout_s: float) -> dict:
     return outcome
 
 
-def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, node_threads: int) -> dict:
-    """The box's limits (see :mod:`benchmarks.gpu_limits`), in this process."""
-    return copy_bandwidth_gbs(device, copy_bytes) | cpu_adamw_mparams(adam_numel) | node_update_mparams(node_threads, adam_numel)
+@dataclass(frozen=True)
+class HostSplit:
+    """How the worker and the local nodes share this host's CPUs: pinned to disjoint sets (``--pin``),
+    or wherever the scheduler puts them, with the node threads summing to the cores the worker leaves."""
+
+    node_threads: int
+    node_cpus: tuple[tuple[int, ...], ...] = ()  # one set per node; empty: not pinned
+    worker_cpus: tuple[int, ...] = ()
+
+    def describe(self) -> dict:
+        return {
+            "node_threads": self.node_threads,
+            "node_cpus": [format_cpu_list(cpus) for cpus in self.node_cpus] or None,
+            "worker_cpus": format_cpu_list(self.worker_cpus) if self.worker_cpus else None,
+        }
 
 
-def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, device: torch.device, args: argparse.Namespace) -> dict:
-    """One mode in a fresh process, with its own local nodes for the netoptim modes."""
+def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int) -> HostSplit:
+    """The worker gets the first ``worker_cpus`` usable CPUs; pinned, each node gets a disjoint set of
+    the rest (NUMA nodes kept whole where the counts allow) and a thread per CPU unless ``node_threads``
+    says; unpinned, the nodes share the cores the worker leaves. ValueError if the CPUs do not go round."""
+    usable = usable_cpus()
+    if not pin:
+        return HostSplit(node_threads or max(1, (len(usable) - worker_cpus) // nodes))
+    if len(usable) < worker_cpus + nodes:
+        raise ValueError(f"--pin: {nodes} node(s) and --worker-cpus {worker_cpus} need {worker_cpus + nodes} CPUs; this process may use {len(usable)}")
+    sets = tuple(split_cpus(usable[worker_cpus:], nodes, numa_nodes(usable=usable)))
+    return HostSplit(node_threads or min(len(cpus) for cpus in sets), sets, usable[:worker_cpus])
+
+
+def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, split: HostSplit) -> dict:
+    """The box's limits (see :mod:`benchmarks.gpu_limits`), in this process: the node's update pass
+    last, on the first node's CPUs where the nodes are pinned."""
+    limits = copy_bandwidth_gbs(device, copy_bytes) | cpu_adamw_mparams(adam_numel)
+    if split.node_cpus:
+        pin_process(split.node_cpus[0])
+    return limits | node_update_mparams(split.node_threads, adam_numel)
+
+
+def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, device: torch.device, args: argparse.Namespace, split: HostSplit) -> dict:
+    """One mode in a fresh process, with its own local nodes (``args.nodes``) for the netoptim modes."""
     from launch.processes import NodeProcess
 
     config = SIZES[size]
     with tempfile.TemporaryDirectory(prefix="netoptim-bench-gpu-") as workdir:
-        nodes = (
-            [NodeProcess(workdir, name=f"node{i}", threads=args.node_threads, extra_args=("--admin", "127.0.0.1:0")).start() for i in range(args.nodes)]
-            if mode in NETOPTIM_MODES
-            else []
-        )
+        nodes = []
+        if mode in NETOPTIM_MODES:
+            for i in range(args.nodes):
+                pinned = ("--cpus", format_cpu_list(split.node_cpus[i])) if split.node_cpus else ()
+                nodes.append(NodeProcess(workdir, name=f"node{i}", threads=split.node_threads, extra_args=("--admin", "127.0.0.1:0", *pinned)).start())
         try:
-            mode_settings = ModeSettings(
-                **{
-                    **asdict(settings),
-                    "nodes": [n.address for n in nodes],
-                    "node_pids": [n.process.pid for n in nodes],
-                    "node_admins": [n.admin_address for n in nodes],
-                }
+            mode_settings = replace(
+                settings,
+                nodes=[n.address for n in nodes],
+                node_pids=[n.process.pid for n in nodes],
+                node_admins=[n.admin_address for n in nodes],
+                worker_cpus=split.worker_cpus if mode in NETOPTIM_MODES else (),
             )
             outcome = in_child(train_mode, (mode, config, dtype_name, mode_settings, device), args.timeout_s)
         finally:
@@ -175,13 +209,14 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--seq {args.seq}: the {', '.join(too_long)} model(s) take at most {SIZES[too_long[0]].block_size} tokens per sequence")
     device = torch.device("cuda", 0)
     properties = torch.cuda.get_device_properties(device)
+    split = host_split(args.nodes, args.node_threads, args.pin, args.worker_cpus)
     settings = ModeSettings(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, prefetch=args.prefetch, bucket_numel=args.bucket_numel)
     report |= {
         "gpu": properties.name,
         "gpu_memory_gb": properties.total_memory / 1e9,
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
-        "settings": {**asdict(settings), "nodes": args.nodes, "node_threads": args.node_threads},
+        "settings": {**asdict(settings), "nodes": args.nodes, **split.describe()},
         "sizes": {},
     }
     try:
@@ -190,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
         report["deepspeed"] = deepspeed.__version__
     except ImportError:
         report["deepspeed"] = None
-    limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, args.node_threads), args.timeout_s)
+    limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, split), args.timeout_s)
     report["limits"] = limits.get("ok", {"status": limits.get("error")})
     _save(report, args.out)
     jobs = [(size, dtype_name, mode) for size in sizes for dtype_name in args.dtypes for mode in args.modes]
@@ -198,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
         params = param_count(SIZES[size])
         entry = report["sizes"].setdefault(size, {"params": params, "config": asdict(SIZES[size])}).setdefault(dtype_name, {})
         skipped = _fits(mode, params, dtype_name, properties.total_memory)
-        entry[mode] = {"status": skipped} if skipped else run_mode(mode, size, dtype_name, settings, device, args)
+        entry[mode] = {"status": skipped} if skipped else run_mode(mode, size, dtype_name, settings, device, args, split)
         summarize(entry, params, dtype_name, report["limits"] if "pinned_h2d_gbs" in report["limits"] else {})
         report["ratio"] = headline(report)
         _save(report, args.out)

@@ -16,6 +16,7 @@ import torch
 
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
+from launch.host_cpus import format_cpu_list, pin_process
 from launch.processes import free_port
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,6 +41,7 @@ class ModeSettings:
     nodes: list[str] = field(default_factory=list)
     node_pids: list[int] = field(default_factory=list)
     node_admins: list[str] = field(default_factory=list)
+    worker_cpus: tuple[int, ...] = ()  # where the training process runs (``--pin``); empty: anywhere
 
 
 def node_status(admins: list[str], *, settle_s: float = 0.0) -> list[dict]:
@@ -140,6 +142,9 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     dtype = DTYPES[dtype_name]
+    if settings.worker_cpus:
+        pin_process(settings.worker_cpus)
+        torch.set_num_threads(len(settings.worker_cpus))
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
@@ -208,6 +213,8 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
         "peak_rss_mb_worker": peak_rss[0],
         "peak_rss_mb_nodes": peak_rss[1],
         "host_pss_mb_after_training": pss_mb,
+        "worker_cpus": format_cpu_list(os.sched_getaffinity(0)),  # where each process ran: --pin's sets, or all
+        "node_cpus": [format_cpu_list(os.sched_getaffinity(pid)) for pid in settings.node_pids],
     }
     if cuda:
         report["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20

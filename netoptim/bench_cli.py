@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from netoptim.arg_types import choice_list, non_negative_int, positive_int, positive_int_list, size, size_list
 from netoptim.cluster_cli import add_cluster_flags
@@ -182,9 +181,17 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     gpu.add_argument(
         "--node-threads",
         type=positive_int,
-        default=max(1, (os.cpu_count() or 1) - 2),
-        help="update threads per local node (default: the cores less two, left to the worker: %(default)s)",
+        default=None,
+        help="update threads per local node (default: with --pin, one per CPU of the node's set; otherwise the CPUs less --worker-cpus, shared among the nodes)",
     )
+    gpu.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pin the training process to the first --worker-cpus CPUs and each local node to a disjoint set of the rest, NUMA nodes kept whole "
+        "where the counts allow (netoptim node --cpus); DeepSpeed's modes run unpinned either way (default: off)",
+    )
+    gpu.add_argument("--worker-cpus", type=positive_int, default=2, help="CPUs left to the training process, pinned there with --pin (default: %(default)s)")
     gpu.add_argument("--copy-bytes", type=size, default=1 << 30, help="bytes per copy when measuring host-device bandwidth (default: 1GiB)")
     gpu.add_argument(
         "--adam-numel",

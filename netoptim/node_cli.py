@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
+from launch.host_cpus import CpuPlacement, format_cpu_list, pin_process, usable_cpus
 from netoptim.admin_cli import TOKEN_ENV
 from netoptim.arg_types import address, non_negative_int, positive_int, size
 
@@ -88,7 +89,27 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="I/O threads moving the data plane's bytes; give the connections per node your workers open (default: %(default)s)",
     )
-    node.add_argument("--threads", type=positive_int, default=None, help="CPU threads for the update kernels (default: torch's choice)")
+    node.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads for the update kernels (default: one per CPU of --cpus/--numa-node; otherwise torch's choice)",
+    )
+    node.add_argument(
+        "--cpus",
+        default=None,
+        metavar="LIST",
+        help="run on these CPUs only, e.g. 0-13 or 2-7,10: leave the cores a GPU worker's process needs to it, or give each node of "
+        "a host its own (default: every CPU this process may use)",
+    )
+    node.add_argument(
+        "--numa-node",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="run on NUMA node N's CPUs only, so that the state, first written by them, is in that node's memory; run one node per "
+        "NUMA node on hosts with several (default: no pinning; not with --cpus)",
+    )
     node.add_argument(
         "--checkpoint-dir", default=None, help="directory for crash-safe checkpoints (one subdirectory per checkpoint); without it none are taken"
     )
@@ -457,9 +478,22 @@ def run_node(args: argparse.Namespace) -> int:
     except OSError as exc:  # --resume with a checkpoint directory that is not there
         log.error("cannot resume: %s: %s; check --checkpoint-dir, or leave out --resume to start fresh", exc.strerror, exc.filename)
         return 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    log.info("node config: %s (torch threads: %d)", dataclasses.asdict(config), torch.get_num_threads())
+    placement = CpuPlacement(cpus=args.cpus, numa_node=args.numa_node)
+    try:
+        cpus = placement.resolve()
+    except ValueError as exc:
+        log.error("invalid node configuration: %s", exc)
+        return 2
+    if cpus is not None:  # before the daemon starts its threads and first writes its state
+        pin_process(cpus)
+    if args.threads or cpus is not None:
+        torch.set_num_threads(args.threads or len(cpus or ()))
+    log.info(
+        "node config: %s (torch threads: %d; CPUs: %s)",
+        dataclasses.asdict(config),
+        torch.get_num_threads(),
+        format_cpu_list(cpus) if cpus is not None else f"any of {format_cpu_list(usable_cpus())}",
+    )
     try:
         servers = bind_servers(args, admin_config)
     except NodeStartError as exc:

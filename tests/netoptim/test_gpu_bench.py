@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import torch
 from benchmarks import gpu_bench
 from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
 from benchmarks.gpu_modes import ModeSettings
+from launch.host_cpus import format_cpu_list
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
@@ -32,9 +34,9 @@ def test_a_bad_size_is_refused_naming_the_sizes():
 
 @pytest.mark.parametrize("mode", ["compute", "torch", "full", "layerwise"])
 def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
-    args = argparse.Namespace(nodes=1, node_threads=1, timeout_s=180)
+    args = argparse.Namespace(nodes=1, timeout_s=180)
     settings = ModeSettings(batch=2, seq=16, warmup=1, steps=2, bucket_numel=1 << 16)
-    report = gpu_bench.run_mode(mode, "small", "float32", settings, torch.device("cpu"), args)
+    report = gpu_bench.run_mode(mode, "small", "float32", settings, torch.device("cpu"), args, gpu_bench.HostSplit(node_threads=1))
     assert "status" not in report, report.get("status")
     assert report["step_s"] > 0 and report["tokens_per_s"] == pytest.approx(2 * 16 / report["step_s"])
     assert math.isfinite(report["loss"]) and 4 < report["loss"] < 7  # ln(256) ~ 5.5 at the start
@@ -48,9 +50,28 @@ def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
         assert 0 <= report["comm_hidden_fraction"] <= 1
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins the worker and the node to one CPU each")
+def test_pinned_the_worker_and_each_node_run_on_their_own_cpus():
+    split = gpu_bench.host_split(nodes=1, node_threads=None, pin=True, worker_cpus=1)
+    usable = sorted(os.sched_getaffinity(0))
+    assert split.worker_cpus == (usable[0],) and split.node_cpus == (tuple(usable[1:]),) and split.node_threads == len(usable) - 1
+    settings = ModeSettings(batch=2, seq=16, warmup=1, steps=1, bucket_numel=1 << 16)
+    report = gpu_bench.run_mode("full", "small", "float32", settings, torch.device("cpu"), argparse.Namespace(nodes=1, timeout_s=180), split)
+    assert "status" not in report, report.get("status")
+    assert report["worker_cpus"] == format_cpu_list(split.worker_cpus) and report["node_cpus"] == [format_cpu_list(split.node_cpus[0])]
+
+
+def test_unpinned_the_nodes_share_the_cpus_the_worker_leaves_and_too_few_cpus_are_refused():
+    usable = len(os.sched_getaffinity(0))
+    assert gpu_bench.host_split(nodes=1, node_threads=None, pin=False, worker_cpus=1) == gpu_bench.HostSplit(max(1, usable - 1))
+    assert gpu_bench.host_split(nodes=2, node_threads=3, pin=False, worker_cpus=1).node_threads == 3
+    with pytest.raises(ValueError, match="need"):
+        gpu_bench.host_split(nodes=usable, node_threads=None, pin=True, worker_cpus=1)
+
+
 def test_a_failing_mode_is_reported_and_the_run_goes_on():
-    args = argparse.Namespace(nodes=1, node_threads=1, timeout_s=60)
-    report = gpu_bench.run_mode("zero2", "small", "float32", ModeSettings(batch=0), torch.device("cpu"), args)
+    args = argparse.Namespace(nodes=1, timeout_s=60)
+    report = gpu_bench.run_mode("zero2", "small", "float32", ModeSettings(batch=0), torch.device("cpu"), args, gpu_bench.HostSplit(node_threads=1))
     assert report["status"].startswith("failed: ")
 
 
@@ -85,7 +106,7 @@ def test_torch_alone_is_skipped_where_it_cannot_fit_the_gpu():
 
 
 def test_the_limits_include_both_update_paths_of_the_node():
-    figures = gpu_bench.measure_limits(torch.device("cpu"), 1 << 20, 1 << 20, 1)
+    figures = gpu_bench.measure_limits(torch.device("cpu"), 1 << 20, 1 << 20, gpu_bench.HostSplit(node_threads=1))
     assert figures["node_update_compiled_mparams_per_s"] > 0 and figures["node_update_torch_ops_mparams_per_s"] > 0
     assert figures["node_update_threads"] == 1 and figures["cpu_adamw_threads"] >= 1
 
