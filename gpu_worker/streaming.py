@@ -4,8 +4,8 @@ Life of a step (``k`` is the step the worker is at):
 
 - forward: the root unit and the first ``prefetch`` units are requested when the model's forward
   begins; before unit ``u`` runs it must have arrived (the worker waits only if it has not), and units
-  ``u+1 .. u+prefetch`` are requested; after it ran its parameters are freed (the last unit stays,
-  backward needs it first).
+  ``u+1 .. u+prefetch`` are requested; after it ran its parameters are freed (the last ``prefetch + 1``
+  units stay: backward needs them first, and they are no more than the window forward held).
 - backward: when the gradient of a unit's output is ready (a hook on the output tensor), the unit is
   fetched again and ``u-1 .. u-prefetch`` are requested. When every parameter of a unit has its
   gradient, the unit's buckets are pushed, its gradients and parameters freed.
@@ -299,8 +299,11 @@ class LayerStreamer:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda _grad, unit=unit: self._before_backward(unit))
-        last = self._position[unit.index] == len(self._module_units) - 1
-        if not (needs_backward and last):
+        # The last units forward runs are the first backward needs: the last prefetch + 1 stay, which
+        # holds no more than the window forward held (a unit and the prefetch ahead of it) and saves
+        # fetching them again.
+        kept_for_backward = self._position[unit.index] >= len(self._module_units) - (self.plan.prefetch + 1)
+        if not (needs_backward and kept_for_backward):
             self._release(unit)
         self._measure()
 

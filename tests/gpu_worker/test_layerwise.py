@@ -106,11 +106,15 @@ def test_parameter_memory_stays_within_the_prefetch_window(start_node, prefetch)
     opt.stream_stats.peak_param_bytes = 0  # this model was built whole; what matters is training
     held_during: list[int] = []
     probes = [b.register_forward_hook(lambda *_: held_during.append(opt._streamer.resident_param_bytes())) for b in model.blocks]
+    blocks = len(model.blocks)
     for step in range(2):
+        fetched = opt.stream_stats.fetches
         _logits, loss = model(*tokens(step, 0, 1))
         loss.backward()
         opt.step()
         assert opt._streamer.resident_param_bytes() == 0, "between steps the worker holds no parameters"
+        # the root unit, every block for forward, and again for backward but the last prefetch + 1, kept from forward
+        assert opt.stream_stats.fetches - fetched == 1 + blocks + blocks - min(blocks, prefetch + 1)
     peak = opt.stream_stats.peak_param_bytes
     window = root + (prefetch + 1) * block  # the unit computing and the ones prefetched
     print(f"\nprefetch {prefetch}: peak {peak} B, window {window} B, whole model {total} B")
