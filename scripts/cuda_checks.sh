@@ -3,6 +3,9 @@
 # Usage: scripts/cuda_checks.sh OUT_DIR [bench gpu flags...]
 # Writes OUT_DIR/tests.log, OUT_DIR/bench.log and OUT_DIR/gpu.json (kept up to date after every mode).
 # TESTS_TIMEOUT_S and BENCH_TIMEOUT_S bound each part (default 240 and 600 seconds).
+# THEN_BENCH="flags" runs `netoptim bench gpu` a second time with those flags (a variant to compare,
+# e.g. "--sizes 1b --dtypes float32 --modes full,layerwise --pin --nodes 2"), into OUT_DIR/gpu-then.json
+# and OUT_DIR/bench-then.log, bounded by THEN_TIMEOUT_S (default 300 seconds).
 set -u -o pipefail
 out=${1:?usage: scripts/cuda_checks.sh OUT_DIR [bench gpu flags...]}
 shift
@@ -17,3 +20,8 @@ timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider -q -o ad
 echo "tests exit status: $?"
 timeout "${BENCH_TIMEOUT_S:-600}" python3 -m netoptim bench gpu --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -60
 echo "bench exit status: $?"
+if [ -n "${THEN_BENCH:-}" ]; then
+    # shellcheck disable=SC2086  # the flags are words
+    timeout "${THEN_TIMEOUT_S:-300}" python3 -m netoptim bench gpu --out "$out/gpu-then.json" $THEN_BENCH 2>&1 | tee "$out/bench-then.log" | grep -v -i warn | tail -40
+    echo "second bench exit status: $?"
+fi
