@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,13 @@ from optimizer_node.update_pass import reduce_and_update, reduce_and_update_segm
 from transport.wire import ErrorCode, WireError
 
 _NONE_ABSENT: frozenset[int] = frozenset()
+
+
+class Applied(NamedTuple):
+    """What :func:`update_bucket` did."""
+
+    changed: bool  # False: no segment had a gradient on any rank
+    compiled: bool  # the compiled loop did the update (else torch ops, or nothing)
 
 
 def absent_segments(meta: dict, bucket: BucketSpec, numel: int) -> frozenset[int]:
@@ -62,10 +70,11 @@ def update_bucket(
     wire_out: torch.Tensor | None,
     previous_out: torch.Tensor | None,
     compiled: bool,
-) -> bool:
-    """Apply the step's update (``rule``, see :mod:`optimizer_node.rules`) to ``state``; returns False
-    when nothing changed (no segment had a gradient on any rank), having still let go of the received
-    frames and filled the outputs. Rules other than AdamW take the per-segment pass."""
+) -> Applied:
+    """Apply the step's update (``rule``, see :mod:`optimizer_node.rules`) to ``state``; nothing
+    changes where no segment had a gradient on any rank, the received frames are let go of and the
+    outputs filled all the same. Rules other than AdamW take the per-segment pass; ``compiled``
+    allows the compiled loop where it takes the update."""
     stepped = [index not in absent_everywhere for index in range(len(segments))]
     if not any(stepped):
         reduction.take_pending()
@@ -73,9 +82,9 @@ def update_bucket(
             previous_out.copy_(state.param)
         if wire_out is not None:
             wire_out.copy_(state.param)
-        return False
+        return Applied(changed=False, compiled=False)
     if rule == "adamw" and state.segment_steps is None and all(stepped):  # the common case: one step count, the fast pass
-        reduce_and_update(
+        ran_compiled = reduce_and_update(
             reduction,
             state.param,
             state.exp_avg,
@@ -90,7 +99,7 @@ def update_bucket(
             compiled=compiled,
             arrays=state.numpy_state() if compiled else None,
         )
-        return True
+        return Applied(changed=True, compiled=ran_compiled)
     steps = [torch.tensor(count, dtype=torch.float32) for count in state.segment_step_counts(len(segments))]
     reduce_and_update_segments(
         reduction,
@@ -108,4 +117,4 @@ def update_bucket(
         previous_out=previous_out,
     )
     state.set_segment_step_counts([float(step) for step in steps])
-    return True
+    return Applied(changed=True, compiled=False)

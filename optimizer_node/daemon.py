@@ -52,6 +52,7 @@ from optimizer_node.reply_budget import UnregisteredReplyBudget
 from optimizer_node.state_transfer import load_part, read_part
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
+from optimizer_node.update_path_choice import UpdatePathChoice
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import backend_for, create_transport
 from transport.batches import split_batch
@@ -208,6 +209,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._last_checkpoint: dict | None = None
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
         self._morphs = MorphGate()  # the job's width changes, and morph HELLOs that came early
+        self._update_paths = UpdatePathChoice(enabled=self._compiled_update)  # compiled loop or torch ops: timed on the job's first updates
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -654,7 +656,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             absent = frozenset(range(len(segments)))
         else:
             self._last_applied[job.owned[state.bucket_id].group] = hyper
-        update_bucket(
+        updating = time.perf_counter()
+        applied = update_bucket(
             state,
             in_flight.reduction,
             hyper,
@@ -666,8 +669,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             grad_multiplier=in_flight.clip,
             wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
             previous_out=previous,
-            compiled=self._compiled_update,
+            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step),
         )
+        if applied.changed:
+            self._update_paths.record(applied.compiled, state.numel, time.perf_counter() - updating)
         state.step += 1
         state.wire_step = state.step if wire is not None and board is None else -1
         if board is not None:  # the version _send_params publishes: sending it copies nothing

@@ -12,7 +12,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.control import StepClock
 from transport.wire import Header, MsgType
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
     from optimizer_node.non_finite import NonFiniteStats
     from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
+    from optimizer_node.update_path_choice import UpdatePathChoice
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class OperatorControls:
     jobs_let_go: int
     _morphs: MorphGate
     non_finite: NonFiniteStats
-    _compiled_update: bool
+    _update_paths: UpdatePathChoice
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -215,7 +215,7 @@ class OperatorControls:
             "job_state": self.job_state(),
             "overrides": self.override_list(),
             "jobs_let_go": self.jobs_let_go,
-            "update_path": compiled_update.path() if self._compiled_update else "torch-ops (out of core)",
+            "update_path": self._update_paths.describe(),
             **self._morphs.snapshot(),
             "drain_step": -1 if self._drain_step is None else self._drain_step,
         }

@@ -173,8 +173,9 @@ def reduce_and_update(
     chunk_numel: int = CHUNK_NUMEL,
     compiled: bool = True,
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
-) -> None:
-    """Finish ``reduction`` (complete) and apply one AdamW step to the bucket, in one pass.
+) -> bool:
+    """Finish ``reduction`` (complete) and apply one AdamW step to the bucket, in one pass; True where
+    the compiled loop did it, False where torch ops did.
 
     Bitwise equal to ``adamw_update(param, reduction.result, ...)`` with the same arguments, then
     ``wire_out.copy_(param)``. ``grad_multiplier`` (the clip coefficient) multiplies the gradient
@@ -200,7 +201,7 @@ def reduce_and_update(
     step_count[()] += 1  # once per bucket: every kernel call reads the same step (fp32 + 1, as step.add_(1), at a tenth of its cost)
     loop = compiled and grad_multiplier is None and grad_divisor is not None
     if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, wire_out, previous_out, arrays):
-        return
+        return True
     terms = [_Term(pieces) for pieces in pending]
     for chunk in chunks:
         if previous_out is not None:
@@ -208,6 +209,7 @@ def reduce_and_update(
         _update_pieces(terms, chunk.start, chunk.stop, chunk.pieces, param, exp_avg, exp_avg_sq, step, hyper, grad_divisor, grad_multiplier)
         if wire_out is not None:  # while the chunk's parameters are in cache
             wire_out[chunk.start : chunk.stop].copy_(param[chunk.start : chunk.stop])
+    return False
 
 
 def reduce_and_update_segments(

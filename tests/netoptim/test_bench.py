@@ -80,4 +80,4 @@ def test_step_bench_reports_phases_and_the_cost_of_a_bucket():
         assert result["step_s"] > 0 and result["worker"]["gather_s"] > 0 and result["worker"]["install_s"] > 0
         assert result["node"]["update_s"] > 0 and result["node"]["wall_s"] > 0
         assert result["send_buffers_allocated_after_warmup"] >= 0 and result["install_vs_memcpy"] > 0 and result["install_vs_machine_memcpy"] > 0
-        assert result["node_update_path"] in ("compiled", "torch-ops")  # timed once the node's start-up is over
+        assert result["node_update_path"].split(" ")[0] in ("compiled", "torch-ops")  # timed once the node's start-up is over
