@@ -32,7 +32,7 @@ from job.placement import BucketSpec
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.checkpoint import archive_checkpoints
-from optimizer_node.clipping import GlobalNormClipping
+from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.faults import CrashPoints
@@ -93,7 +93,7 @@ def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
     }
 
 
-class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, ParameterReplies, GlobalNormClipping):
+class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, ParameterReplies):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -131,6 +131,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.limit_log = RateLimitedLog(log)
         self._stop: threading.Event | None = None
         self._store: BucketStore = self._new_store()
+        self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
         self._reset_job_state()
         self._handlers = {  # built once: handle() runs for every message
             MsgType.HELLO: self._on_hello,
@@ -148,7 +149,6 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self.clock = StepClock()
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
-        self.non_finite = NonFiniteStats(config.non_finite)
         self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
             self.non_finite,
             workers_last_seen=lambda: [record.last_seen for record in self._ledger.present()],
@@ -183,7 +183,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         metrics, the limits on outsiders) is set in ``__init__`` and stays."""
         self._job: ActiveJob | None = None
         self._ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
-        self._norm_partial: Header | None = None
+        self._norm_round = GlobalNormRound(self.non_finite, skip_policy=self.config.non_finite == "skip")  # clipping's global norm, and skipping a step
         self._hyper_parsed: tuple[object, AdamWHyper | None] = (None, None)  # the last hyperparameters parsed, as they came
         self._gc_frozen = False
         self._outbox = ParamsOutbox()  # new values of small buckets, leaving as one message per worker
@@ -193,7 +193,6 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._payload_why = f"this node's limit of {self.config.max_message_bytes} bytes (--max-message-bytes)"
         self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._in_flight: dict[int, BucketStep] = {}
-        self._awaiting_clip: int | None = None  # step whose norm partial went out
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         self._overrides = HyperOverrides()
         self._override_origins: dict[str, str] = {}  # override name -> who set it, when (admin status)
@@ -499,8 +498,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             raise WireError(
                 ErrorCode.BAD_REQUEST, f"rank {header.rank} sent hyperparameters {hyper} for bucket {bucket.bucket_id}, another rank sent {in_flight.hyper}"
             )
-        if self._awaiting_clip is not None:
-            raise WireError(ErrorCode.BAD_REQUEST, f"step {self._awaiting_clip} waits for its gradient norm; no new gradients until it is applied")
+        if self._norm_round.awaiting is not None:
+            raise WireError(ErrorCode.BAD_REQUEST, f"step {self._norm_round.awaiting} waits for its gradient norm; no new gradients until it is applied")
         if self._drain_step is not None and header.step >= self._drain_step:
             raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {self._drain_step} and takes no gradients after it")
         return _PushCheck(job, bucket, state, absent, in_flight)
@@ -546,6 +545,18 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             self._maybe_request_norm(job)
         else:
             heapq.heappush(self._ready, bucket.bucket_id)
+
+    def _maybe_request_norm(self, job: ActiveJob) -> None:
+        """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
+        if self._pause_reason is None and self._norm_round.share(job, self._in_flight, self.max_grad_norm) is not None:  # else resume() asks again
+            self._send_norm_partial()
+
+    def _send_norm_partial(self) -> None:
+        self._norm_round.resend(self._ledger.peer(0), self._send)
+
+    def _on_clip(self, message: Message) -> None:
+        self._require_rank(message)
+        self._norm_round.on_clip(message.header, self._in_flight, self._ready, self.max_grad_norm)
 
     @property
     def _global_round(self) -> bool:
@@ -751,7 +762,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             "step": self.step,
             "connected_ranks": sorted(self._ledger.ranks),
             "missing": missing,
-            "awaiting_clip": self._awaiting_clip,
+            "awaiting_clip": self._norm_round.awaiting,
             "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),
             "paused": self._pause_reason,
             "storage_error": self.storage_error,

@@ -23,6 +23,7 @@ import torch
 
 from job.placement import BucketSpec
 from job.spec import JobSpec, LimitError
+from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
@@ -131,8 +132,7 @@ class JobRegistration:
     _morphs: MorphGate
     _ready: list[int]
     _deferred_pulls: dict[int, list[tuple[bytes, int]]]
-    _awaiting_clip: int | None
-    _norm_partial: Header | None
+    _norm_round: GlobalNormRound
     _buckets_done: dict[int, int]
     _batching: dict[int, bytes]
     _batching_peers: frozenset[bytes]
@@ -278,7 +278,7 @@ class JobRegistration:
         self._in_flight.clear()  # gradients of step `at` from the old width: none is applied, none mixed in
         self._ready.clear()
         self._deferred_pulls.clear()
-        self._awaiting_clip, self._norm_partial = None, None
+        self._norm_round.reset()
         self._buckets_done.clear()
         self._ledger = StepLedger()  # the old width's ranks are not part of the job any more
         self._batching.clear()
