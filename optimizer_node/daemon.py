@@ -43,7 +43,6 @@ from optimizer_node.morphing import MorphGate
 from optimizer_node.non_finite import NonFiniteStats, count_non_finite
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
-from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.persistence import CheckpointControls
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistration, job_fingerprint, load_allow_list
@@ -93,7 +92,7 @@ def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
     }
 
 
-class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, ParameterReplies):
+class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -186,12 +185,17 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._norm_round = GlobalNormRound(self.non_finite, skip_policy=self.config.non_finite == "skip")  # clipping's global norm, and skipping a step
         self._hyper_parsed: tuple[object, AdamWHyper | None] = (None, None)  # the last hyperparameters parsed, as they came
         self._gc_frozen = False
-        self._outbox = ParamsOutbox()  # new values of small buckets, leaving as one message per worker
-        self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
-        self._batching_peers: frozenset[bytes] = frozenset()
+        self._replies = ParameterReplies(  # PULL and PARAMS: pulls waiting for their step, batches of small buckets, the board
+            self.config,
+            self._store,
+            self._endpoint,
+            self._send,
+            lambda nbytes: self.metrics.sent(nbytes),
+            same_host_address=self.same_host_address,
+            batch_params=self._batch_params,
+        )
         self._payload_limit = self.config.max_message_bytes  # lowered to the largest bucket once a job is registered
         self._payload_why = f"this node's limit of {self.config.max_message_bytes} bytes (--max-message-bytes)"
-        self._deferred_pulls: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._in_flight: dict[int, BucketStep] = {}
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         self._overrides = HyperOverrides()
@@ -248,7 +252,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
                 if self._store.last_error is not None:
                     self.storage_error, self._store.last_error = self._store.last_error, None
                 can_apply = bool(self._ready) and self._pause_reason is None and time.monotonic() >= self._storage_retry_at
-                if self._outbox and not can_apply:  # no more updates to add to them: the batches leave
+                if self._replies.outbox and not can_apply:  # no more updates to add to them: the batches leave
                     self._flush_outbox()
                 try:
                     message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
@@ -329,8 +333,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         self._store.close()
         if self._gc_frozen:
             gc.unfreeze()
-        self._reset_job_state()
         self._store = self._new_store()
+        self._reset_job_state()  # after the new store: the job's parts are given it
         self._endpoint.unlimit_payload()
         self._endpoint.drop_board()
         self.metrics.step_reached(0)
@@ -364,35 +368,20 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             text = f"{type(exc).__name__}: {exc}" if self._is_registered(message) else "internal error; the node's log has the details"
             self._send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
 
-    def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool:
-        """A rank registered on ``peer``, asking for batches or not; returns whether it gets them."""
-        if asked and self._batch_params:
-            self._batching[rank] = peer
-        else:
-            self._batching.pop(rank, None)
-        self._batching_peers = frozenset(self._batching.values())
-        return asked and self._batch_params
+    def _on_pull(self, message: Message) -> None:
+        job = self._require_rank(message)
+        self._replies.on_pull(message, job, self._owned_bucket(job, message.header), self._ledger)
 
     def _flush_outbox(self, peer: bytes | None = None) -> None:
         """Send the batched new values waiting for ``peer`` (every peer: ``None``)."""
-        for target in [peer] if peer is not None else self._outbox.peers():
-            header, payload, states = self._outbox.take(target, self.config.chunk_bytes)
-            try:
-                handle = self._endpoint.send(target, header, payload)
-            except ConnectionError as exc:
-                log.warning("could not send PARAMS: %s", exc)
-                continue
-            self._outbox.sent(handle)
-            self.metrics.sent(header.payload_bytes)
-            for state in states:
-                state.pending_sends.append(handle)
+        self._replies.flush(peer)
 
     def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None, *, published: tuple[int, tuple[int, int]] | None = None) -> None:
         """Reply to ``peer``. ``published``: the payload is a bucket's values of a version (its
         revision and step) that every rank is sent; a rank on this host may read them from the
         parameter board (a rank pushes the gradients computed from them before the bucket's next
         version exists, so nobody reads a version the board no longer holds)."""
-        if self._outbox.holds(peer):  # what was queued for the peer goes first: its messages keep their order
+        if self._replies.outbox.holds(peer):  # what was queued for the peer goes first: its messages keep their order
             self._flush_outbox(peer)
         outsider = not self._ledger.is_rank_connection(peer)
         if outsider:  # a peer outside the job may not read its answers: what waits for it is bounded
@@ -622,7 +611,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         return applied
 
     def _apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
-        if self._outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
+        if self._replies.outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
             self._flush_outbox()
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
@@ -652,7 +641,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy
-        elif not (job.spec.mode == "full" and self._batching_peers and self._outbox.takes_bytes(state.numel * 4)):  # those leave in batches, as copies
+        elif not (
+            job.spec.mode == "full" and self._replies.batching_peers and self._replies.outbox.takes_bytes(state.numel * 4)
+        ):  # those leave in batches, as copies
             # where same-host ranks read the parameter board, the update pass writes the values there too
             board = self._endpoint.board_slot(state.bucket_id, state.numel * 4)
             wire = board.view(torch.float32) if board is not None else None
@@ -702,19 +693,19 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         if in_flight.skip:
             meta["skipped"] = True
         if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
-            answered = self._answer_deferred_pulls(state, meta)
+            answered = self._replies.answer_deferred(state, job, meta)
             others = [peer for peer in self._ledger.connections() if peer not in answered]
             if unchanged:  # the workers hold these values already: only the step goes out
                 unchanged_meta = {**meta, "unchanged": True}
                 for peer in others:
-                    if not self._batched_to(peer, state, unchanged_meta, None):
+                    if not self._replies.batched_to(peer, state, unchanged_meta, None):
                         self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta=unchanged_meta))
             else:
-                self._send_params(state, others, meta, batched=True)
+                self._replies.send_params(state, job, others, meta, batched=True)
         else:
             if not in_flight.agreed:  # after a global round, CONSUMED went out when the bucket's gradients were complete
                 self._tell_consumed(job, state.bucket_id, in_flight.step)
-            self._answer_deferred_pulls(state, meta)
+            self._replies.answer_deferred(state, job, meta)
         self.clock.current.send_s += time.perf_counter() - sending
         self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival)
         if not ends_step:
@@ -795,7 +786,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls, Paramete
         in_flight = self._in_flight.get(state.bucket_id)
         if in_flight is not None and 0 in in_flight.reduction.received:
             raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")
-        if self._outbox.waits_for(state.bucket_id):  # values waiting in a batch are read from them too
+        if self._replies.outbox.waits_for(state.bucket_id):  # values waiting in a batch are read from them too
             self._flush_outbox()
         for handle in state.pending_sends:  # values on their way out are read from the tensors replaced here
             handle.wait(self.config.send_timeout_s)

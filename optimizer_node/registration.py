@@ -29,8 +29,9 @@ from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from optimizer_node.morphing import MorphGate
+from optimizer_node.replies import ParameterReplies
 from optimizer_node.step_ledger import StepLedger
-from optimizer_node.storage import BucketState, BucketStore
+from optimizer_node.storage import BucketStore
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport.batches import MAX_BATCH_BYTES
 from transport.interface import Message, ServerEndpoint
@@ -119,11 +120,8 @@ class JobRegistration:
         def step(self) -> int: ...
         def handle(self, message: Message) -> None: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
-        def _answer_deferred_pulls(self, state: BucketState) -> None: ...
         def _rank_rejoined(self, rank: int) -> None: ...
         def _job_initialized(self) -> None: ...
-        def _publish_board(self, job: ActiveJob) -> None: ...
-        def _note_batching(self, rank: int, peer: bytes, asked: bool) -> bool: ...
         def let_job_go(self, reason: str) -> dict: ...
         def _flush_outbox(self, peer: bytes | None = None) -> None: ...
 
@@ -131,11 +129,9 @@ class JobRegistration:
     jobs_let_go: int
     _morphs: MorphGate
     _ready: list[int]
-    _deferred_pulls: dict[int, list[tuple[bytes, int]]]
     _norm_round: GlobalNormRound
+    _replies: ParameterReplies
     _buckets_done: dict[int, int]
-    _batching: dict[int, bytes]
-    _batching_peers: frozenset[bytes]
 
     def _require_job(self) -> ActiveJob:
         if self._job is None:
@@ -192,7 +188,7 @@ class JobRegistration:
                 raise WireError(ErrorCode.CANNOT_FIT, f"node {self.node_id}: {problem}")
             self._job = ActiveJob.create(spec, node_index, plan)
             self._limit_payloads(self._job)
-            self._publish_board(self._job)
+            self._replies.publish_board(self._job)
             owned = self._job.owned
             total = sum(b.numel for b in owned.values())
             log.info(
@@ -229,7 +225,7 @@ class JobRegistration:
             )
         elif how == "moved":
             log.info("rank %d reconnected", header.rank)
-        batches = self._note_batching(header.rank, message.peer, header.meta.get("batches") is True)
+        batches = self._replies.note_batching(header.rank, message.peer, header.meta.get("batches") is True)
         needs_init = [b for b in sorted(job.owned) if self._store.get(b) is None]
         reply = Header(
             msg_type=MsgType.HELLO_OK,
@@ -277,12 +273,10 @@ class JobRegistration:
         dropped = sum(len(in_flight.reduction.received) for in_flight in self._in_flight.values())
         self._in_flight.clear()  # gradients of step `at` from the old width: none is applied, none mixed in
         self._ready.clear()
-        self._deferred_pulls.clear()
+        self._replies.forget_ranks()
         self._norm_round.reset()
         self._buckets_done.clear()
         self._ledger = StepLedger()  # the old width's ranks are not part of the job any more
-        self._batching.clear()
-        self._batching_peers = frozenset()
         self._job = ActiveJob.create(spec, job.node_index, base_step=job.base_step)  # the same buckets: the plan does not depend on the width
         self._morphs.morphed(at, job.spec.world_size, spec.world_size, dropped)
         return False
@@ -302,7 +296,7 @@ class JobRegistration:
         added = len(spec.params) - len(self._job.spec.params)
         self._job = ActiveJob.create(spec, node_index, plan, base_step=base)
         self._limit_payloads(self._job)
-        self._publish_board(self._job)
+        self._replies.publish_board(self._job)
         log.info("rank 0 added %d parameter(s) in a new param group at step %d: this node now owns %d buckets", added, base, len(self._job.owned))
 
     def _parse_hello(self, message: Message) -> tuple[JobSpec, int, int]:
@@ -452,4 +446,4 @@ class JobRegistration:
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))
         state = self._store.get(bucket.bucket_id)
         assert state is not None
-        self._answer_deferred_pulls(state)
+        self._replies.answer_deferred(state, job)

@@ -1,6 +1,8 @@
 """How a node sends parameters: PULL answered now or once the bucket reaches the step asked for
 (layer-wise workers ask just in time; rank 0's initial values release the first pulls), in the wire
-dtype. A mixin of :class:`~optimizer_node.daemon.NodeDaemon`; runs on the daemon thread only.
+dtype; small buckets' new values in batches to the ranks that take them; the parameter board.
+:class:`ParameterReplies` owns what that takes for one job (the waiting pulls, the ranks that take
+batches, the outbox); the daemon composes one and calls it on its thread only.
 """
 
 from __future__ import annotations
@@ -15,94 +17,136 @@ from optimizer_node.memory_plan import available_memory, node_needs
 from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.storage import BucketState, BucketStore
 from transport.shm_board import board_bytes
-from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, tensor_header
+from transport.wire import WIRE_DTYPES, ErrorCode, MsgType, WireError, tensor_header
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from job.placement import BucketSpec
     from optimizer_node.job_state import ActiveJob
     from optimizer_node.step_ledger import StepLedger
     from transport.interface import Message, ServerEndpoint
 
+    Send = Callable[..., None]  # the daemon's reply: (peer, header, payload=None, *, published=None)
+
 log = logging.getLogger(__name__)
 
 
 class ParameterReplies:
-    """PULL and PARAMS."""
+    """PULL and PARAMS for one job: pulls waiting for their step, the ranks that take batches of
+    small buckets and the outbox those batches wait in, and the parameter board.
 
-    # State owned by NodeDaemon, used here.
-    config: NodeConfig
-    _store: BucketStore
-    _deferred_pulls: dict[int, list[tuple[bytes, int]]]
-    _ledger: StepLedger
-    _outbox: ParamsOutbox
-    _batching_peers: frozenset[bytes]
-    _endpoint: ServerEndpoint
-    same_host_address: str | None
+    ``send`` is the daemon's reply path (limits on outsiders, send handles kept on the bucket);
+    ``sent_bytes`` counts what a batch sends; ``batch_params``: whether this node batches at all (an
+    out-of-core node sends each bucket's values at once: its tensors go back to the store's pool)."""
 
-    if TYPE_CHECKING:  # provided by NodeDaemon
+    def __init__(
+        self,
+        config: NodeConfig,
+        store: BucketStore,
+        endpoint: ServerEndpoint,
+        send: Send,
+        sent_bytes: Callable[[int], None],
+        *,
+        same_host_address: str | None,
+        batch_params: bool,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._endpoint = endpoint
+        self._send = send
+        self._sent_bytes = sent_bytes
+        self._same_host_address = same_host_address
+        self._batch_params = batch_params
+        self.outbox = ParamsOutbox()  # new values of small buckets, leaving as one message per worker
+        self._deferred: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
+        self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
+        self.batching_peers: frozenset[bytes] = frozenset()
 
-        def _require_job(self) -> ActiveJob: ...
-        def _require_rank(self, message: Message) -> ActiveJob: ...
-        def _owned_bucket(self, job: ActiveJob, header: Header) -> BucketSpec: ...
-        def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None, *, published: tuple[int, tuple[int, int]] | None = None) -> None: ...
-        def _flush_outbox(self, peer: bytes | None = None) -> None: ...
+    def forget_ranks(self) -> None:
+        """The job's ranks are not the same any more (it changed its width): no pull waits, no rank
+        takes batches until it says so again. Flush the outbox first."""
+        assert not self.outbox, "the outbox leaves before its ranks are forgotten"
+        self._deferred.clear()
+        self._batching.clear()
+        self.batching_peers = frozenset()
 
-    def _on_pull(self, message: Message) -> None:
+    def note_batching(self, rank: int, peer: bytes, asked: bool) -> bool:
+        """A rank registered on ``peer``, asking for batches or not; returns whether it gets them."""
+        if asked and self._batch_params:
+            self._batching[rank] = peer
+        else:
+            self._batching.pop(rank, None)
+        self.batching_peers = frozenset(self._batching.values())
+        return asked and self._batch_params
+
+    def flush(self, peer: bytes | None = None) -> None:
+        """Send the batched new values waiting for ``peer`` (every peer: ``None``)."""
+        for target in [peer] if peer is not None else self.outbox.peers():
+            header, payload, states = self.outbox.take(target, self._config.chunk_bytes)
+            try:
+                handle = self._endpoint.send(target, header, payload)
+            except ConnectionError as exc:
+                log.warning("could not send PARAMS: %s", exc)
+                continue
+            self.outbox.sent(handle)
+            self._sent_bytes(header.payload_bytes)
+            for state in states:
+                state.pending_sends.append(handle)
+
+    def on_pull(self, message: Message, job: ActiveJob, bucket: BucketSpec, ledger: StepLedger) -> None:
         """PARAMS now, or once the bucket exists (rank 0 initializes it) and reached ``at_step``.
 
         Without ``at_step`` the bucket's current values are sent. A PULL for the step before the
         bucket's is answered with the values the ledger kept for a restarted rank; for an older step
         (or when they are gone) it is STALE_STEP; one for a step more than one ahead is FUTURE_STEP (no
         worker can have pushed the gradient that would bring the bucket there)."""
-        job = self._require_rank(message)
         header = message.header
-        bucket = self._owned_bucket(job, header)
         at_step = header.meta.get("at_step")
         if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 0):
             raise WireError(ErrorCode.BAD_REQUEST, f"at_step must be a non-negative integer, got {at_step!r}")
         state = self._store.get(bucket.bucket_id)
         current = job.base_step if state is None else state.step  # a bucket without values yet starts at the job's base step
         if at_step is not None and at_step < current:
-            kept = self._ledger.retained(bucket.bucket_id, at_step)
+            kept = ledger.retained(bucket.bucket_id, at_step)
             if kept is not None:  # a copy: the ledger reuses its buffers, the send reads without copying
                 payload = kept.clone()
-                self._send(message.peer, tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=at_step, bucket_id=bucket.bucket_id), payload)
+                self._send(message.peer, tensor_header(MsgType.PARAMS, payload, self._config.chunk_bytes, step=at_step, bucket_id=bucket.bucket_id), payload)
                 return
             raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {current}; its values of step {at_step} are gone")
         if at_step is not None and at_step > current + 1:
             raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {current}; step {at_step} is more than one update ahead")
         if state is None or (at_step is not None and at_step > current):  # answered once it gets there
-            waiting = self._deferred_pulls.setdefault(bucket.bucket_id, [])
+            waiting = self._deferred.setdefault(bucket.bucket_id, [])
             entry = (message.peer, current if at_step is None else at_step)
             if entry not in waiting:  # asked again: answered once anyway, and the list stays a few entries per rank
                 waiting.append(entry)
             return
-        self._send_params(state, [message.peer])
+        self.send_params(state, job, [message.peer])
 
-    def _answer_deferred_pulls(self, state: BucketState, meta: dict | None = None) -> list[bytes]:
+    def answer_deferred(self, state: BucketState, job: ActiveJob, meta: dict | None = None) -> list[bytes]:
         """Send the bucket to whoever asked for its values of a step it has reached; returns them."""
-        waiting = self._deferred_pulls.pop(state.bucket_id, [])
+        waiting = self._deferred.pop(state.bucket_id, [])
         due = list(dict.fromkeys(peer for peer, step in waiting if step <= state.step))  # a peer that asked twice gets it once
         later = [(peer, step) for peer, step in waiting if step > state.step]
         if later:
-            self._deferred_pulls[state.bucket_id] = later
+            self._deferred[state.bucket_id] = later
         if due:
-            self._send_params(state, due, meta)
+            self.send_params(state, job, due, meta)
         return due
 
-    def _batched_to(self, peer: bytes, state: BucketState, meta: dict, payload: torch.Tensor | None) -> bool:
+    def batched_to(self, peer: bytes, state: BucketState, meta: dict, payload: torch.Tensor | None) -> bool:
         """Queue the bucket's values for ``peer`` in its batch, if it takes batches (a full batch
         leaves at once); False where they must be sent alone."""
-        if peer not in self._batching_peers:
+        if peer not in self.batching_peers:
             return False
-        if self._outbox.add(peer, state, meta, payload):
-            self._flush_outbox(peer)
+        if self.outbox.add(peer, state, meta, payload):
+            self.flush(peer)
         return True
 
-    def _send_params(self, state: BucketState, peers: list[bytes], meta: dict | None = None, *, batched: bool = False) -> None:
+    def send_params(self, state: BucketState, job: ActiveJob, peers: list[bytes], meta: dict | None = None, *, batched: bool = False) -> None:
         """The bucket's current values to ``peers``; ``batched``: small ones may wait in the outbox for
         the other buckets updated meanwhile, for the peers that take batches."""
-        job = self._require_job()
         params = self._store.params_for_send(state)  # out of core: only the parameter third is read
         if job.spec.wire_dtype == "float32":
             payload = params
@@ -116,21 +160,21 @@ class ParameterReplies:
                 state.wire_step = state.step
         else:
             payload = params.to(WIRE_DTYPES[job.spec.wire_dtype])
-        batched = batched and self._outbox.takes(payload)
+        batched = batched and self.outbox.takes(payload)
         header = None
         version = (state.bucket_id, (state.revision, state.step))  # what the board holds for it, if it has it
         for peer in peers:
-            if batched and self._batched_to(peer, state, meta or {}, payload):
+            if batched and self.batched_to(peer, state, meta or {}, payload):
                 continue
             if header is None:
-                header = tensor_header(MsgType.PARAMS, payload, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
+                header = tensor_header(MsgType.PARAMS, payload, self._config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
             self._send(peer, header, payload, published=version)
 
-    def _publish_board(self, job: ActiveJob) -> None:
+    def publish_board(self, job: ActiveJob) -> None:
         """A parameter board for this job's values (same-host workers read them there), where the
         node keeps its state in memory and the host's available memory holds one more copy."""
         self._endpoint.drop_board()
-        if not self.config.same_host_board or self.config.state_dir is not None or not self.same_host_address:
+        if not self._config.same_host_board or self._config.state_dir is not None or not self._same_host_address:
             return
         wire_bytes = WIRE_DTYPES[job.spec.wire_dtype].itemsize
         sizes = [bucket.numel * wire_bytes for bucket in job.owned.values()]

@@ -144,20 +144,21 @@ def test_with_next_job_refuse_a_finished_job_stays_until_reset(admin_node, fresh
     assert all(torch.equal(a, b) for a, b in zip(params, fresh_b, strict=True))
 
 
-def _state_of(value: object, depth: int = 0) -> object:
-    """A comparable picture of a daemon attribute: plain values as they are, objects by their fields."""
+def _state_of(value: object, depth: int = 0, node_wide: frozenset[int] = frozenset()) -> object:
+    """A comparable picture of a daemon attribute: plain values as they are, objects by their fields;
+    the node-wide objects a job's part refers to (``node_wide``: their ids) by their type."""
     if isinstance(value, (type(None), bool, int, float, str, bytes)):
         return value
     if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value), [_state_of(v, depth + 1) for v in value]
+        return type(value), [_state_of(v, depth + 1, node_wide) for v in value]
     if isinstance(value, dict):
-        return {k: _state_of(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, torch.Tensor) or depth >= 2 or callable(value):
+        return {k: _state_of(v, depth + 1, node_wide) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) or depth >= 2 or callable(value) or id(value) in node_wide:
         return type(value)
     fields = getattr(value, "__dict__", None)
     if fields is None and hasattr(value, "__slots__"):
         fields = {name: getattr(value, name) for name in value.__slots__ if hasattr(value, name)}
-    return type(value), {k: _state_of(v, depth + 1) for k, v in (fields or {}).items()}
+    return type(value), {k: _state_of(v, depth + 1, node_wide) for k, v in (fields or {}).items()}
 
 
 NODE_WIDE = {
@@ -168,6 +169,10 @@ NODE_WIDE = {
     "_echoes_in_flight", "_outsider_replies", "_deferred_hellos",
     "jobs_let_go",
 }  # fmt: skip
+
+
+def node_wide_ids(node: NodeDaemon) -> frozenset[int]:
+    return frozenset(id(value) for name, value in vars(node).items() if name in NODE_WIDE)
 
 
 def test_a_node_that_let_its_job_go_is_a_fresh_node_in_every_job_field():
@@ -185,8 +190,8 @@ def test_a_node_that_let_its_job_go_is_a_fresh_node_in_every_job_field():
         train(node.address, model_a)
         node.commands.call(lambda: node.pause("checking"))
         assert node.commands.call(lambda: node.let_job_go("a test"))["step"] == STEPS
-        after = {name: _state_of(value) for name, value in vars(node).items() if name not in NODE_WIDE}
-        before = {name: _state_of(value) for name, value in vars(fresh).items() if name not in NODE_WIDE}
+        after = {name: _state_of(value, node_wide=node_wide_ids(node)) for name, value in vars(node).items() if name not in NODE_WIDE}
+        before = {name: _state_of(value, node_wide=node_wide_ids(fresh)) for name, value in vars(fresh).items() if name not in NODE_WIDE}
         assert after.keys() == before.keys()
         for name in before:
             assert after[name] == before[name], name
