@@ -671,7 +671,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
             grad_multiplier=in_flight.clip,
             wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
             previous_out=previous,
-            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step),
+            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
         )
         if applied.changed:
             self._update_paths.record(applied.compiled, state.numel, time.perf_counter() - updating)

@@ -52,13 +52,14 @@ class UpdatePathChoice:
         self.torch_ops: _Timed = _Timed()
         self.chosen: str | None = None  # "compiled" or "torch-ops", once the trial is over
 
-    def wants_compiled(self, bucket_id: int, step: int) -> bool:
-        """Whether bucket ``bucket_id``'s update at ``step`` should run through the compiled loop (which
-        falls back to torch ops by itself where it does not take the update, or is not checked yet)."""
+    def wants_compiled(self, bucket_id: int, step: int, numel: int) -> bool:
+        """Whether the update of bucket ``bucket_id`` (``numel`` elements) at ``step`` should run through
+        the compiled loop (which falls back to torch ops by itself where it does not take the update,
+        or is not checked yet)."""
         if not self.enabled:
             return False
-        if self.chosen is not None:
-            return self.chosen == "compiled"
+        if self.chosen is not None or numel < TRIAL_MIN_NUMEL:  # small buckets are not timed: the loop's one pass
+            return self.chosen != "torch-ops"
         # In the trial each bucket takes the two paths in turn, step after step: where a bucket comes
         # in a step (the first overlaps the worker's pushes, the last has the cores alone) must not
         # favour one path.

@@ -21,7 +21,7 @@ def run_trial(compiled_s: float, torch_ops_s: float, numel: int = TRIAL_NUMEL //
     asked = []
     for step in range(TRIAL_MIN_UPDATES):  # two buckets a step
         for bucket_id in range(2):
-            compiled = choice.wants_compiled(bucket_id, step)
+            compiled = choice.wants_compiled(bucket_id, step, numel)
             asked.append((bucket_id, compiled))
             choice.record(compiled, numel, compiled_s if compiled else torch_ops_s)
     assert choice.chosen is not None
@@ -32,7 +32,7 @@ def run_trial(compiled_s: float, torch_ops_s: float, numel: int = TRIAL_NUMEL //
 def test_the_faster_path_is_kept_and_the_loop_wins_near_ties():
     assert compiled_update.usable(), "numba is a dependency: the loop must check out here"
     faster_ops = run_trial(compiled_s=0.010, torch_ops_s=0.008)
-    assert faster_ops.chosen == "torch-ops" and not faster_ops.wants_compiled(0, 0)
+    assert faster_ops.chosen == "torch-ops" and not faster_ops.wants_compiled(0, 0, TRIAL_NUMEL)
     assert faster_ops.describe().startswith("torch-ops (compiled loop 419 Mparam/s, torch ops 524 Mparam/s, medians of this job's first 16 updates")
     assert run_trial(compiled_s=0.008, torch_ops_s=0.010).chosen == "compiled"
     assert run_trial(compiled_s=0.010, torch_ops_s=0.010 / (COMPILED_MARGIN - 0.01)).chosen == "compiled"
@@ -42,15 +42,16 @@ def test_small_buckets_and_an_out_of_core_node_take_no_part():
     assert compiled_update.usable()
     choice = UpdatePathChoice(enabled=True)
     for step in range(1000):
-        choice.record(choice.wants_compiled(0, step), TRIAL_MIN_NUMEL - 1, 1.0)
+        assert choice.wants_compiled(0, step, TRIAL_MIN_NUMEL - 1), "small buckets take the loop throughout"
+        choice.record(True, TRIAL_MIN_NUMEL - 1, 1.0)
     assert choice.chosen is None and choice.describe() == "compiled"
     never_compiled = UpdatePathChoice(enabled=True)  # e.g. clipping every step: the loop never takes an update
     for _ in range(TRIAL_MAX_UPDATES):
         never_compiled.record(False, TRIAL_MIN_NUMEL, 1.0)
-    assert never_compiled.chosen == "torch-ops" and not never_compiled.wants_compiled(0, 0)
+    assert never_compiled.chosen == "torch-ops" and not never_compiled.wants_compiled(0, 0, TRIAL_NUMEL)
     out_of_core = UpdatePathChoice(enabled=False)
     out_of_core.record(True, TRIAL_NUMEL, 1.0)
-    assert not out_of_core.wants_compiled(0, 0) and out_of_core.describe() == "torch-ops (out of core)"
+    assert not out_of_core.wants_compiled(0, 0, TRIAL_NUMEL) and out_of_core.describe() == "torch-ops (out of core)"
 
 
 def update_path(admin_address: str) -> str:
