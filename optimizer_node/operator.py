@@ -7,13 +7,13 @@ through the daemon's command queue.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.control import StepClock
+from optimizer_node.overrides import ADMIN, OperatorOverrides
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
@@ -29,10 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 class OperatorControls:
     """Operator actions on the daemon's state."""
 
@@ -45,15 +41,11 @@ class OperatorControls:
     _store: BucketStore
     _ledger: StepLedger
     _in_flight: dict[int, BucketStep]
-    _overrides: HyperOverrides
-    _last_applied: dict[int, AdamWHyper]
+    _operator: OperatorOverrides
     _pause_reason: str | None
     _drain_step: int | None
     _ready: list[int]
     _stop: threading.Event | None
-    _clip_override: float | None
-    _clip_override_next: tuple[float | None] | None
-    _override_origins: dict[str, str]
     _finished_step: int | None
     jobs_let_go: int
     _morphs: MorphGate
@@ -122,72 +114,36 @@ class OperatorControls:
 
     @property
     def overrides(self) -> HyperOverrides:
-        return self._overrides
+        return self._operator.hyper
 
-    def set_overrides(self, overrides: HyperOverrides, origin: str = "netoptim admin set-hparams") -> None:
-        """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid.
-        Each value that changes is recorded with ``origin`` and the time (see :meth:`override_list`)."""
-        overrides.validate()
-        before = self._overrides.to_dict()
-        said = f"{origin} at {_utc_now()}"
-        origins = {name: self._override_origins.get(name, said) if before.get(name) == value else said for name, value in overrides.to_dict().items()}
-        if "max_grad_norm" in self._override_origins:
-            origins["max_grad_norm"] = self._override_origins["max_grad_norm"]
-        self._overrides, self._override_origins = overrides, origins
-        log.warning("hyperparameter overrides now %s (%s)", overrides, origin)
+    def set_overrides(self, overrides: HyperOverrides, origin: str = ADMIN) -> None:
+        """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid."""
+        self._operator.set(overrides, origin)
 
     def override_list(self) -> list[dict]:
         """Every override in force (or waiting for the next step: max_grad_norm), with who set it and when."""
-        values: dict[str, float] = dict(self._overrides.to_dict())
-        if self.clip_override is not None:
-            values["max_grad_norm"] = self.clip_override
-        return [{"name": name, "value": value, "origin": self._override_origins.get(name, "")} for name, value in sorted(values.items())]
+        return self._operator.listing()
 
     @property
     def clip_override(self) -> float | None:
         """The operator's max_grad_norm (the one in force, or the one waiting for the next step)."""
-        return self._clip_override_next[0] if self._clip_override_next is not None else self._clip_override
+        return self._operator.clip_override
 
     @property
     def max_grad_norm(self) -> float | None:
         """The clipping threshold in force: the operator's override, else the job's."""
-        if self._clip_override is not None:
-            return self._clip_override
-        return self._job.spec.max_grad_norm if self._job is not None else None
+        return self._operator.max_grad_norm(self._job.spec if self._job is not None else None)
 
     def check_max_grad_norm(self, value: float | None) -> None:
         """``ValueError`` if ``value`` (``None``: back to the job's) cannot be used."""
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"invalid max_grad_norm {value}: must be a positive number")
-        if self._job is None:
-            raise ValueError("no job is registered yet: max_grad_norm can be set once rank 0 registered")
-        spec = self._job.spec
-        clipping_now = (value if value is not None else spec.max_grad_norm) is not None
-        if spec.num_nodes > 1 and clipping_now != (spec.max_grad_norm is not None):
-            raise ValueError(
-                f"the job was registered {'with' if spec.max_grad_norm else 'without'} clipping over {spec.num_nodes} nodes; switching it on or off on one node would leave the others out: restart the workers with another max_grad_norm"
-            )
+        self._operator.check_max_grad_norm(value, self._job.spec if self._job is not None else None)
 
-    def set_max_grad_norm(self, value: float | None, origin: str = "netoptim admin set-hparams") -> None:
+    def set_max_grad_norm(self, value: float | None, origin: str = ADMIN) -> None:
         """Clip at ``value`` from the next step on (now, if between steps)."""
-        self.check_max_grad_norm(value)
-        if value is None:
-            self._override_origins.pop("max_grad_norm", None)
-        elif value != self.clip_override:
-            self._override_origins["max_grad_norm"] = f"{origin} at {_utc_now()}"
-        if self._between_steps():
-            self._clip_override = value
-        else:
-            self._clip_override_next = (value,)
-        log.warning("max_grad_norm override now %s%s", value, "" if self._between_steps() else " (from the next step)")
-
-    def _activate_pending_clip(self) -> None:
-        if self._clip_override_next is not None:
-            (self._clip_override,) = self._clip_override_next
-            self._clip_override_next = None
+        self._operator.set_max_grad_norm(value, self._job.spec if self._job is not None else None, between_steps=self._between_steps(), origin=origin)
 
     def last_applied(self) -> dict[int, AdamWHyper]:
-        return dict(self._last_applied)
+        return self._operator.last_applied()
 
     def workers(self) -> dict[int, float]:
         """Rank -> when it was last heard from (unix time)."""

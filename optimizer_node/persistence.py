@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from job.spec import JobSpec
-from optimizer_node.adamw import HyperOverrides
 from optimizer_node.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints
@@ -22,6 +21,7 @@ from optimizer_node.job_state import ActiveJob
 
 if TYPE_CHECKING:
     from optimizer_node.job_state import BucketStep
+    from optimizer_node.overrides import OperatorOverrides
     from optimizer_node.storage import BucketStore
 
 log = logging.getLogger(__name__)
@@ -35,19 +35,16 @@ class CheckpointControls:
     _job: ActiveJob | None
     _store: BucketStore
     _in_flight: dict[int, BucketStep]
-    _overrides: HyperOverrides
+    _operator: OperatorOverrides
     _crash_points: CrashPoints
     _checkpoint_waiters: list[Future]
     _drain_step: int | None  # set while draining: no gradients for this step or later
     _last_checkpoint: dict[str, Any] | None
-    _clip_override: float | None
-    _override_origins: dict[str, str]
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
         @property
         def step(self) -> int: ...
-        def _activate_pending_clip(self) -> None: ...
 
     def _between_steps(self) -> bool:
         steps = {state.step for state in self._store}
@@ -67,9 +64,7 @@ class CheckpointControls:
             "node_id": self.node_id,
             "node_index": self._job.node_index,
             "job": self._job.spec.to_wire(),
-            "overrides": self._overrides.to_dict(),
-            "max_grad_norm_override": self._clip_override,
-            "override_origins": dict(self._override_origins),
+            **self._operator.to_manifest(),
             "origin": origin,
         }
         manifest = write_checkpoint(
@@ -140,7 +135,7 @@ class CheckpointControls:
 
     def _step_completed(self, step: int) -> None:
         """Called by the daemon when every owned bucket reached ``step``."""
-        self._activate_pending_clip()
+        self._operator.step_begins()
         if self._checkpoint_due(step) and not self._checkpoint_waiters:
             try:
                 self.checkpoint()
@@ -184,11 +179,7 @@ class CheckpointControls:
                         f"{checkpoint.path}: bucket {bucket_id} has {len(job.segments[bucket_id])} segments, its step counts {len(snapshot.segment_steps)}"
                     )
                 state.set_segment_step_counts(snapshot.segment_steps)
-        self._overrides = HyperOverrides(**manifest.get("overrides", {}))
-        self._clip_override = manifest.get("max_grad_norm_override")
-        origins = manifest.get("override_origins", {})
-        named = [*self._overrides.to_dict(), *(["max_grad_norm"] if self._clip_override is not None else [])]
-        self._override_origins = {name: f"{origins.get(name, 'an operator')}, restored from {checkpoint.path.name}" for name in named}
+        named = self._operator.restore(manifest, checkpoint.path.name)
         if named:
             log.warning("overrides restored from the checkpoint and in force: %s (netoptim admin set-hparams --clear drops them)", ", ".join(named))
         self._last_checkpoint = manifest
