@@ -199,7 +199,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         self._payload_why = f"this node's limit of {self.config.max_message_bytes} bytes (--max-message-bytes)"
         self._in_flight: dict[int, BucketStep] = {}
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
-        self._operator = OperatorOverrides()  # hyperparameter overrides and the clipping threshold an operator set, with their origins
+        self._overrides = OperatorOverrides()  # hyperparameter overrides and the clipping threshold an operator set, with their origins
         self._pause_reason: str | None = None  # set while an operator has paused updates
         self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
@@ -325,8 +325,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
             self._send(peer, Header(msg_type=MsgType.NOTICE, step=step, meta=notice))
         for waiter in self._checkpoint_waiters:
             waiter.set_exception(ValueError(f"the job was let go before its checkpoint ({reason})"))
-        if self._operator.origins:
-            log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self._operator.origins)))
+        if self._overrides.origins:
+            log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self._overrides.origins)))
         self._store.close()
         if self._gc_frozen:
             gc.unfreeze()
@@ -471,7 +471,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
             try:  # once per bucket and step (later pushes must send the same): with the overrides (lr x lr_scale) too
-                validate_for_rule(job.spec.rule, self._operator.apply(hyper))
+                validate_for_rule(job.spec.rule, self._overrides.apply(hyper))
             except ValueError as exc:
                 raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
             # defer: the last arrival's gradient is added in the update pass, together with AdamW
@@ -648,13 +648,13 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         absent = in_flight.absent or frozenset()
         # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
         unchanged = len(absent) == len(segments) and not in_flight.skip
-        hyper = self._operator.apply(in_flight.hyper)
+        hyper = self._overrides.apply(in_flight.hyper)
         if in_flight.skip:
             # GradScaler semantics: no segment is stepped (parameters, moments and AdamW's step counts stay);
             # the protocol step still advances, so the workers get these values as the next step's and go on.
             absent = frozenset(range(len(segments)))
         else:
-            self._operator.applied(job.owned[state.bucket_id].group, hyper)
+            self._overrides.applied(job.owned[state.bucket_id].group, hyper)
         updating = time.perf_counter()
         applied = update_bucket(
             state,

@@ -41,7 +41,7 @@ class OperatorControls:
     _store: BucketStore
     _ledger: StepLedger
     _in_flight: dict[int, BucketStep]
-    _operator: OperatorOverrides
+    _overrides: OperatorOverrides
     _pause_reason: str | None
     _drain_step: int | None
     _ready: list[int]
@@ -114,36 +114,36 @@ class OperatorControls:
 
     @property
     def overrides(self) -> HyperOverrides:
-        return self._operator.hyper
+        return self._overrides.hyper
 
     def set_overrides(self, overrides: HyperOverrides, origin: str = ADMIN) -> None:
         """Use ``overrides`` from the next update on; ``ValueError`` (state unchanged) if invalid."""
-        self._operator.set(overrides, origin)
+        self._overrides.set(overrides, origin)
 
     def override_list(self) -> list[dict]:
         """Every override in force (or waiting for the next step: max_grad_norm), with who set it and when."""
-        return self._operator.listing()
+        return self._overrides.listing()
 
     @property
     def clip_override(self) -> float | None:
         """The operator's max_grad_norm (the one in force, or the one waiting for the next step)."""
-        return self._operator.clip_override
+        return self._overrides.clip_override
 
     @property
     def max_grad_norm(self) -> float | None:
         """The clipping threshold in force: the operator's override, else the job's."""
-        return self._operator.max_grad_norm(self._job.spec if self._job is not None else None)
+        return self._overrides.max_grad_norm(self._job.spec if self._job is not None else None)
 
     def check_max_grad_norm(self, value: float | None) -> None:
         """``ValueError`` if ``value`` (``None``: back to the job's) cannot be used."""
-        self._operator.check_max_grad_norm(value, self._job.spec if self._job is not None else None)
+        self._overrides.check_max_grad_norm(value, self._job.spec if self._job is not None else None)
 
     def set_max_grad_norm(self, value: float | None, origin: str = ADMIN) -> None:
         """Clip at ``value`` from the next step on (now, if between steps)."""
-        self._operator.set_max_grad_norm(value, self._job.spec if self._job is not None else None, between_steps=self._between_steps(), origin=origin)
+        self._overrides.set_max_grad_norm(value, self._job.spec if self._job is not None else None, between_steps=self._between_steps(), origin=origin)
 
     def last_applied(self) -> dict[int, AdamWHyper]:
-        return self._operator.last_applied()
+        return self._overrides.last_applied()
 
     def workers(self) -> dict[int, float]:
         """Rank -> when it was last heard from (unix time)."""

@@ -35,7 +35,7 @@ class CheckpointControls:
     _job: ActiveJob | None
     _store: BucketStore
     _in_flight: dict[int, BucketStep]
-    _operator: OperatorOverrides
+    _overrides: OperatorOverrides
     _crash_points: CrashPoints
     _checkpoint_waiters: list[Future]
     _drain_step: int | None  # set while draining: no gradients for this step or later
@@ -64,7 +64,7 @@ class CheckpointControls:
             "node_id": self.node_id,
             "node_index": self._job.node_index,
             "job": self._job.spec.to_wire(),
-            **self._operator.to_manifest(),
+            **self._overrides.to_manifest(),
             "origin": origin,
         }
         manifest = write_checkpoint(
@@ -135,7 +135,7 @@ class CheckpointControls:
 
     def _step_completed(self, step: int) -> None:
         """Called by the daemon when every owned bucket reached ``step``."""
-        self._operator.step_begins()
+        self._overrides.step_begins()
         if self._checkpoint_due(step) and not self._checkpoint_waiters:
             try:
                 self.checkpoint()
@@ -179,7 +179,7 @@ class CheckpointControls:
                         f"{checkpoint.path}: bucket {bucket_id} has {len(job.segments[bucket_id])} segments, its step counts {len(snapshot.segment_steps)}"
                     )
                 state.set_segment_step_counts(snapshot.segment_steps)
-        named = self._operator.restore(manifest, checkpoint.path.name)
+        named = self._overrides.restore(manifest, checkpoint.path.name)
         if named:
             log.warning("overrides restored from the checkpoint and in force: %s (netoptim admin set-hparams --clear drops them)", ", ".join(named))
         self._last_checkpoint = manifest
