@@ -22,6 +22,7 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +45,7 @@ from optimizer_node.non_finite import NonFiniteStats, count_non_finite
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import OperatorControls
 from optimizer_node.overrides import OperatorOverrides
-from optimizer_node.persistence import CheckpointControls
+from optimizer_node.persistence import Checkpoints
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistration, job_fingerprint, load_allow_list
 from optimizer_node.replies import ParameterReplies
@@ -93,7 +94,7 @@ def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
     }
 
 
-class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
+class NodeDaemon(JobRegistration, OperatorControls):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -131,6 +132,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         self.limit_log = RateLimitedLog(log)
         self._stop: threading.Event | None = None
         self._store: BucketStore = self._new_store()
+        self._crash_points = CrashPoints(config.crash_at)
         self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
         self._reset_job_state()
         self._handlers = {  # built once: handle() runs for every message
@@ -153,15 +155,14 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
             self.non_finite,
             workers_last_seen=lambda: [record.last_seen for record in self._ledger.present()],
             paused=lambda: self._pause_reason is not None,
-            draining=lambda: self._drain_step is not None,
-            last_checkpoint_unix=lambda: (self._last_checkpoint or {}).get("created_unix"),
+            draining=lambda: self._checkpoints.drain_step is not None,
+            last_checkpoint_unix=lambda: (self._checkpoints.last or {}).get("created_unix"),
             shared_memory=self._endpoint.shared_memory,
         )
         self.started_at = time.time()
-        self._crash_points = CrashPoints(config.crash_at)
         self.jobs_let_go = 0  # jobs this node finished or was reset from, and let go (a node takes the next job)
         if config.resume:
-            self._restore()
+            self._job = self._checkpoints.restore()
             if self._job is not None:
                 self._limit_payloads(self._job)
                 self.metrics.step_reached(self.step)
@@ -204,9 +205,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
         self._storage_retry_at = 0.0
-        self._checkpoint_waiters: list = []
-        self._drain_step: int | None = None
-        self._last_checkpoint: dict | None = None
+        self._checkpoints = Checkpoints(self.config, self._crash_points, self._store, self._overrides, self)  # asked for, drain, the last one
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
         self._morphs = MorphGate()  # the job's width changes, and morph HELLOs that came early
         self._update_paths = UpdatePathChoice(enabled=self._compiled_update)  # compiled loop or torch ops: timed on the job's first updates
@@ -267,7 +266,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         finally:
             self._flush_outbox()
             self.commands.run_pending()
-            self._checkpoint_on_exit()
+            self._checkpoints.on_exit()
             self.clock.close()
             self.close()
         log.info("node %s stopped at step %s", self.node_id, self.step)
@@ -283,6 +282,30 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         states = list(self._store)
         return min((state.step for state in states), default=0)
 
+    @property
+    def active_job(self) -> ActiveJob | None:
+        """The registered job (None before registration)."""
+        return self._job
+
+    def between_steps(self) -> bool:
+        """Whether every owned bucket is at the same step and no gradient of the next is in."""
+        steps = {state.step for state in self._store}
+        return self._job is not None and len(steps) <= 1 and not self._in_flight and len(self._store) == len(self._job.owned)
+
+    # ---------------------------------------------------------------- checkpoints (the admin service's calls)
+
+    def checkpoint(self, origin: str = "automatic") -> dict:
+        """Write a checkpoint now (see :meth:`Checkpoints.checkpoint`)."""
+        return self._checkpoints.checkpoint(origin)
+
+    def request_checkpoint(self) -> Future:
+        """A checkpoint now if between steps, else at the end of the step in flight."""
+        return self._checkpoints.request()
+
+    def drain(self) -> Future:
+        """Finish the step in flight, checkpoint, and accept no gradient of a later step."""
+        return self._checkpoints.drain()
+
     # ---------------------------------------------------------------- one job after another
 
     def _on_bye(self, message: Message) -> None:
@@ -295,10 +318,10 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
 
     def _maybe_finished(self) -> None:
         job = self._job
-        if job is None or self._finished_step is not None or not self._ledger.all_left(job.spec.world_size) or not self._between_steps():
+        if job is None or self._finished_step is not None or not self._ledger.all_left(job.spec.world_size) or not self.between_steps():
             return
         self._finished_step = self.step
-        self._checkpoint_on_exit()  # the final state, as at a node's exit
+        self._checkpoints.on_exit()  # the final state, as at a node's exit
         log.warning(
             "job %s finished at step %d: all %d ranks closed their optimizers; %s",
             job_fingerprint(job.spec),
@@ -318,13 +341,12 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
             return {"job": "", "step": 0, "archived": ""}
         step, fingerprint = self.step, job_fingerprint(job.spec)
         self._flush_outbox()
-        self._checkpoint_on_exit()
+        self._checkpoints.on_exit()
         archived = archive_checkpoints(Path(self.config.checkpoint_dir), f"job-{fingerprint}-step-{step:010d}") if self.config.checkpoint_dir else None
         notice = {"job_dropped": f"{reason}; its state at step {step} is {f'in {archived}' if archived else 'gone (no --checkpoint-dir)'}"}
         for peer in self._ledger.connections():
             self._send(peer, Header(msg_type=MsgType.NOTICE, step=step, meta=notice))
-        for waiter in self._checkpoint_waiters:
-            waiter.set_exception(ValueError(f"the job was let go before its checkpoint ({reason})"))
+        self._checkpoints.cancel_waiters(reason)
         if self._overrides.origins:
             log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self._overrides.origins)))
         self._store.close()
@@ -486,8 +508,9 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
             )
         if self._norm_round.awaiting is not None:
             raise WireError(ErrorCode.BAD_REQUEST, f"step {self._norm_round.awaiting} waits for its gradient norm; no new gradients until it is applied")
-        if self._drain_step is not None and header.step >= self._drain_step:
-            raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {self._drain_step} and takes no gradients after it")
+        drain_step = self._checkpoints.drain_step
+        if drain_step is not None and header.step >= drain_step:
+            raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {drain_step} and takes no gradients after it")
         return _PushCheck(job, bucket, state, absent, in_flight)
 
     def _take_push(self, message: Message, check: _PushCheck, *, known_finite: bool = False) -> None:
@@ -681,7 +704,7 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
         self.clock.current.update_s += sending - started
         done = self._buckets_done.get(state.step, 0) + 1
         ends_step = done == len(job.owned)
-        checkpointed_first = ends_step and self._checkpoint_due(state.step)
+        checkpointed_first = ends_step and self._checkpoints.due(state.step)
         if checkpointed_first:
             # Checkpointed before the values that end the step go out: a node killed in between comes
             # back at the step its workers are still in, never behind them.
@@ -723,7 +746,8 @@ class NodeDaemon(JobRegistration, OperatorControls, CheckpointControls):
             self._gc_frozen = True
         self.clock.step_completed(step)
         self.metrics.step_completed(self.clock.last, step)
-        self._step_completed(step)
+        self._overrides.step_begins()
+        self._checkpoints.step_completed(step)
         self._maybe_finished()  # a rank's BYE can overtake its last pushes (on another of its connections)
         self._morphs.update_sent()
         for held in self._morphs.due(step):  # the workers agreed to morph at this step

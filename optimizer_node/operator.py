@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from optimizer_node.job_state import ActiveJob, BucketStep
     from optimizer_node.morphing import MorphGate
     from optimizer_node.non_finite import NonFiniteStats
+    from optimizer_node.persistence import Checkpoints
     from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
     from optimizer_node.update_path_choice import UpdatePathChoice
@@ -43,7 +44,7 @@ class OperatorControls:
     _in_flight: dict[int, BucketStep]
     _overrides: OperatorOverrides
     _pause_reason: str | None
-    _drain_step: int | None
+    _checkpoints: Checkpoints
     _ready: list[int]
     _stop: threading.Event | None
     _finished_step: int | None
@@ -61,7 +62,7 @@ class OperatorControls:
         def _maybe_request_norm(self, job: ActiveJob) -> None: ...
         def apply_all_ready(self) -> int: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
-        def _between_steps(self) -> bool: ...
+        def between_steps(self) -> bool: ...
 
     def pause(self, reason: str) -> int:
         """Stop applying updates (gradients still arrive and are summed); tells every worker why."""
@@ -73,9 +74,9 @@ class OperatorControls:
     def resume(self) -> int:
         """Undo a pause (apply the updates held and go on) and a drain (take gradients of later steps
         again); returns how many buckets were updated now."""
-        if self._drain_step is not None:
+        if self._checkpoints.drain_step is not None:
             log.warning("drain undone at step %d: gradients of later steps are taken again", self.step)
-            self._drain_step = None
+            self._checkpoints.drain_step = None
         if self._pause_reason is None:
             return 0
         self._pause_reason = None
@@ -140,7 +141,7 @@ class OperatorControls:
 
     def set_max_grad_norm(self, value: float | None, origin: str = ADMIN) -> None:
         """Clip at ``value`` from the next step on (now, if between steps)."""
-        self._overrides.set_max_grad_norm(value, self._job.spec if self._job is not None else None, between_steps=self._between_steps(), origin=origin)
+        self._overrides.set_max_grad_norm(value, self._job.spec if self._job is not None else None, between_steps=self.between_steps(), origin=origin)
 
     def last_applied(self) -> dict[int, AdamWHyper]:
         return self._overrides.last_applied()
@@ -173,15 +174,16 @@ class OperatorControls:
             "jobs_let_go": self.jobs_let_go,
             "update_path": self._update_paths.describe(),
             **self._morphs.snapshot(),
-            "drain_step": -1 if self._drain_step is None else self._drain_step,
+            "drain_step": -1 if self._checkpoints.drain_step is None else self._checkpoints.drain_step,
         }
 
     def job_state(self) -> str:
         """``idle``, ``training``, ``paused``, ``draining``, ``drained`` or ``finished`` (see the admin proto)."""
         if self._job is None:
             return "idle"
-        if self._drain_step is not None:
-            return "drained" if self.step >= self._drain_step and self._between_steps() else "draining"
+        drain_step = self._checkpoints.drain_step
+        if drain_step is not None:
+            return "drained" if self.step >= drain_step and self.between_steps() else "draining"
         if self._finished_step is not None:
             return "finished"
         return "paused" if self._pause_reason is not None else "training"

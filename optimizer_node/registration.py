@@ -29,6 +29,7 @@ from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from optimizer_node.morphing import MorphGate
+from optimizer_node.persistence import Checkpoints
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketStore
@@ -121,7 +122,6 @@ class JobRegistration:
         def handle(self, message: Message) -> None: ...
         def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None) -> None: ...
         def _rank_rejoined(self, rank: int) -> None: ...
-        def _job_initialized(self) -> None: ...
         def let_job_go(self, reason: str) -> dict: ...
         def _flush_outbox(self, peer: bytes | None = None) -> None: ...
 
@@ -131,6 +131,7 @@ class JobRegistration:
     _ready: list[int]
     _norm_round: GlobalNormRound
     _replies: ParameterReplies
+    _checkpoints: Checkpoints
     _buckets_done: dict[int, int]
 
     def _require_job(self) -> ActiveJob:
@@ -442,7 +443,7 @@ class JobRegistration:
             initial[offset : offset + view.numel()].copy_(view)
         self._store.create(bucket.bucket_id, initial).step = job.base_step  # an added param group's buckets join at the current step
         if len(self._store) == len(job.owned):
-            self._job_initialized()
+            self._checkpoints.job_initialized()
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))
         state = self._store.get(bucket.bucket_id)
         assert state is not None

@@ -146,14 +146,16 @@ def test_with_next_job_refuse_a_finished_job_stays_until_reset(admin_node, fresh
 
 def _state_of(value: object, depth: int = 0, node_wide: frozenset[int] = frozenset()) -> object:
     """A comparable picture of a daemon attribute: plain values as they are, objects by their fields;
-    the node-wide objects a job's part refers to (``node_wide``: their ids) by their type."""
+    the node-wide objects a job's part refers to (``node_wide``: their ids, the node's own) by their type."""
     if isinstance(value, (type(None), bool, int, float, str, bytes)):
         return value
+    if id(value) in node_wide:
+        return type(value)
     if isinstance(value, (list, tuple, set, frozenset)):
         return type(value), [_state_of(v, depth + 1, node_wide) for v in value]
     if isinstance(value, dict):
         return {k: _state_of(v, depth + 1, node_wide) for k, v in value.items()}
-    if isinstance(value, torch.Tensor) or depth >= 2 or callable(value) or id(value) in node_wide:
+    if isinstance(value, torch.Tensor) or depth >= 2 or callable(value):
         return type(value)
     fields = getattr(value, "__dict__", None)
     if fields is None and hasattr(value, "__slots__"):
@@ -172,7 +174,7 @@ NODE_WIDE = {
 
 
 def node_wide_ids(node: NodeDaemon) -> frozenset[int]:
-    return frozenset(id(value) for name, value in vars(node).items() if name in NODE_WIDE)
+    return frozenset([id(node), *(id(value) for name, value in vars(node).items() if name in NODE_WIDE)])
 
 
 def test_a_node_that_let_its_job_go_is_a_fresh_node_in_every_job_field():
