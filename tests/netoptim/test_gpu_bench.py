@@ -32,11 +32,17 @@ def test_a_bad_size_is_refused_naming_the_sizes():
     assert result.returncode == 2 and "350m" in result.stderr and "7b" in result.stderr
 
 
+PINNABLE = len(os.sched_getaffinity(0)) >= 2
+
+
 @pytest.mark.parametrize("mode", ["compute", "torch", "full", "layerwise"])
 def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
+    """The full model runs pinned (``--pin``) where there are two CPUs: the worker on one, its node on the others."""
     args = argparse.Namespace(nodes=1, timeout_s=180)
     settings = ModeSettings(batch=2, seq=16, warmup=1, steps=2, bucket_numel=1 << 16)
-    report = gpu_bench.run_mode(mode, "small", "float32", settings, torch.device("cpu"), args, gpu_bench.HostSplit(node_threads=1))
+    pinned = mode == "full" and PINNABLE
+    split = gpu_bench.host_split(nodes=1, node_threads=1, pin=True, worker_cpus=1) if pinned else gpu_bench.HostSplit(node_threads=1)
+    report = gpu_bench.run_mode(mode, "small", "float32", settings, torch.device("cpu"), args, split)
     assert "status" not in report, report.get("status")
     assert report["step_s"] > 0 and report["tokens_per_s"] == pytest.approx(2 * 16 / report["step_s"])
     assert math.isfinite(report["loss"]) and 4 < report["loss"] < 7  # ln(256) ~ 5.5 at the start
@@ -48,21 +54,15 @@ def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
         assert set(report["worker_phases_s_per_step"]) == {"gather_s", "send_s", "wait_s", "install_s"}
     if mode == "layerwise":
         assert 0 <= report["comm_hidden_fraction"] <= 1
+    if pinned:  # where each process ran, read from the processes themselves
+        assert report["worker_cpus"] == format_cpu_list(split.worker_cpus) and report["node_cpus"] == [format_cpu_list(split.node_cpus[0])]
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins the worker and the node to one CPU each")
-def test_pinned_the_worker_and_each_node_run_on_their_own_cpus():
-    split = gpu_bench.host_split(nodes=1, node_threads=None, pin=True, worker_cpus=1)
-    usable = sorted(os.sched_getaffinity(0))
-    assert split.worker_cpus == (usable[0],) and split.node_cpus == (tuple(usable[1:]),) and split.node_threads == len(usable) - 1
-    settings = ModeSettings(batch=2, seq=16, warmup=1, steps=1, bucket_numel=1 << 16)
-    report = gpu_bench.run_mode("full", "small", "float32", settings, torch.device("cpu"), argparse.Namespace(nodes=1, timeout_s=180), split)
-    assert "status" not in report, report.get("status")
-    assert report["worker_cpus"] == format_cpu_list(split.worker_cpus) and report["node_cpus"] == [format_cpu_list(split.node_cpus[0])]
-
-
-def test_unpinned_the_nodes_share_the_cpus_the_worker_leaves_and_too_few_cpus_are_refused():
+def test_the_host_split_pins_disjoint_sets_or_shares_the_cpus_the_worker_leaves():
     usable = len(os.sched_getaffinity(0))
+    if PINNABLE:
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
+        assert gpu_bench.host_split(nodes=1, node_threads=None, pin=True, worker_cpus=1) == gpu_bench.HostSplit(usable - 1, (cpus[1:],), cpus[:1])
     assert gpu_bench.host_split(nodes=1, node_threads=None, pin=False, worker_cpus=1) == gpu_bench.HostSplit(max(1, usable - 1))
     assert gpu_bench.host_split(nodes=2, node_threads=3, pin=False, worker_cpus=1).node_threads == 3
     with pytest.raises(ValueError, match="need"):
