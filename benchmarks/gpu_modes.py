@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
-from launch.host_cpus import format_cpu_list, pin_process
+from launch.host_cpus import format_cpu_list, run_on
 from launch.processes import free_port
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -143,8 +143,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     dtype = DTYPES[dtype_name]
     if settings.worker_cpus:
-        pin_process(settings.worker_cpus)
-        torch.set_num_threads(len(settings.worker_cpus))
+        run_on(settings.worker_cpus)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)

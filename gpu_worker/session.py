@@ -345,7 +345,7 @@ class OffloadSession:
         if bucket_id in self._pushed:
             raise RuntimeError(f"bucket {bucket_id} was already pushed for step {self.bucket_steps[bucket_id]}")
         bucket = self.buckets[bucket_id]
-        if bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step:
+        if self._node_has_gradient(bucket_id):
             self._contributed.discard(bucket_id)  # the node has this rank's gradient of this step already
             self._skipped.add(bucket_id)
             self._pushed[bucket_id] = self.bucket_steps[bucket_id]
@@ -380,7 +380,7 @@ class OffloadSession:
         bucket = self.buckets[bucket_id]
         if self._small_for_batches(bucket):
             return
-        if bucket_id in self._pushed or (bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step):
+        if bucket_id in self._pushed or self._node_has_gradient(bucket_id):
             return
         if any(grads[seg.param_index] is None for seg in bucket.segments):
             return
@@ -421,7 +421,7 @@ class OffloadSession:
             batchable = (
                 self._small_for_batches(bucket)
                 and (self.pacer is None or self.pacer_ack == MsgType.PARAMS)
-                and not (bucket.bucket_id in self._contributed and self.bucket_steps[bucket.bucket_id] == self.resume_step)
+                and not self._node_has_gradient(bucket.bucket_id)
                 and all(grads[seg.param_index] is not None for seg in bucket.segments)
             )
             if run and (not batchable or bucket.node != run[0].node or bucket.group != run[0].group or run_bytes >= BATCH_BYTES):
@@ -434,6 +434,11 @@ class OffloadSession:
                 self.push_bucket(bucket.bucket_id, grads, hypers)
         if run:
             self._push_run(run, grads, hypers)
+
+    def _node_has_gradient(self, bucket_id: int) -> bool:
+        """Whether the node holds this rank's gradient of the bucket for the step being redone already
+        (pushed by the process this one replaces): it is not pushed again."""
+        return bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step
 
     def _small_for_batches(self, bucket: BucketSpec) -> bool:
         """Whether the bucket is small enough to go in a batch, to a node that takes batches."""

@@ -148,3 +148,12 @@ def pin_process(cpus: Iterable[int]) -> None:
             continue
     os.sched_setaffinity(0, mask)
     log.debug("pinned to CPUs %s", format_cpu_list(mask))
+
+
+def run_on(cpus: Sequence[int], threads: int | None = None) -> None:
+    """Pin this process to ``cpus`` (:func:`pin_process`) with ``threads`` torch threads (default:
+    one per CPU), before it starts its thread pools and writes its memory."""
+    import torch
+
+    pin_process(cpus)
+    torch.set_num_threads(threads or len(cpus))

@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from launch.host_cpus import CpuPlacement, format_cpu_list, pin_process, usable_cpus
+from launch.host_cpus import CpuPlacement, format_cpu_list, run_on, usable_cpus
 from netoptim.admin_cli import TOKEN_ENV
 from netoptim.arg_types import address, non_negative_int, positive_int, size
 
@@ -485,9 +485,9 @@ def run_node(args: argparse.Namespace) -> int:
         log.error("invalid node configuration: %s", exc)
         return 2
     if cpus is not None:  # before the daemon starts its threads and first writes its state
-        pin_process(cpus)
-    if args.threads or cpus is not None:
-        torch.set_num_threads(args.threads or len(cpus or ()))
+        run_on(cpus, args.threads)
+    elif args.threads:
+        torch.set_num_threads(args.threads)
     log.info(
         "node config: %s (torch threads: %d; CPUs: %s)",
         dataclasses.asdict(config),

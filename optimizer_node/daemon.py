@@ -656,17 +656,12 @@ class NodeDaemon(JobRegistration, OperatorControls):
     def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, previous: torch.Tensor | None) -> None:
         started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
-        wire = board = None
+        board = self._replies.board_slot(job, state)  # fp32: the update pass writes the values onto the parameter board too
+        wire = board
         if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy
-        elif not (
-            job.spec.mode == "full" and self._replies.batching_peers and self._replies.outbox.takes_bytes(state.numel * 4)
-        ):  # those leave in batches, as copies
-            # where same-host ranks read the parameter board, the update pass writes the values there too
-            board = self._endpoint.board_slot(state.bucket_id, state.numel * 4)
-            wire = board.view(torch.float32) if board is not None else None
         segments = job.segments[state.bucket_id]
         absent = in_flight.absent or frozenset()
         # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
@@ -697,8 +692,8 @@ class NodeDaemon(JobRegistration, OperatorControls):
             self._update_paths.record(applied.compiled, state.numel, time.perf_counter() - updating)
         state.step += 1
         state.wire_step = state.step if wire is not None and board is None else -1
-        if board is not None:  # the version _send_params publishes: sending it copies nothing
-            self._endpoint.board_written(state.bucket_id, (state.revision, state.step))
+        if board is not None:
+            self._replies.board_written(state)
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()
         self.clock.current.update_s += sending - started

@@ -170,6 +170,22 @@ class ParameterReplies:
                 header = tensor_header(MsgType.PARAMS, payload, self._config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
             self._send(peer, header, payload, published=version)
 
+    def board_slot(self, job: ActiveJob, state: BucketState) -> torch.Tensor | None:
+        """Where an fp32 job's update pass may write the bucket's new values in place: its slot on the
+        parameter board, where same-host ranks read it and the values do not leave in a batch (small
+        buckets of a full-model job go out as copies); ``None`` otherwise. :meth:`board_written` once
+        the values are there."""
+        nbytes = state.numel * 4
+        if job.spec.wire_dtype != "float32" or (job.spec.mode == "full" and self.batching_peers and self.outbox.takes_bytes(nbytes)):
+            return None
+        slot = self._endpoint.board_slot(state.bucket_id, nbytes)
+        return slot.view(torch.float32) if slot is not None else None
+
+    def board_written(self, state: BucketState) -> None:
+        """The update pass wrote the bucket's values of its current step into :meth:`board_slot`: the
+        version :meth:`send_params` publishes, so sending it copies nothing."""
+        self._endpoint.board_written(state.bucket_id, (state.revision, state.step))
+
     def publish_board(self, job: ActiveJob) -> None:
         """A parameter board for this job's values (same-host workers read them there), where the
         node keeps its state in memory and the host's available memory holds one more copy."""
