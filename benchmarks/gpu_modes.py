@@ -177,6 +177,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     session = getattr(opt, "_session", None)  # netoptim: the worker's time per phase
     loss = torch.zeros(())
     timed_from = waited = transferred = 0.0
+    shared_before: dict[str, int] = {}
     for step in range(settings.warmup + settings.steps):
         if step == settings.warmup:
             if cuda:
@@ -188,6 +189,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
                 node_status(settings.node_admins, settle_s=120.0)
             if session is not None:
                 session.take_timings()
+                shared_before = session.shared_memory_bytes
         _logits, loss = forward(*batch_for(config, step, settings, device))
         if engine is not None:
             engine.backward(loss)
@@ -220,6 +222,10 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if session is not None:
         phases = session.take_timings()
         report["worker_phases_s_per_step"] = {name: getattr(phases, name) / settings.steps for name in ("gather_s", "send_s", "wait_s", "install_s")}
+        # what went through same-host shared memory rather than a socket: sent (gradients; in place:
+        # gathered straight into the node's window), received (parameters; board: read off the node's board)
+        shared = session.shared_memory_bytes
+        report["shared_memory_mb_per_step"] = {key: (shared[key] - shared_before.get(key, 0)) / settings.steps / 2**20 for key in shared}
     if settings.node_admins:
         report["nodes"] = node_status(settings.node_admins)
     if stats is not None:

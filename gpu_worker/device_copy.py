@@ -40,8 +40,14 @@ def page_locked(window: SharedWindow) -> bool:
 
             window.before_close.append(unlock)
         else:
-            log.warning("CUDA could not page-lock a shared window (error %d): parameters from it are staged through pinned buffers", status)
+            log.warning("CUDA could not page-lock a shared window (error %d): copies to or from it are staged through pinned buffers", status)
     return window.page_locked
+
+
+def in_page_locked_window(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a shared window page-locked for CUDA copies (locking it the first time)."""
+    window = window_holding(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return window is not None and page_locked(window)
 
 
 def lock_source_window(pieces: list[tuple[int, torch.Tensor]]) -> None:

@@ -1,4 +1,5 @@
-"""How a worker's gradients leave it: gathered into pooled send buffers, sent as PUSH messages."""
+"""How a worker's gradients leave it: gathered straight into a same-host node's shared window where
+there is room, else into pooled send buffers, and sent as PUSH messages."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu_worker.device_copy import in_page_locked_window
 from gpu_worker.layout import gather_run
 from gpu_worker.node_connections import NodeConnections
 from job.hyper import AdamWHyper
@@ -16,17 +18,22 @@ from transport.wire import MsgType, tensor_header
 
 
 class GradientSender:
-    """Sends one bucket's gradient, or those of consecutive buckets of one node, as one PUSH: gathered
-    (and cast) into a send buffer of the wire dtype that is reused once its send is done, with the
-    param group's hyperparameters encoded once while they hold."""
+    """Sends one bucket's gradient, or those of consecutive buckets of one node, as one PUSH, with the
+    param group's hyperparameters encoded once while they hold. The gradient is gathered (and cast)
+    into the node's shared window where the node is on this host and its window has room (sending it
+    then copies nothing; the node credits the bytes back once it used them), else into a send
+    buffer of the wire dtype that is reused once its send is done."""
 
     def __init__(self, connections: NodeConnections, wire_dtype: torch.dtype, *, pin_memory: bool) -> None:
         self._connections = connections
         self._buffers = SendBuffers(wire_dtype, pin_memory=pin_memory)
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
-        self._staged: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # bucket -> its gathered gradient, the copy's event
+        self._staged: dict[
+            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None]
+        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.staged_pushes = 0  # pushes sent from a staged gradient (counted for tests and benchmarks)
+        self.in_place_bytes = 0  # gradient bytes gathered straight into a node's shared window
 
     def hyper_meta(self, group: int, hypers: Sequence[AdamWHyper]) -> dict:
         """Param group ``group``'s hyperparameters as they go on the wire."""
@@ -43,12 +50,12 @@ class GradientSender:
         of backward, and nothing waits here."""
         previous = self._staged.pop(bucket.bucket_id, None)
         if previous is not None:  # a retried step's new gradient
-            self._buffers.give_back(previous[0])
-        buffer = self._buffers.take(bucket.numel)
+            self._give_back(previous)
         sources = [grads[seg.param_index] for seg in bucket.segments]
-        event = None
         device = sources[0].device
-        if device.type == "cuda" and buffer.is_pinned():
+        buffer, window_of = self._take(bucket.node, bucket.numel, cuda=device.type == "cuda")
+        event = None
+        if device.type == "cuda" and (window_of is not None or buffer.is_pinned()):
             stream = self._copy_streams.get(device)
             if stream is None:
                 stream = self._copy_streams[device] = torch.cuda.Stream(device)
@@ -61,15 +68,34 @@ class GradientSender:
                 source.record_stream(stream)
         else:
             gather_run((bucket,), grads, buffer)
-        self._staged[bucket.bucket_id] = (buffer, event)
+        self._staged[bucket.bucket_id] = (buffer, event, window_of)
+
+    def _take(self, node: int, numel: int, *, cuda: bool) -> tuple[torch.Tensor, int | None]:
+        """Where to gather ``numel`` elements for ``node``: its shared window, where it has room (on a
+        GPU only once the window is page-locked, so that the device's copies into it are
+        asynchronous), with ``node``; else a pooled send buffer, with ``None``."""
+        reserved = self._connections.reserve(node, numel * self._buffers.dtype.itemsize)
+        if reserved is not None:
+            if not cuda or in_page_locked_window(reserved):
+                return reserved.view(self._buffers.dtype), node
+            self._connections.cancel(node, reserved)
+        return self._buffers.take(numel), None
+
+    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None]) -> None:
+        """A staged gradient that will not be sent: its place is free again once its copies are done."""
+        buffer, event, window_of = staged
+        if event is not None:
+            event.synchronize()
+        if window_of is None:
+            self._buffers.give_back(buffer)
+        else:
+            self._connections.cancel(window_of, buffer)
 
     def drop_staged(self) -> None:
         """Staged gradients that were not sent (a bucket batched with others, or already with its
-        node): their buffers go back to the pool once their copies are done."""
-        for buffer, event in self._staged.values():
-            if event is not None:
-                event.synchronize()
-            self._buffers.give_back(buffer)
+        node): their places go back once their copies are done."""
+        for staged in self._staged.values():
+            self._give_back(staged)
         self._staged.clear()
 
     def push(self, run: Sequence[BucketSpec], grads: Sequence[torch.Tensor | None], *, rank: int, step: int, meta: dict) -> float:
@@ -78,20 +104,25 @@ class GradientSender:
         as one PUSH named after its first bucket; returns the seconds the gather took."""
         started = time.perf_counter()
         staged = self._staged.pop(run[0].bucket_id, None) if len(run) == 1 else None
+        first = run[0]
         if staged is not None:
-            buffer, event = staged
+            buffer, event, window_of = staged
             if event is not None:
                 event.synchronize()  # its copies were queued during backward
             self.staged_pushes += 1
         else:
-            buffer = self._buffers.take(sum(bucket.numel for bucket in run))
+            cuda = any(grad.device.type == "cuda" for bucket in run for seg in bucket.segments[:1] if (grad := grads[seg.param_index]) is not None)
+            buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
-            if buffer.is_pinned():
+            if cuda and (window_of is not None or buffer.is_pinned()):
                 torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
         gathered = time.perf_counter() - started
-        first = run[0]
         header = tensor_header(MsgType.PUSH, buffer, rank=rank, step=step, bucket_id=first.bucket_id, meta=meta)
-        self._buffers.lend(first.node, self._connections.send(first.node, header, buffer), buffer)
+        handle = self._connections.send(first.node, header, buffer)
+        if window_of is None:
+            self._buffers.lend(first.node, handle, buffer)
+        else:  # the node credits the window's bytes back once it used them
+            self.in_place_bytes += buffer.numel() * buffer.element_size()
         return gathered
 
     def forget(self, node: int) -> None:

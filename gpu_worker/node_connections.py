@@ -134,6 +134,15 @@ class NodeConnections:
     def send(self, index: int, header: Header, payload: torch.Tensor | None = None) -> SendHandle:
         return self._clients[index].send(header, payload)
 
+    def reserve(self, index: int, nbytes: int) -> torch.Tensor | None:
+        """Bytes in node ``index``'s shared window (same host) to fill with a payload and :meth:`send`
+        without a copy, or ``None`` (another host, no room, too small)."""
+        return self._clients[index].reserve(nbytes)
+
+    def cancel(self, index: int, reserved: torch.Tensor) -> None:
+        """Bytes :meth:`reserve` gave for node ``index`` that will not be sent."""
+        self._clients[index].cancel(reserved)
+
     # ---------------------------------------------------------------- registration
 
     def set_job(self, job_wire: dict, *, rank: int | None = None, morph_at: int | None = None) -> None:

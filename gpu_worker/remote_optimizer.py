@@ -232,7 +232,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
     @property
     def shared_memory_bytes(self) -> dict[str, int]:
         """Payload bytes (``sent``, ``received``) that went through shared memory with nodes on this
-        host rather than through a socket (the rest did; see docs/transports.md)."""
+        host rather than through a socket (the rest did; see docs/transports.md); ``sent_in_place``:
+        the gradients among them gathered straight into the node's window (no copy at send)."""
         return self._session.shared_memory_bytes
 
     @property

@@ -256,8 +256,9 @@ class OffloadSession:
 
     @property
     def shared_memory_bytes(self) -> dict[str, int]:
-        """Payload bytes that went through same-host shared windows, ``sent`` and ``received``."""
-        return self._connections.shared_memory_bytes()
+        """Payload bytes that went through same-host shared windows, ``sent`` and ``received``, and
+        ``sent_in_place``: of those sent, the gradients gathered straight into a window."""
+        return self._connections.shared_memory_bytes() | {"sent_in_place": self._sender.in_place_bytes}
 
     @property
     def connection_addresses(self) -> list[str]:

@@ -77,6 +77,15 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "0 keeps payloads on the socket (default: %(default)s)",
     )
     node.add_argument(
+        "--same-host-gradient-window",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give each worker on the same-host socket a window for its gradients that holds a whole step of what it pushes here "
+        "(this node's share of the job's gradients, wire dtype; pages allocated as first written): it gathers them straight into "
+        "shared memory, on a GPU with one device-to-host copy, and this node reads them there (with --same-host-window-mb to spare); not with --state-dir; "
+        "off: that window is --same-host-window-mb and what does not fit goes on the socket (default: on)",
+    )
+    node.add_argument(
         "--ready-file",
         help='write {"data": ADDRESS, "pid": PID, "node_id": ID} here as JSON once the node accepts work, with "same_host", "admin" and "metrics" when it serves them',
     )
@@ -322,6 +331,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         same_host_ipc=args.same_host_ipc,
         same_host_window_mb=args.same_host_window_mb,
         same_host_board=args.same_host_board,
+        same_host_gradient_window=args.same_host_gradient_window,
         ready_file=args.ready_file,
         node_id=args.node_id,
         checkpoint_dir=args.checkpoint_dir,

@@ -41,6 +41,12 @@ class NodeConfig:
     """Shared memory a worker on this host's ipc:// socket gets for its payloads, each way, in MiB
     (pages are allocated as first written); 0 keeps its payloads on the socket."""
 
+    same_host_gradient_window: bool = True
+    """Give each same-host worker a window for its gradients that holds a whole step of its pushes to
+    this node (its share of the job's gradients in the wire dtype; pages allocated as first written),
+    so that it gathers them straight into shared memory; in memory only (not with ``state_dir``).
+    Off: that window is ``same_host_window_mb`` too, and what does not fit goes on the socket."""
+
     same_host_board: bool = True
     """Keep one copy of the values sent (in the wire dtype) in a read-only parameter board that every
     same-host worker with windows installs from, instead of a copy into each worker's window at each

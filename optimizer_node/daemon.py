@@ -356,6 +356,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self._reset_job_state()  # after the new store: the job's parts are given it
         self._endpoint.unlimit_payload()
         self._endpoint.drop_board()
+        self._endpoint.size_inboxes(0)  # windows of the window size again, until the next job is registered
         self.metrics.step_reached(0)
         self.jobs_let_go += 1
         log.warning("let job %s go at step %d (%s)%s", fingerprint, step, reason, f"; its checkpoints are in {archived}" if archived else "")

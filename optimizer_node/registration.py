@@ -37,6 +37,7 @@ from optimizer_node.waiting_hellos import WaitingHellos
 from transport.batches import MAX_BATCH_BYTES
 from transport.interface import Message, ServerEndpoint
 from transport.security import AllowList
+from transport.shm_window import UNIT_BYTES
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ class JobRegistration:
             self._job = ActiveJob.create(spec, node_index, plan)
             self._limit_payloads(self._job)
             self._replies.publish_board(self._job)
+            self._size_gradient_windows(self._job)
             owned = self._job.owned
             total = sum(b.numel for b in owned.values())
             log.info(
@@ -298,6 +300,7 @@ class JobRegistration:
         self._job = ActiveJob.create(spec, node_index, plan, base_step=base)
         self._limit_payloads(self._job)
         self._replies.publish_board(self._job)
+        self._size_gradient_windows(self._job)
         log.info("rank 0 added %d parameter(s) in a new param group at step %d: this node now owns %d buckets", added, base, len(self._job.owned))
 
     def _parse_hello(self, message: Message) -> tuple[JobSpec, int, int]:
@@ -366,6 +369,18 @@ class JobRegistration:
         if largest < self._payload_limit:
             self._payload_limit, self._payload_why = largest, why
         self._endpoint.limit_payload(largest, why)
+
+    def _size_gradient_windows(self, job: ActiveJob) -> None:
+        """Same-host workers that connect from now on get a window for their gradients that holds a whole
+        step of what each pushes here (this node's buckets in the wire dtype), where the node keeps its
+        state in memory (the memory plan counts those gradients already): a worker then gathers each
+        bucket straight into it, on a GPU with one device-to-host copy, and the node reads it there.
+        Otherwise, and with --no-same-host-gradient-window, the window keeps --same-host-window-mb."""
+        if not self.config.same_host_gradient_window or self.config.state_dir is not None:
+            return
+        wire_bytes = WIRE_DTYPES[job.spec.wire_dtype].itemsize
+        step_bytes = sum(-(-bucket.numel * wire_bytes // UNIT_BYTES) * UNIT_BYTES for bucket in job.owned.values())
+        self._endpoint.size_inboxes(step_bytes)
 
     def _check_payload_size(self, header: Header) -> None:
         """TOO_LARGE for a payload over the node's limit, for backends whose endpoint does not check it."""

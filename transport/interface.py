@@ -89,6 +89,11 @@ class ServerEndpoint(ABC):
         """Close the parameter board, if any; what it held goes to peers as copies again."""
         return None
 
+    def size_inboxes(self, nbytes: int) -> None:
+        """Same-host peers that connect from now on may have ``nbytes`` of payload in flight to this
+        endpoint in shared memory (where the backend has such a path; by default it has none)."""
+        return None
+
     def board_slot(self, key: Hashable, nbytes: int) -> torch.Tensor | None:
         """Writable bytes where the next version of ``key`` (``nbytes`` of payload) goes on the board, for
         the caller to compute it there in place and then call :meth:`board_written`, so that
@@ -141,6 +146,15 @@ class ClientEndpoint(ABC):
     @abstractmethod
     def recv(self, timeout_s: float) -> Message | None:
         """The next message from the node, or ``None`` after ``timeout_s``."""
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        """Bytes the caller may fill with a payload and then :meth:`send` without a copy (the node's
+        shared window on this host), or ``None``: where the backend has no such place, or no room."""
+        return None
+
+    def cancel(self, reserved: torch.Tensor) -> None:
+        """Bytes :meth:`reserve` gave that will not be sent."""
+        return None
 
     def connection_dropped(self) -> bool:
         """Whether the link to the node dropped since the last call (a reset, or the node gone), so

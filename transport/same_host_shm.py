@@ -5,7 +5,8 @@ this path; anything else is an ordinary message (:mod:`transport.wire`), so eith
 fall back to sending payloads on the socket:
 
 - ``H`` handshake. The worker asks (``{"pid": ..., "board": true}``: it reads parameter boards);
-  the node makes the connection's two windows and answers with its pid and their descriptors, or
+  the node makes the connection's two windows and answers with its pid and their descriptors and
+  sizes (the worker's window for what it sends may be larger: a whole step of its gradients), or
   why not; the worker maps them and says whether it could (``{"mapped": ...}``); either side may
   close (``{"closed": ...}``).
 - ``M`` a message whose payload is in the receiver's window: ``[M, header, extent]``.
@@ -32,7 +33,7 @@ import msgpack
 import torch
 
 from transport.shm_board import BoardPublisher, BoardReader, seals_supported
-from transport.shm_window import MIN_SHARED_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits, payload_pieces
+from transport.shm_window import MIN_SHARED_BYTES, UNIT_BYTES, SharedWindow, WindowReader, WindowWriter, parse_credits, payload_pieces
 from transport.wire import ErrorCode, Header, Payload, WireError, encode_header
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class SharedConnection:
             slot = self.board.reference(published[0], published[1], pieces, lengths)
             if slot is not None:
                 return [BOARD, encode_header(header), slot]
-        extent = self.writer.write_pieces(pieces, lengths)
+        extent = self.writer.placed(pieces, lengths) or self.writer.write_pieces(pieces, lengths)  # in place already, or copied in
         return None if extent is None else [SHARED, encode_header(header), extent]
 
     def read(self, header: Header, extent: bytes | memoryview, peer: bytes | None) -> list[memoryview]:
@@ -117,6 +118,8 @@ class SharedPeers:
         it is closed): a readable pidfd goes to :meth:`exited`."""
         self._watch, self._unwatch = watch, unwatch
         self.window_bytes = window_bytes
+        # What a worker's window for its gradients holds (:meth:`size_inboxes`); the other way, window_bytes.
+        self.inbox_bytes = window_bytes
         self.max_peers = max_peers
         self.connections: dict[bytes, SharedConnection] = {}
         self._by_pidfd: dict[int, bytes] = {}
@@ -185,6 +188,15 @@ class SharedPeers:
         self.board.close()
         self.board = None
 
+    def size_inboxes(self, nbytes: int) -> None:
+        """Windows made from now on for what workers send here hold ``nbytes`` more than the window size
+        each way (in whole units): room for a whole step of a worker's gradients, gathered straight
+        into it, with the window's worth to spare for the extents whose credits are still on their way
+        when the next step's gradients come (a worker reads them at its next receive). 0: the window
+        size again."""
+        units = -(-max(nbytes, 0) // UNIT_BYTES)
+        self.inbox_bytes = self.window_bytes + units * UNIT_BYTES if self.window_bytes > 0 else 0
+
     def handshake(self, peer: bytes, raw: bytes | memoryview) -> bytes | None:
         """Handle a worker's handshake; the body of the answer to send it, if any."""
         info = _decode_handshake(raw, peer)
@@ -233,7 +245,7 @@ class SharedPeers:
             return {"refused": f"process {pid} is not visible from the node ({exc.strerror}): another pid namespace?"}
         token = secrets.token_hex(8)
         try:
-            inbox = SharedWindow.create(self.window_bytes, f"netoptim-{token}-in")
+            inbox = SharedWindow.create(self.inbox_bytes, f"netoptim-{token}-in")
             outbox = SharedWindow.create(self.window_bytes, f"netoptim-{token}-out")
         except OSError as exc:
             os.close(pidfd)
@@ -242,7 +254,7 @@ class SharedPeers:
         self.connections[peer] = connection
         self._by_pidfd[pidfd] = peer
         self._watch(pidfd)
-        describe = {"pid": os.getpid(), "bytes": self.window_bytes}
+        describe = {"pid": os.getpid(), "bytes": self.window_bytes, "write_bytes": self.inbox_bytes}
         # Named from the worker's side: it writes into what the node reads.
         return describe | {"write": [inbox.fd, inbox.name], "read": [outbox.fd, outbox.name]}
 
@@ -300,8 +312,9 @@ class SharedClient:
             return None
         try:
             pid, nbytes = int(info["pid"]), int(info["bytes"])
+            write_bytes = int(info.get("write_bytes", nbytes))
             (write_fd, write_name), (read_fd, read_name) = info["write"], info["read"]
-            outbox = SharedWindow.open(pid, write_fd, nbytes, str(write_name))
+            outbox = SharedWindow.open(pid, write_fd, write_bytes, str(write_name))
         except (KeyError, TypeError, ValueError, OSError) as exc:
             return self._unmapped(exc)
         try:
@@ -331,6 +344,16 @@ class SharedClient:
         self.refused = f"the node's windows could not be mapped here ({exc})"[:200]
         log.info("payloads to this node go on the socket: %s", self.refused)
         return [HANDSHAKE, msgpack.packb({"mapped": False, "why": self.refused})]
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        """Bytes of the node's window for the caller to fill in place and then send (see
+        :meth:`WindowWriter.reserve`), or ``None`` (no windows, no room, too small)."""
+        return self.connection.writer.reserve(nbytes) if self.connection is not None else None
+
+    def cancel(self, reserved: torch.Tensor) -> None:
+        """Bytes :meth:`reserve` gave that will not be sent."""
+        if self.connection is not None:
+            self.connection.writer.cancel(reserved)
 
     def credit(self, raw: bytes | memoryview) -> None:
         if self.connection is not None:

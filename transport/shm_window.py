@@ -188,6 +188,7 @@ class WindowWriter:
         self.window = window
         self._free: list[tuple[int, int]] = [(0, window.nbytes)]  # (start, length), sorted, coalesced
         self._lent: dict[int, int] = {}  # start -> length, extents the peer holds
+        self._reserved: dict[int, int] = {}  # start -> bytes, extents a caller fills in place, not sent yet
         self.written_bytes = 0
         self.given_back_bytes = 0
         self._clock = clock
@@ -229,11 +230,50 @@ class WindowWriter:
         self.written_bytes += total
         return msgpack.packb([start, lengths])
 
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of a free extent for the caller to fill in place (a gradient gathered straight into
+        the peer's window, with no copy at send time), or ``None`` when the window has no room or the
+        payload is too small to go through it. The extent goes to the peer when a payload that is
+        exactly these bytes is sent (:meth:`placed`), or comes back with :meth:`cancel`."""
+        if nbytes < MIN_SHARED_BYTES:
+            return None
+        start = self._take(nbytes)
+        if start is None:
+            return None
+        self._reserved[start] = nbytes
+        return self.window.bytes[start : start + nbytes]
+
+    def placed(self, pieces: Sequence[torch.Tensor], lengths: list[int]) -> bytes | None:
+        """The description for the peer of a payload that is exactly an extent :meth:`reserve` gave (so
+        nothing is copied), or ``None`` for any other payload."""
+        if len(pieces) != 1 or not self._reserved:
+            return None
+        start = pieces[0].data_ptr() - self.window.address
+        total = sum(lengths)
+        if self._reserved.get(start) != total:
+            return None
+        del self._reserved[start]
+        self.written_bytes += total
+        return msgpack.packb([start, lengths])
+
+    def cancel(self, reserved: torch.Tensor) -> None:
+        """A reserved extent that will not be sent is free again; anything else is ignored."""
+        start = reserved.data_ptr() - self.window.address
+        if self._reserved.pop(start, None) is not None:
+            self.credit([start])  # now unreserved: freed as a credit would
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes reserved and not sent yet."""
+        return sum(self._reserved.values())
+
     def credit(self, starts: Sequence[int]) -> None:
         """The peer is done with the extents starting at ``starts``; unknown ones are ignored (a
         peer cannot free what it was not lent)."""
         for start in starts:
-            length = self._lent.pop(start, None) if isinstance(start, int) else None
+            if not isinstance(start, int) or start in self._reserved:  # a reserved extent was not sent: not the peer's to free
+                continue
+            length = self._lent.pop(start, None)
             if length is None:
                 continue
             index = bisect.bisect(self._free, (start, 0))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import msgpack
+import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -102,6 +103,13 @@ class ZmqClient(ClientEndpoint):
         handle = send_frames(self.sockets[lane_of(header, self.lanes)], [], header, payload, self._chunk_bytes, shared=shared)
         self._send_credits()
         return handle
+
+    def reserve(self, nbytes: int) -> torch.Tensor | None:
+        return self.shared.reserve(nbytes) if self.shared is not None else None
+
+    def cancel(self, reserved: torch.Tensor) -> None:
+        if self.shared is not None:
+            self.shared.cancel(reserved)
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send arbitrary frames; only for tests of how a node treats bad input."""

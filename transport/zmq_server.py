@@ -260,6 +260,12 @@ class ZmqServer(ServerEndpoint):
             self._send_control(peer, [HANDSHAKE, offer])
         return self._shared.board is not None
 
+    def size_inboxes(self, nbytes: int) -> None:
+        """Same-host connections made from now on get a window of ``nbytes`` for what they send here
+        (:meth:`SharedPeers.size_inboxes`)."""
+        if self._shared is not None:
+            self._shared.size_inboxes(nbytes)
+
     def drop_board(self) -> None:
         if self._shared is not None:
             self._shared.drop_board()

@@ -72,6 +72,8 @@ def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1, pus
                     assert param.device.type == "cuda", f"{name} left the GPU"
             if push_during_backward:  # autograd's device thread staged the large buckets' copies
                 assert opt._session._sender.staged_pushes >= STEPS
+            # the nodes are on this host: gradients were copied off the GPU straight into their windows
+            assert opt.shared_memory_bytes["sent_in_place"] > 0, opt.shared_memory_bytes
             results[rank] = {name: value.cpu() for name, value in opt.gather_parameters().items()}
             opt.close()
         except BaseException as exc:

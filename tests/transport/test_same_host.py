@@ -134,6 +134,10 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerw
     for rank in range(world_size):
         assert moved[rank]["sent"] > 0 and moved[rank]["received"] > 0, f"rank {rank} moved nothing through shared memory: {moved[rank]}"
         assert moved[rank]["board"] > 0, f"rank {rank} read no parameters from the nodes' boards: {moved[rank]}"
+        # the nodes' windows hold a whole step of gradients: each is gathered there and sent with no
+        # copy; only rank 0's initial values (a step's bytes) were copied into the windows
+        copied_steps = 1 if rank == 0 else 0
+        assert moved[rank]["sent_in_place"] * (steps + copied_steps) == moved[rank]["sent"] * steps, f"rank {rank}: {moved[rank]}"
         assert max_difference(finals[rank], [p.detach() for p in reference.parameters()]) == 0.0
 
 

@@ -292,3 +292,53 @@ def test_the_shared_path_refuses_what_the_socket_path_refuses(link):
     strided = torch.zeros(1 << 16)[::2]
     with pytest.raises(ValueError, match="contiguous 1-D CPU"):
         link.client.send(tensor_header(MsgType.PUSH, torch.zeros(1 << 15), chunk_bytes=CHUNK, step=1), strided)
+
+
+def test_a_payload_filled_in_a_reserved_extent_goes_with_no_copy_and_a_cancelled_one_is_free_again():
+    window = SharedWindow.create(UNIT_BYTES * 8, "netoptim-test-reserve")
+    writer = WindowWriter(window)
+    assert writer.reserve(UNIT_BYTES - 4) is None, "a payload too small for the window goes on the socket"
+    reserved = writer.reserve(2 * UNIT_BYTES)
+    assert reserved is not None and reserved.data_ptr() == window.address and writer.reserved_bytes == 2 * UNIT_BYTES
+    writer.credit([0])
+    assert writer.lent_bytes == 2 * UNIT_BYTES, "a credit for an extent not sent yet is not the peer's to give"
+    values = reserved.view(torch.float32)
+    values.copy_(torch.arange(values.numel(), dtype=torch.float32))
+    pieces, lengths = [values], [2 * UNIT_BYTES]
+    assert writer.placed([values.clone()], lengths) is None, "a payload elsewhere is not in place"
+    assert msgpack.unpackb(writer.placed(pieces, lengths)) == [0, lengths] and writer.reserved_bytes == 0
+    assert writer.written_bytes == 2 * UNIT_BYTES and writer.placed(pieces, lengths) is None, "sent once"
+    other = writer.reserve(4 * UNIT_BYTES)
+    assert other is not None and other.data_ptr() == window.address + 2 * UNIT_BYTES
+    assert writer.reserve(4 * UNIT_BYTES) is None, "no room"
+    writer.cancel(other)
+    writer.cancel(other)  # twice: ignored
+    writer.credit([0])
+    assert writer.lent_bytes == 0 and writer._free == [(0, window.nbytes)]
+    window.close()
+
+
+def test_a_payload_filled_in_place_reaches_the_node_bitwise(link):
+    writer = link.client.shared.connection.writer
+    values = torch.randn(1 << 18)
+    reserved = link.client.reserve(values.numel() * 4)
+    assert reserved is not None
+    reserved.view(torch.float32).copy_(values)
+    got = link.push(reserved.view(torch.float32))
+    assert torch.equal(joined(got), values) and writer.written_bytes == values.numel() * 4
+    del got
+    link.server.recv(0.05)
+    link.client.recv(0.05)
+    assert writer.lent_bytes == 0, "the node credits it back like any other extent"
+
+
+def test_a_node_sizes_the_window_for_what_workers_send_and_keeps_the_other_way():
+    peers = SharedPeers(lambda fd: None, lambda fd: None, window_bytes=UNIT_BYTES * 4)
+    peers.size_inboxes(UNIT_BYTES * 10 + 1)
+    answer = msgpack.unpackb(peers.handshake(b"a", msgpack.packb({"pid": os.getpid()})))
+    assert answer["write_bytes"] == UNIT_BYTES * 15 and answer["bytes"] == UNIT_BYTES * 4, "a step's gradients and a window to spare"
+    connection = peers.connections[b"a"]
+    assert connection.reader.window.nbytes == UNIT_BYTES * 15 and connection.writer.window.nbytes == UNIT_BYTES * 4
+    peers.size_inboxes(0)
+    assert peers.inbox_bytes == UNIT_BYTES * 4, "never less than the window each way"
+    peers.close()
