@@ -4,7 +4,9 @@ On the node's ``ipc://`` socket, a frame set whose first frame is one byte long 
 this path; anything else is an ordinary message (:mod:`transport.wire`), so either side may always
 fall back to sending payloads on the socket:
 
-- ``H`` handshake. The worker asks (``{"pid": ..., "board": true}``: it reads parameter boards);
+- ``H`` handshake. The worker asks (``{"pid": ..., "board": true, "locks": ...}``: it reads parameter
+  boards; whether it may page-lock windows for a GPU, in which case the node never gives back pages
+  of the window it writes into);
   the node makes the connection's two windows and answers with its pid and their descriptors and
   sizes (the worker's window for what it sends may be larger: a whole step of its gradients), or
   why not; the worker maps them and says whether it could (``{"mapped": ...}``); either side may
@@ -205,6 +207,7 @@ class SharedPeers:
             connection = self.connections.get(peer)
             if connection is not None:
                 connection.takes_board = info.get("board") is True
+                connection.writer.keep_resident = info.get("locks") is not False  # unsaid: it may
             return msgpack.packb(answer)
         if "mapped" in info:
             connection = self.connections.get(peer)
@@ -299,7 +302,9 @@ class SharedClient:
 
     @staticmethod
     def request() -> list[bytes]:
-        return [HANDSHAKE, msgpack.packb({"pid": os.getpid(), "board": True})]
+        # "locks": this process may page-lock the windows for a GPU's copies, so the node must never give
+        # pages of its window back (the device would go on using the old ones)
+        return [HANDSHAKE, msgpack.packb({"pid": os.getpid(), "board": True, "locks": torch.cuda.is_available()})]
 
     def answer(self, raw: bytes | memoryview) -> list[bytes] | None:
         """Handle the node's handshake answer; the frames to send back, if any."""

@@ -195,6 +195,10 @@ class WindowWriter:
         self._resident_end = 0  # pages below were written since they were last given back
         self._period_end = 0  # the highest end written this period
         self._period_started = clock()
+        # Pages a device has page-locked must stay: giving them back would leave the device's copies on
+        # the old pages while both processes map new ones. Set where the peer may lock the window; a
+        # window locked in this process (its page_locked) keeps its pages whatever this says.
+        self.keep_resident = False
 
     @property
     def lent_bytes(self) -> int:
@@ -289,7 +293,7 @@ class WindowWriter:
         """Once a period, give back the resident pages above both this period's use and every
         extent lent now: all free (extents are taken lowest address first, so steady use stays low)."""
         now = self._clock()
-        if now - self._period_started < TRIM_PERIOD_S:
+        if now - self._period_started < TRIM_PERIOD_S or self.keep_resident or self.window.page_locked:
             return
         lent_end = max((start + length for start, length in self._lent.items()), default=0)
         keep = -(-max(self._period_end, lent_end) // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -342,3 +342,31 @@ def test_a_node_sizes_the_window_for_what_workers_send_and_keeps_the_other_way()
     peers.size_inboxes(0)
     assert peers.inbox_bytes == UNIT_BYTES * 4, "never less than the window each way"
     peers.close()
+
+
+@pytest.mark.parametrize("how", ["peer locks", "locked here"])
+def test_pages_a_device_may_have_locked_are_never_given_back(how):
+    """A GPU's page-locked copies keep using the pages they locked: pages given back and faulted in
+    again would be other pages, so the device and the processes would no longer share the bytes."""
+    window = SharedWindow.create(64 << 20, "netoptim-test-keep")
+    now = [0.0]
+    writer = WindowWriter(window, clock=lambda: now[0])
+    if how == "peer locks":
+        writer.keep_resident = True
+    else:
+        window.page_locked = True  # what gpu_worker.device_copy.page_locked records once CUDA locked it
+    writer.credit([msgpack.unpackb(writer.write(torch.ones(4 << 20), CHUNK))[0]])  # a 16 MiB burst
+    for _ in range(4):
+        now[0] += TRIM_PERIOD_S
+        writer.credit([msgpack.unpackb(writer.write(torch.ones(1 << 10), CHUNK))[0]])
+    assert writer.given_back_bytes == 0 and os.fstat(window.fd).st_blocks * 512 >= 16 << 20
+    window.close()
+
+
+def test_a_worker_that_may_lock_its_windows_keeps_the_node_from_giving_back_their_pages():
+    peers = SharedPeers(lambda fd: None, lambda fd: None, window_bytes=UNIT_BYTES * 4)
+    for locks, kept in ((True, True), (False, False), (None, True)):
+        request = {"pid": os.getpid()} | ({} if locks is None else {"locks": locks})
+        peers.handshake(b"a", msgpack.packb(request))
+        assert peers.connections[b"a"].writer.keep_resident is kept, request
+    peers.close()
