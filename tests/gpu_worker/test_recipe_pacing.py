@@ -22,6 +22,7 @@ def train(tmp_path, name: str, *flags: str, capfd) -> str:
     return match.group(0)
 
 
+@pytest.mark.slow  # two 2-worker recipe runs; pacing's bitwise oracle is tests/gpu_worker/test_oracle.py's paced case
 def test_paced_pushes_train_as_pushes_at_step(tmp_path, capfd):
     plain = train(tmp_path, "plain", capfd=capfd)
     paced = train(tmp_path, "paced", "--push-during-backward", "--pace-window-kib", "4", capfd=capfd)  # a window below one bucket: every push waits
