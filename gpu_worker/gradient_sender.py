@@ -111,10 +111,10 @@ class GradientSender:
                 event.synchronize()  # its copies were queued during backward
             self.staged_pushes += 1
         else:
-            cuda = any(grad.device.type == "cuda" for bucket in run for seg in bucket.segments[:1] if (grad := grads[seg.param_index]) is not None)
+            cuda = any(grad is not None and grad.device.type == "cuda" for grad in (grads[seg.param_index] for bucket in run for seg in bucket.segments))
             buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
-            if cuda and (window_of is not None or buffer.is_pinned()):
+            if cuda:
                 torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
         gathered = time.perf_counter() - started
         header = tensor_header(MsgType.PUSH, buffer, rank=rank, step=step, bucket_id=first.bucket_id, meta=meta)
