@@ -14,6 +14,7 @@ from cluster.report import Shape, model_link_bytes
 from cluster.scaling import param_count
 from gpu_worker.models import GPTConfig
 from planning.cluster_model import ClusterTiming
+from tests.cli import run_netoptim
 
 CONFIG = GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=64)
 
@@ -80,5 +81,5 @@ def test_plan_predicts_a_cluster_and_refuses_half_a_request(tmp_path):
         (["--cluster", "2x1+1"], "--cluster needs --link-mbit"),
         (["--link-mbit", "10"], "--link-mbit and --node-link-mbit go with --cluster"),
     ):
-        refused = subprocess.run([sys.executable, "-m", "netoptim", "plan", *flags], capture_output=True, text=True, timeout=60)
+        refused = run_netoptim("plan", *flags)
         assert refused.returncode != 0 and message in refused.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpu_worker import RemoteAdamW
 from protos import admin_pb2, admin_pb2_grpc
+from tests.cli import run_netoptim
 
 TOKEN = "s3cret-token"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
@@ -143,14 +143,14 @@ def test_shutdown_stops_the_node(admin_node):
     assert node.process.wait(20) == 0
 
 
-def admin_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "netoptim", "admin", *args], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+def admin_cli(*args: str, in_process: bool = True) -> subprocess.CompletedProcess:
+    return run_netoptim("admin", *args, in_process=in_process, timeout=60)
 
 
 def test_admin_command_line(admin_node):
     node, _, _ = admin_node
     target = ("--target", node.admin_address, "--token", TOKEN)
-    result = admin_cli(*target, "--json", "status")
+    result = admin_cli(*target, "--json", "status", in_process=False)  # the console command itself
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["data_address"] == node.address
     result = admin_cli(*target, "status")
@@ -158,7 +158,7 @@ def test_admin_command_line(admin_node):
     result = admin_cli(*target, "set-hparams", "--lr-scale", "0.5")
     assert result.returncode == 0 and "lr_scale=0.5" in result.stdout
     assert "override lr_scale=0.5 (set by netoptim admin set-hparams at" in admin_cli(*target, "get-hparams").stdout
-    result = admin_cli(*target, "reset")  # no one at the keyboard: not confirmed
+    result = admin_cli(*target, "reset", in_process=False)  # no one at the keyboard: not confirmed
     assert result.returncode == 1 and "not confirmed" in result.stderr
     result = admin_cli(*target, "reset", "--yes")
     assert result.returncode == 0 and "no job was registered" in result.stdout

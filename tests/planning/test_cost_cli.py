@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import run_netoptim
 from tests.planning.test_cost_search import profile
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "machines.toml")
 
 
 def netoptim(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "netoptim", *args], capture_output=True, text=True, timeout=timeout)
+    return run_netoptim(*args, timeout=timeout)
 
 
 @pytest.fixture
