@@ -188,6 +188,10 @@ def test_gradients_final_on_another_thread_are_staged_there_and_sent_by_step(sta
         torch_opt.step()
         torch_opt.zero_grad()
     assert sender.staged_pushes >= 4 * large and not sender._staged
+    # the node is on this host: the staged gathers went straight into its window, none is left reserved
+    assert opt.shared_memory_bytes["sent_in_place"] >= 4 * large * (1 << 20)
+    (client,) = opt._session._connections._clients
+    assert client.shared.connection.writer.reserved_bytes == 0
     opt.close()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
 
