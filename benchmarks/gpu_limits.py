@@ -60,10 +60,14 @@ def node_update_mparams(threads: int, numel: int = 1 << 26) -> dict[str, float]:
     its compiled loop and torch ops, the two paths a node can take (which is faster depends on the cores)."""
     from optimizer_node.update_profile import update_pass_seconds_per_param
 
-    return {
+    rates = {
         f"node_update_{path}_mparams_per_s": 1e-6 / update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, compiled=path == "compiled")
         for path in ("compiled", "torch_ops")
-    } | {"node_update_threads": threads}
+    }
+    # as an fp32 job's node runs it with same-host workers: the new values onto the parameter board and
+    # the old ones kept for a restarted rank, in the same pass (two more streams of 4 bytes a parameter)
+    with_outputs = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, kept=True)
+    return rates | {"node_update_compiled_board_and_kept_mparams_per_s": 1e-6 / with_outputs, "node_update_threads": threads}
 
 
 def offload_limit_step_s(params: int, wire_bytes_per_param: int, compute_step_s: float, limits: dict) -> dict[str, float]:

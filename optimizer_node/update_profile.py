@@ -17,10 +17,14 @@ from optimizer_node.update_pass import reduce_and_update
 BUCKET_NUMEL = 1 << 20
 
 
-def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True) -> float:
+def update_pass_seconds_per_param(
+    terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True, board: bool = False, kept: bool = False
+) -> float:
     """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
     1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
-    ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked."""
+    ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
+    ``board``: the pass also writes the new values out (as onto the parameter board in an fp32 job);
+    ``kept``: and the values as they were (kept for a rank that restarts mid-step)."""
     if terms < 1 or threads < 1 or numel < BUCKET_NUMEL or repeats < 1:
         raise ValueError(f"terms, threads and repeats must be >= 1 and numel >= {BUCKET_NUMEL}, got {terms}, {threads}, {repeats}, {numel}")
     buckets = numel // BUCKET_NUMEL
@@ -32,6 +36,8 @@ def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 <<
     scratch = torch.empty(BUCKET_NUMEL)
     hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
     divisor = torch.tensor(float(terms))
+    wire_out = [torch.empty(BUCKET_NUMEL) for _ in range(buckets)] if board else [None] * buckets
+    previous_out = [torch.empty(BUCKET_NUMEL) for _ in range(buckets)] if kept else [None] * buckets
 
     def one_pass() -> float:
         started = time.perf_counter()
@@ -40,7 +46,18 @@ def update_pass_seconds_per_param(terms: int, threads: int, *, numel: int = 8 <<
             for rank in range(terms):
                 reduction.add(rank, [(0, frames[index][rank])])
             exp_avg, exp_avg_sq = moments[index]
-            reduce_and_update(reduction, params[index], exp_avg, exp_avg_sq, steps[index], hyper, grad_divisor=divisor, compiled=compiled)
+            reduce_and_update(
+                reduction,
+                params[index],
+                exp_avg,
+                exp_avg_sq,
+                steps[index],
+                hyper,
+                grad_divisor=divisor,
+                compiled=compiled,
+                wire_out=wire_out[index],
+                previous_out=previous_out[index],
+            )
         return time.perf_counter() - started
 
     previous = torch.get_num_threads()
