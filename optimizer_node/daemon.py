@@ -547,8 +547,13 @@ class NodeDaemon(JobRegistration, OperatorControls):
         if not in_flight.reduction.complete:
             if len(in_flight.reduction.received) == 1 and self._retain_previous and job.spec.wire_dtype == "float32":
                 # Keep the values a restarted rank would need now, while the other ranks' gradients are
-                # on their way, rather than on the path from the last gradient to the new values.
-                self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
+                # on their way, rather than on the path from the last gradient to the new values: where
+                # a board of two slots a bucket holds them, there (the update writes the other slot).
+                on_board = self._replies.board_values(state, state.step)
+                if on_board is None:
+                    self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
+                elif self._ledger.may_need(bucket.bucket_id, state.step):
+                    self._ledger.keep(bucket.bucket_id, state.step, on_board, owned=False)
             return
         if self._global_round:
             self._tell_consumed(job, bucket.bucket_id, header.step)  # the round holds every sum until the norm is known
@@ -638,26 +643,34 @@ class NodeDaemon(JobRegistration, OperatorControls):
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
         self._store.acquire(state)  # StorageError here leaves everything as it was
+        # fp32: the update pass writes the values onto the parameter board too; on a board of two slots
+        # a bucket, into the slot that does not hold this step's values, which stay where they are
+        board = self._replies.board_slot(job, state)
         previous = None
         if self._retain_previous and self._ledger.retained(state.bucket_id, state.step) is None:
             # a rank that restarts in this step needs them to redo its gradient
+            on_board = self._replies.board_values(state, state.step) if board is not None else None
             if state.wire_copy is not None and state.wire_step == state.step:  # 16-bit wire: keep what went out
                 state.wire_copy = self._ledger.swap_kept(state.bucket_id, state.step, state.wire_copy)
                 state.wire_step = -1
+            elif on_board is not None:  # kept on the board's other slot: no copy
+                if self._ledger.may_need(state.bucket_id, state.step):
+                    self._ledger.keep(state.bucket_id, state.step, on_board, owned=False)
             else:  # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
                 previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
         kept_step = state.step
         try:
-            self._update_and_send(job, state, in_flight, previous)
+            self._update_and_send(job, state, in_flight, board, previous)
         finally:
             self._store.release(state, dirty=True)
         if previous is not None:
             self._ledger.keep(state.bucket_id, kept_step, previous)
 
-    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, previous: torch.Tensor | None) -> None:
+    def _update_and_send(
+        self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None
+    ) -> None:
         started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
-        board = self._replies.board_slot(job, state)  # fp32: the update pass writes the values onto the parameter board too
         wire = board
         if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
             if state.wire_copy is None:

@@ -47,14 +47,17 @@ def node_needs(
     board: bool = False,
 ) -> NodeNeeds:
     """RAM and disk for a node owning ``params`` parameters of a job with ``workers`` workers;
-    ``board``: with a parameter board for same-host workers (in memory only)."""
+    ``board``: with a parameter board for same-host workers (in memory only; with an fp32 wire it has
+    two slots a bucket, and the one before the current holds what is kept for a restarted rank)."""
     gradients = workers * wire_bytes * params
     if layerwise:
         gradients = min(gradients, workers * push_window_bytes)
     state = STATE_BYTES_PER_PARAM * params
     cast = 0 if wire_bytes == 4 else (4 + wire_bytes) * params  # fp32 sums and the cast copy of what goes out
-    kept_for_restarts = wire_bytes * params
-    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts + (wire_bytes * params if board else 0)
+    double_board = board and wire_bytes == 4
+    kept_for_restarts = 0 if double_board else wire_bytes * params
+    board_bytes = (2 if double_board else 1) * wire_bytes * params if board else 0
+    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts + board_bytes
     out_of_core = None
     if memory_budget is not None:
         resident_fraction = min(1.0, memory_budget / state) if state else 1.0

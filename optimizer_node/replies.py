@@ -181,6 +181,14 @@ class ParameterReplies:
         slot = self._endpoint.board_slot(state.bucket_id, nbytes)
         return slot.view(torch.float32) if slot is not None else None
 
+    def board_values(self, state: BucketState, step: int) -> torch.Tensor | None:
+        """The bucket's fp32 values of ``step`` (its current revision) where they lie on a board of two
+        slots a bucket: the current slot, or after :meth:`board_slot` opened the other one, the slot
+        before; what the node keeps for a rank that restarts mid-step, without a copy. Valid until the
+        bucket's next :meth:`board_slot` but one (the current) or its next (the one before)."""
+        held = self._endpoint.board_held(state.bucket_id, (state.revision, step))
+        return held.view(torch.float32) if held is not None else None
+
     def board_written(self, state: BucketState) -> None:
         """The update pass wrote the bucket's values of its current step into :meth:`board_slot`: the
         version :meth:`send_params` publishes, so sending it copies nothing."""
@@ -202,5 +210,8 @@ class ParameterReplies:
                 "no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", needs.ram_in_memory / 2**30, available / 2**30
             )
             return
-        if self._endpoint.publish_board(board_bytes(sizes)):
-            log.info("same-host workers read parameters from a board of %.1f MiB", board_bytes(sizes) / 2**20)
+        # fp32: two slots a bucket, so the update writes each version beside the one before, which is
+        # then what a restarted rank needs (no copy of it in the update pass)
+        slots = 2 if job.spec.wire_dtype == "float32" else 1
+        if self._endpoint.publish_board(board_bytes(sizes * slots), slots_per_key=slots):
+            log.info("same-host workers read parameters from a board of %.1f MiB", board_bytes(sizes * slots) / 2**20)

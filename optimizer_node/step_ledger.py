@@ -42,6 +42,7 @@ class RankRecord:
 class _Retained:
     step: int
     values: torch.Tensor  # flat, in the wire dtype
+    owned: bool = True  # a buffer of the ledger's pool; else a view of memory kept elsewhere (the parameter board)
 
 
 class StepLedger:
@@ -155,10 +156,18 @@ class StepLedger:
         self._let_go(bucket_id)
         return self._take(numel, dtype)
 
-    def keep(self, bucket_id: int, step: int, values: torch.Tensor) -> None:
-        """Keep ``values``, the bucket's values of ``step`` in the wire dtype (the ledger owns them now)."""
+    def keep(self, bucket_id: int, step: int, values: torch.Tensor, *, owned: bool = True) -> None:
+        """Keep ``values``, the bucket's values of ``step`` in the wire dtype: the ledger owns them now,
+        or (``owned=False``) they are a view of memory that holds them until the bucket's next update
+        (the parameter board's other slot), which lets them go first (:meth:`may_need`)."""
         self._let_go(bucket_id)
-        self._retained[bucket_id] = _Retained(step, values)
+        self._retained[bucket_id] = _Retained(step, values, owned)
+
+    def may_need(self, bucket_id: int, step: int) -> bool:
+        """Whether a rank may still need the bucket's values of ``step`` (then :meth:`keep` them); the
+        bucket's older values are let go either way."""
+        self._let_go(bucket_id)
+        return step >= self._complete_before
 
     def swap_kept(self, bucket_id: int, step: int, values: torch.Tensor) -> torch.Tensor:
         """Keep ``values`` (what the node sent of ``step``, in the wire dtype) if a rank may still need
@@ -192,7 +201,7 @@ class StepLedger:
 
     def _let_go(self, bucket_id: int) -> None:
         kept = self._retained.pop(bucket_id, None)
-        if kept is not None:
+        if kept is not None and kept.owned:
             self._give_back(kept.values)
 
     def _give_back(self, buffer: torch.Tensor) -> None:

@@ -80,9 +80,11 @@ class ServerEndpoint(ABC):
     def close(self) -> None:
         """Release the endpoint; idempotent."""
 
-    def publish_board(self, nbytes: int) -> bool:
+    def publish_board(self, nbytes: int, *, slots_per_key: int = 1) -> bool:
         """Make a parameter board of ``nbytes`` (replacing any) that same-host peers may read sent
-        values from (:meth:`send_published`); whether this backend has one. By default: none."""
+        values from (:meth:`send_published`); whether this backend has one. By default: none. With
+        two slots a key, each version written in place goes into the key's other slot, so the one
+        before stays readable (:meth:`board_held`)."""
         return False
 
     def drop_board(self) -> None:
@@ -103,6 +105,12 @@ class ServerEndpoint(ABC):
 
     def board_written(self, key: Hashable, version: Hashable) -> None:
         """The bytes :meth:`board_slot` gave for ``key`` now hold ``version``."""
+        return None
+
+    def board_held(self, key: Hashable, version: Hashable) -> torch.Tensor | None:
+        """On a board of two slots a key: the payload bytes of the slot of ``key`` that holds
+        ``version`` (the current one or the one before), until :meth:`board_slot` of the key opens that
+        slot again; ``None`` otherwise (and by default)."""
         return None
 
     def send_published(self, peer: bytes, header: Header, payload: Payload, key: Hashable, version: Hashable) -> SendHandle:

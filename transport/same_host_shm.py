@@ -147,7 +147,7 @@ class SharedPeers:
             "board_referenced_bytes": referenced,
         }
 
-    def publish_board(self, nbytes: int, name: str) -> list[tuple[bytes, bytes]]:
+    def publish_board(self, nbytes: int, name: str, *, slots_per_key: int = 1) -> list[tuple[bytes, bytes]]:
         """Make a board of ``nbytes`` (replacing any), to be offered to every windowed peer: the
         ``(peer, body)`` handshake frames that offer it to those ready now. No board (and no frames)
         where this kernel cannot seal one against writers."""
@@ -156,7 +156,7 @@ class SharedPeers:
             log.info("no parameter board: this kernel cannot seal memory files against writers (Linux 5.1 or later can)")
             return []
         try:
-            self.board = BoardPublisher(nbytes, name)
+            self.board = BoardPublisher(nbytes, name, slots_per_key=slots_per_key)
         except OSError as exc:
             log.warning("no parameter board of %d bytes: %s; same-host workers get their own copies", nbytes, exc)
             return []

@@ -16,6 +16,11 @@ that once it publishes a newer version of a key, no peer still reads the older o
 publishes a bucket's next values only after every rank pushed the gradients computed from the
 previous ones); a reader checks the token once it has copied the values out
 (:meth:`BoardReader.read`'s ``current``), so that a broken promise is an error, never torn values.
+
+A board made with two slots a key (``slots_per_key=2``) writes each version computed in place
+(:meth:`BoardPublisher.open_slot`) into the key's other slot, so the version before stays intact
+beside it, token and all: what a node keeps for a worker that restarts mid-step, without a copy
+(:meth:`BoardPublisher.held`).
 """
 
 from __future__ import annotations
@@ -56,10 +61,14 @@ def board_bytes(payload_sizes: Sequence[int]) -> int:
 class BoardPublisher:
     """The node's side: the board's slots, one per key, and the copies into them."""
 
-    def __init__(self, nbytes: int, name: str) -> None:
+    def __init__(self, nbytes: int, name: str, *, slots_per_key: int = 1) -> None:
+        if slots_per_key not in (1, 2):
+            raise ValueError(f"a board has one or two slots a key, not {slots_per_key}")
         self.window = SharedWindow.create(nbytes, name, extra_seals=F_SEAL_FUTURE_WRITE)
         self._tokens = self.window.bytes.view(torch.int64)  # a slot's token is at its start // 8
         self._slots: dict[Hashable, tuple[int, int, Hashable, int]] = {}  # key -> (start, payload bytes, version, token)
+        self._double = slots_per_key == 2
+        self._other: dict[Hashable, tuple[int, int, Hashable]] = {}  # key -> its other slot: (start, payload bytes, version held)
         self._end = 0
         self.written_bytes = 0  # payload bytes copied in
         self.referenced_bytes = 0  # payload bytes sent as references
@@ -82,16 +91,35 @@ class BoardPublisher:
         if slot is None:
             return None
         start, _total, held, token = slot
-        if held != version or token == 0:
+        other = self._other.get(key)
+        if (held != version or token == 0) and other is not None and other[1] == total and other[2] == version:
+            start, token = other[0], int(self._tokens[other[0] // 8])  # the version before, still there
+        elif held != version or token == 0:
+            start = self._writable(key, total, slot)
             index = start // 8
             self._tokens[index] = 0  # a reader that copies now finds the slot changed under it
             copy_pieces(self.window.bytes, start + SLOT_HEADER_BYTES, pieces)
             token = next(_tokens)
             self._tokens[index] = token
             self.written_bytes += total
-        self._slots[key] = (start, total, version, token)
+            self._slots[key] = (start, total, version, token)
         self.referenced_bytes += total
         return msgpack.packb([start, lengths, token])
+
+    def _writable(self, key: Hashable, nbytes: int, slot: tuple[int, int, Hashable, int]) -> int:
+        """Where the next version of ``key`` goes: its slot (``slot``), or with two slots a key the other
+        one (made at the board's end if there is room), the current one then becoming the one before."""
+        if not self._double:
+            return slot[0]
+        other = self._other.get(key)
+        if (other is None or other[1] != nbytes) and self._end + slot_bytes(nbytes) <= self.window.nbytes:
+            other = (self._end, nbytes, None)
+            self._end += slot_bytes(nbytes)
+        if other is None or other[1] != nbytes:  # no room for a second slot: in place, and nothing before it is kept
+            self._other.pop(key, None)
+            return slot[0]
+        self._other[key] = (slot[0], nbytes, slot[2] if slot[3] else None)
+        return other[0]
 
     def open_slot(self, key: Hashable, nbytes: int) -> torch.Tensor | None:
         """``key``'s slot for ``nbytes`` of payload, as writable bytes for the caller to write the next
@@ -101,9 +129,26 @@ class BoardPublisher:
         slot = self._slot(key, nbytes)
         if slot is None:
             return None
-        start = slot[0]
+        start = self._writable(key, nbytes, slot)
         self._tokens[start // 8] = 0
         self._slots[key] = (start, nbytes, None, 0)
+        payload = start + SLOT_HEADER_BYTES
+        return self.window.bytes[payload : payload + nbytes]
+
+    def held(self, key: Hashable, version: Hashable) -> torch.Tensor | None:
+        """With two slots a key: the payload bytes of ``key``'s slot that holds ``version`` (the current
+        one, or the one before it), or ``None``. They hold it until :meth:`open_slot` of the key writes
+        that slot again: the open after next for the current one, the next for the other."""
+        if not self._double:  # one slot a key: the next open_slot writes over it in place
+            return None
+        slot = self._slots.get(key)
+        if slot is not None and slot[2] == version and slot[3]:
+            start, nbytes = slot[0], slot[1]
+        else:
+            other = self._other.get(key)
+            if other is None or other[2] != version:
+                return None
+            start, nbytes = other[0], other[1]
         payload = start + SLOT_HEADER_BYTES
         return self.window.bytes[payload : payload + nbytes]
 

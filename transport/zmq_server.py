@@ -251,12 +251,12 @@ class ZmqServer(ServerEndpoint):
     def send_published(self, peer: bytes, header: Header, payload: Payload, key: Hashable, version: Hashable) -> SendHandle:
         return self._send(peer, header, payload, False, (key, version))
 
-    def publish_board(self, nbytes: int) -> bool:
+    def publish_board(self, nbytes: int, *, slots_per_key: int = 1) -> bool:
         """A board for the same-host peers with windows (none with CURVE or windows off), offered to
         those connected now and to every later one once its windows are mapped."""
         if self._shared is None or self._ipc_socket is None:
             return False
-        for peer, offer in self._shared.publish_board(nbytes, f"netoptim-board-{secrets.token_hex(8)}"):
+        for peer, offer in self._shared.publish_board(nbytes, f"netoptim-board-{secrets.token_hex(8)}", slots_per_key=slots_per_key):
             self._send_control(peer, [HANDSHAKE, offer])
         return self._shared.board is not None
 
@@ -276,6 +276,10 @@ class ZmqServer(ServerEndpoint):
     def board_written(self, key: Hashable, version: Hashable) -> None:
         if self._shared is not None:
             self._shared.board_written(key, version)
+
+    def board_held(self, key: Hashable, version: Hashable) -> torch.Tensor | None:
+        board = self._shared.board if self._shared is not None else None
+        return board.held(key, version) if board is not None else None
 
     def _send(self, peer: bytes, header: Header, payload: Payload | None, track: bool, published: tuple[Hashable, Hashable] | None) -> SendHandle:
         lanes = self._lanes.get(peer)

@@ -316,3 +316,37 @@ def test_a_worker_that_does_not_say_it_reads_boards_is_not_offered_one(board_lin
         assert sum(c.ready and c.board_offered is None and c.board is None for c in link.server._shared.connections.values()) == 1
     finally:
         socket.close(linger=0)
+
+
+def test_with_two_slots_a_key_each_version_goes_beside_the_one_before_which_stays_readable():
+    """What a node keeps for a rank that restarts mid-step: the version before the current one, left
+    where it is, token and all (a reader of it is not disturbed), until the key's next write."""
+    nbytes = 4096
+    publisher = BoardPublisher(board_bytes([nbytes] * 2), "netoptim-test-double", slots_per_key=2)
+    values = [torch.full((nbytes // 4,), float(v)) for v in range(4)]
+    slot = publisher.open_slot("b", nbytes)
+    slot.view(torch.float32).copy_(values[0])
+    publisher.written("b", 0)
+    assert publisher.held("b", 0) is not None and publisher.held("b", 1) is None
+    first_place = publisher.held("b", 0).data_ptr()
+    ref0 = msgpack.unpackb(publisher.reference("b", 0, [values[0]], [nbytes]))
+    slot = publisher.open_slot("b", nbytes)  # version 1 in place, into the other slot
+    assert slot.data_ptr() != first_place
+    kept = publisher.held("b", 0)
+    assert kept is not None and kept.data_ptr() == first_place and torch.equal(kept.view(torch.float32), values[0])
+    slot.view(torch.float32).copy_(values[1])
+    publisher.written("b", 1)
+    assert int(publisher._tokens[ref0[0] // 8]) == ref0[2], "the version before keeps its token: its readers read on"
+    assert torch.equal(publisher.held("b", 1).view(torch.float32), values[1]) and torch.equal(kept.view(torch.float32), values[0])
+    written = publisher.written_bytes
+    again = msgpack.unpackb(publisher.reference("b", 0, [values[0]], [nbytes]))
+    assert again == ref0 and publisher.written_bytes == written, "the version before is sent from where it is"
+    publisher.reference("b", 2, [values[2]], [nbytes])  # a copied version goes beside the current one too
+    assert publisher.held("b", 0) is None and torch.equal(publisher.held("b", 1).view(torch.float32), values[1])
+    assert torch.equal(publisher.held("b", 2).view(torch.float32), values[2])
+    publisher.close()
+    single = BoardPublisher(board_bytes([nbytes]), "netoptim-test-single")
+    single.open_slot("b", nbytes)
+    single.written("b", 0)
+    assert single.held("b", 0) is None, "one slot a key: the next write goes over it, so nothing is lent out"
+    single.close()
