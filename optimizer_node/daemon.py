@@ -666,9 +666,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         if previous is not None:
             self._ledger.keep(state.bucket_id, kept_step, previous)
 
-    def _update_and_send(
-        self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None
-    ) -> None:
+    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None) -> None:
         started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
         wire = board
