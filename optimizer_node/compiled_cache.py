@@ -5,12 +5,21 @@ for as long (17 s on a loaded 2-core machine) and its workers would take it for 
 on-disk cache lacks some of the loop's variants, :func:`fill_cache` runs
 ``python -m optimizer_node.compiled_warmup`` (which compiles them all) and waits for it; processes
 that start together compile once, behind a file lock in the cache's directory.
+
+The bitwise check of the loop against torch's kernel (:mod:`optimizer_node.compiled_update`) takes
+most of a second; its verdict is put on record beside numba's cache under a fingerprint of
+everything it depends on (:func:`build_fingerprint`), so it runs once per build and CPU, like the
+compilation, rather than in every node process.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import logging
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -60,3 +69,48 @@ def _compile_in_child() -> None:
     if result.returncode != 0:
         raise RuntimeError(f"compiling the update loop failed (exit {result.returncode}): {result.stderr[-2000:]}")
     log.info("the update loop is compiled (%.0f s)", time.monotonic() - started)
+
+
+VERDICT_FILE = "netoptim-check.json"
+
+
+def build_fingerprint(sources: list[Path]) -> str:
+    """What the loop's bitwise check depends on: the loop's source, the versions of everything that
+    compiles or runs it (Python, numpy, numba and its LLVM, torch, whose kernel it is compared
+    with) and the CPU it runs on (its LLVM name and features)."""
+    import llvmlite.binding as llvm
+    import numba
+    import numpy
+    import torch
+
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    for part in (sys.version, platform.machine(), numpy.__version__, numba.__version__, llvm.llvm_version_info, torch.__version__, llvm.get_host_cpu_name()):
+        digest.update(str(part).encode())
+    digest.update(llvm.get_host_cpu_features().flatten().encode())
+    return digest.hexdigest()
+
+
+def recorded_verdict(directory: Path, fingerprint: str) -> tuple[bool, str | None]:
+    """Whether a check of this build is on record in ``directory``, and its verdict (the first
+    difference found, or ``None``: bitwise equal)."""
+    try:
+        records = json.loads((directory / VERDICT_FILE).read_text())
+        verdict = records[fingerprint]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, None
+    return (True, verdict) if verdict is None or isinstance(verdict, str) else (False, None)
+
+
+def record_verdict(directory: Path, fingerprint: str, verdict: str | None) -> None:
+    """Put this build's verdict on record (atomically; older builds' records are dropped), so that
+    the next process of the same build need not run the check again; nowhere to write it is fine."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / VERDICT_FILE
+        temporary = target.with_name(f"{VERDICT_FILE}.{os.getpid()}")
+        temporary.write_text(json.dumps({fingerprint: verdict}))
+        os.replace(temporary, target)
+    except OSError as exc:
+        log.debug("the compiled loop's check could not be put on record in %s: %s", directory, exc)

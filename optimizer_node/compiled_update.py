@@ -32,6 +32,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -206,8 +207,14 @@ def _checked() -> Future[bool]:
 
 def _check() -> bool:
     try:
-        compiled_cache.fill_cache(_kernels(), MAX_TERMS)  # numba holds the GIL while it compiles: not in this process
-        mismatch = _self_check()
+        kernels = _kernels()
+        compiled_cache.fill_cache(kernels, MAX_TERMS)  # numba holds the GIL while it compiles: not in this process
+        directory = Path(kernels.update_fp32._cache._cache_path)
+        fingerprint = compiled_cache.build_fingerprint([Path(__file__), Path(__file__).with_name("_compiled_kernels.py")])
+        recorded, mismatch = compiled_cache.recorded_verdict(directory, fingerprint)
+        if not recorded:  # once per build and CPU (compiled_cache), not in every process
+            mismatch = _self_check()
+            compiled_cache.record_verdict(directory, fingerprint, mismatch)
     except Exception as exc:  # a numba that cannot compile here: torch ops do the update
         log.warning("the compiled update is unavailable (%s: %s); updating with torch ops", type(exc).__name__, exc)
         return False
