@@ -35,7 +35,8 @@ def test_a_bad_size_is_refused_naming_the_sizes():
 PINNABLE = len(os.sched_getaffinity(0)) >= 2
 
 
-@pytest.mark.parametrize("mode", ["compute", "torch", "full", "layerwise"])
+# layer-wise: a slow case (13 s); the full model's case covers the benchmark's netoptim path
+@pytest.mark.parametrize("mode", ["compute", "torch", "full", pytest.param("layerwise", marks=pytest.mark.slow)])
 def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
     """The full model runs pinned (``--pin``) where there are two CPUs: the worker on one, its node on the others."""
     args = argparse.Namespace(nodes=1, timeout_s=180)
