@@ -111,7 +111,7 @@ class GradientSender:
                 event.synchronize()  # its copies were queued during backward
             self.staged_pushes += 1
         else:
-            cuda = any(grad is not None and grad.device.type == "cuda" for grad in (grads[seg.param_index] for bucket in run for seg in bucket.segments))
+            cuda = self._buffers.pin_memory  # the session's parameters are on a GPU (no per-push scan of them)
             buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
             if cuda:

@@ -549,11 +549,8 @@ class NodeDaemon(JobRegistration, OperatorControls):
                 # Keep the values a restarted rank would need now, while the other ranks' gradients are
                 # on their way, rather than on the path from the last gradient to the new values: where
                 # a board of two slots a bucket holds them, there (the update writes the other slot).
-                on_board = self._replies.board_values(state, state.step)
-                if on_board is None:
+                if not self._kept_on_board(state):
                     self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
-                elif self._ledger.may_need(bucket.bucket_id, state.step):
-                    self._ledger.keep(bucket.bucket_id, state.step, on_board, owned=False)
             return
         if self._global_round:
             self._tell_consumed(job, bucket.bucket_id, header.step)  # the round holds every sum until the norm is known
@@ -649,14 +646,11 @@ class NodeDaemon(JobRegistration, OperatorControls):
         previous = None
         if self._retain_previous and self._ledger.retained(state.bucket_id, state.step) is None:
             # a rank that restarts in this step needs them to redo its gradient
-            on_board = self._replies.board_values(state, state.step) if board is not None else None
             if state.wire_copy is not None and state.wire_step == state.step:  # 16-bit wire: keep what went out
                 state.wire_copy = self._ledger.swap_kept(state.bucket_id, state.step, state.wire_copy)
                 state.wire_step = -1
-            elif on_board is not None:  # kept on the board's other slot: no copy
-                if self._ledger.may_need(state.bucket_id, state.step):
-                    self._ledger.keep(state.bucket_id, state.step, on_board, owned=False)
-            else:  # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
+            elif board is None or not self._kept_on_board(state):  # else on the board's other slot, no copy
+                # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
                 previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
         kept_step = state.step
         try:
@@ -665,6 +659,16 @@ class NodeDaemon(JobRegistration, OperatorControls):
             self._store.release(state, dirty=True)
         if previous is not None:
             self._ledger.keep(state.bucket_id, kept_step, previous)
+
+    def _kept_on_board(self, state: BucketState) -> bool:
+        """Keep the bucket's values of its step for a restarted rank where a board of two slots a bucket
+        holds them (a view; the update writes the other slot); False where it does not (keep a copy)."""
+        on_board = self._replies.board_values(state, state.step)
+        if on_board is None:
+            return False
+        if self._ledger.may_need(state.bucket_id, state.step):
+            self._ledger.keep(state.bucket_id, state.step, on_board, owned=False)
+        return True
 
     def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None) -> None:
         started = time.perf_counter()
