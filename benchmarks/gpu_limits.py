@@ -64,10 +64,15 @@ def node_update_mparams(threads: int, numel: int = 1 << 26) -> dict[str, float]:
         f"node_update_{path}_mparams_per_s": 1e-6 / update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, compiled=path == "compiled")
         for path in ("compiled", "torch_ops")
     }
-    # as an fp32 job's node runs it with same-host workers: the new values onto the parameter board and
-    # the old ones kept for a restarted rank, in the same pass (two more streams of 4 bytes a parameter)
-    with_outputs = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, kept=True)
-    return rates | {"node_update_compiled_board_and_kept_mparams_per_s": 1e-6 / with_outputs, "node_update_threads": threads}
+    # as an fp32 job's node runs it with same-host workers: the new values onto the parameter board in
+    # the same pass (one more stream of 4 bytes a parameter), and with each push checked for NaN/inf first
+    board = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True)
+    checked = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, check=True)
+    return rates | {
+        "node_update_compiled_board_mparams_per_s": 1e-6 / board,
+        "node_update_compiled_checked_board_mparams_per_s": 1e-6 / checked,
+        "node_update_threads": threads,
+    }
 
 
 def offload_limit_step_s(params: int, wire_bytes_per_param: int, compute_step_s: float, limits: dict) -> dict[str, float]:

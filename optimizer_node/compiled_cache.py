@@ -34,7 +34,8 @@ WARMUP_TIMEOUT_S = 900.0
 def cache_complete(kernels: SimpleNamespace, max_terms: int) -> bool:
     """Whether numba's cache holds every variant of ``kernels`` (as far as its index files tell)."""
     # one signature per tuple length; fp32 frames twice: without an outgoing copy and with an fp32 one
-    expected = {"update_fp32": 2 * max_terms, "update_bf16": max_terms}
+    # and the non-finite count: over fp32 bits and over 16-bit ones
+    expected = {"update_fp32": 2 * max_terms, "update_bf16": max_terms, "count_exponent_all_ones": 2}
     try:
         for name, count in expected.items():
             for dispatcher in (getattr(kernels, name), getattr(kernels, f"{name}_serial")):

@@ -69,7 +69,18 @@ def _kernels() -> SimpleNamespace:
         update_fp32_serial=_compiled_kernels.update_fp32_serial,
         update_bf16_serial=_compiled_kernels.update_bf16_serial,
         cast_bf16=_compiled_kernels.cast_bf16,
+        count_exponent_all_ones=_compiled_kernels.count_exponent_all_ones,
+        count_exponent_all_ones_serial=_compiled_kernels.count_exponent_all_ones_serial,
     )
+
+
+def _use_threads(kernels: SimpleNamespace) -> int:
+    """Run numba's parallel loops from this thread on torch's thread count (capped by numba's); the count."""
+    threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
+    if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
+        kernels.numba.set_num_threads(threads)
+        _calling_thread.threads = threads
+    return threads
 
 
 @functools.lru_cache(maxsize=64)  # every bucket of a step shares them
@@ -135,10 +146,7 @@ def update(
     ``serial`` runs the blocks in this thread (default: with one thread or one block). ``arrays``:
     numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` the caller keeps (made here otherwise)."""
     kernels = _kernels()
-    threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
-    if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
-        kernels.numba.set_num_threads(threads)
-        _calling_thread.threads = threads
+    threads = _use_threads(kernels)
     consts = constants(hyper, step, divisor)
     p, m, v = arrays if arrays is not None else (param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy())
     out = _array(wire) if wire is not None else _NO_BF16
@@ -151,6 +159,38 @@ def update(
     else:
         first = head.numpy() if head is not None else _NO_FP32
         (kernels.update_bf16_serial if serial else kernels.update_bf16)(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
+
+
+_EXPONENT_BITS = {  # the integer view of each float dtype, and its exponent's bits
+    torch.float32: (torch.int32, np.uint32, np.uint32(0x7F800000)),
+    torch.bfloat16: (torch.int16, np.uint16, np.uint16(0x7F80)),
+    torch.float16: (torch.int16, np.uint16, np.uint16(0x7C00)),
+}
+CHECK_CHUNK = 65536
+"""Elements per task of the parallel non-finite count; a view of at most one chunk is counted in the calling thread."""
+
+
+def count_non_finite(view: torch.Tensor) -> int | None:
+    """How many elements of the contiguous fp32/bf16/fp16 ``view`` are NaN or +-inf, counted on the
+    update's threads; ``None`` where the compiled loop is not (yet) in use or the view does not suit
+    it (the caller counts with torch)."""
+    bits = _EXPONENT_BITS.get(view.dtype)
+    if bits is None or not view.is_contiguous() or not ready():
+        return None
+    integer, unsigned, mask = bits
+    kernels = _kernels()
+    raw = view.view(integer).numpy().view(unsigned)
+    if _use_threads(kernels) == 1 or raw.shape[0] <= CHECK_CHUNK:
+        return int(kernels.count_exponent_all_ones_serial(raw, mask, CHECK_CHUNK))
+    return int(kernels.count_exponent_all_ones(raw, mask, CHECK_CHUNK))
+
+
+def warm_up_count() -> None:
+    """Compile (or load) the non-finite count's variants: 32- and 16-bit, serial and parallel."""
+    kernels = _kernels()
+    for _integer, unsigned, mask in _EXPONENT_BITS.values():
+        for count in (kernels.count_exponent_all_ones, kernels.count_exponent_all_ones_serial):
+            count(np.zeros(64, dtype=unsigned), mask, CHECK_CHUNK)
 
 
 def usable() -> bool:

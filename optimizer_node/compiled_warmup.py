@@ -38,6 +38,7 @@ def warm_up() -> None:
         for serial in (True, False):
             param, exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
             compiled_update.update(param, exp_avg, exp_avg_sq, head, frames, wire, blocks, hyper, 1.0, 1.0, torch.empty(numel), serial=serial)
+    compiled_update.warm_up_count()
 
 
 if __name__ == "__main__":

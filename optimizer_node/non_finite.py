@@ -1,11 +1,13 @@
 """Non-finite gradients (NaN, inf): how a node finds them in a push, and what it did about them.
 
-A node checks every gradient it receives before the gradient touches any state. The check is one
-``torch.sum`` per received view: a sum is finite only if every element is (NaN propagates, and an
-inf turns the sum into inf or NaN), so a finite sum proves the view clean at the cost of one read of
-memory the transport has just written. Only a sum that is not finite (a NaN or inf, or finite
-values whose sum overflows) is looked at element by element, which also counts the culprits; a
-finite gradient whose sum overflowed is accepted, as torch would apply it.
+A node checks every gradient it receives before the gradient touches any state, at the cost of one
+read of memory the transport has just written. Where the node's compiled loop is in use, the check
+counts the elements whose exponent bits are all ones, on the loop's own threads
+(:func:`optimizer_node.compiled_update.count_non_finite`). Otherwise it is one ``torch.sum`` per
+received view: a sum is finite only if every element is (NaN propagates, and an inf turns the sum
+into inf or NaN), so a finite sum proves the view clean; only a sum that is not finite (a NaN or
+inf, or finite values whose sum overflows) is looked at element by element, which also counts the
+culprits. Either way a finite gradient whose sum would overflow is accepted, as torch would apply it.
 
 What follows depends on the node's ``--non-finite`` policy (:data:`POLICIES`):
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optimizer_node import compiled_update
 from optimizer_node.reduce import TensorPieces
 
 POLICIES = ("refuse", "skip")
@@ -47,13 +50,18 @@ def _scratch() -> torch.Tensor:
 def count_non_finite(pieces: TensorPieces) -> int:
     """How many elements of a received gradient are NaN or +-inf (0 for a clean one).
 
-    One vectorized sum per piece; the exact count runs only for a piece whose sum is not finite.
+    The compiled count where the node's compiled loop is in use; otherwise one vectorized sum per
+    piece, and the exact count only for a piece whose sum is not finite.
     fp16 is summed in fp32: its own sum would overflow at 65504 and send ordinary gradients down
     the slow path. bf16 has fp32's range and is summed as it is (fp32 accumulation inside).
     """
     count = 0
     total = _scratch()
     for _offset, view in pieces:
+        counted = compiled_update.count_non_finite(view)
+        if counted is not None:
+            count += counted
+            continue
         torch.sum(view, dim=0, dtype=torch.float32, out=total)  # into a reused scalar: no allocation per push (views are flat)
         if not math.isfinite(float(total)):
             count += int(view.numel() - torch.count_nonzero(torch.isfinite(view)))

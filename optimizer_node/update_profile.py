@@ -11,6 +11,7 @@ import torch
 
 from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper
+from optimizer_node.non_finite import count_non_finite
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.update_pass import reduce_and_update
 
@@ -18,13 +19,14 @@ BUCKET_NUMEL = 1 << 20
 
 
 def update_pass_seconds_per_param(
-    terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True, board: bool = False, kept: bool = False
+    terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True, board: bool = False, kept: bool = False, check: bool = False
 ) -> float:
     """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
     1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
     ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
     ``board``: the pass also writes the new values out (as onto the parameter board in an fp32 job);
-    ``kept``: and the values as they were (kept for a rank that restarts mid-step)."""
+    ``kept``: and the values as they were (kept for a rank that restarts mid-step); ``check``: each
+    gradient is checked for NaN/inf first, as a node checks every push it receives."""
     if terms < 1 or threads < 1 or numel < BUCKET_NUMEL or repeats < 1:
         raise ValueError(f"terms, threads and repeats must be >= 1 and numel >= {BUCKET_NUMEL}, got {terms}, {threads}, {repeats}, {numel}")
     buckets = numel // BUCKET_NUMEL
@@ -44,6 +46,8 @@ def update_pass_seconds_per_param(
         for index in range(buckets):
             reduction = OrderedReduction(BUCKET_NUMEL, terms, lambda: scratch, defer=True)
             for rank in range(terms):
+                if check and count_non_finite([(0, frames[index][rank])]):
+                    raise AssertionError("the profile's gradients are finite")
                 reduction.add(rank, [(0, frames[index][rank])])
             exp_avg, exp_avg_sq = moments[index]
             reduce_and_update(

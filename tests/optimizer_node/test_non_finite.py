@@ -17,6 +17,7 @@ import torch
 
 from gpu_worker import NonFiniteGradientError, RemoteAdamW
 from netoptim.node_cli import add_node_parser, node_config_from_args
+from optimizer_node import compiled_update
 from optimizer_node.checkpoint import read_latest
 from optimizer_node.config import NodeConfig
 from optimizer_node.non_finite import count_non_finite
@@ -55,6 +56,22 @@ def test_count_non_finite_is_exact_and_accepts_sums_that_overflow():
     for dtype in (torch.bfloat16, torch.float16):
         assert count_non_finite([(0, torch.full((100_000,), 60_000.0).to(dtype))]) == 0  # fp16's own sum would overflow
         assert count_non_finite([(0, dirty.to(dtype))]) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_count_agrees_with_torch_serial_and_over_threads(dtype):
+    if not compiled_update.usable():
+        pytest.skip("the compiled loop is off here (NETOPTIM_COMPILED_UPDATE=0)")
+    generator = torch.Generator().manual_seed(1)
+    for numel in (1, compiled_update.CHECK_CHUNK, 3 * compiled_update.CHECK_CHUNK + 7):  # counted in this thread, then over chunks
+        view = (torch.randn(numel, generator=generator) * 1e4).to(dtype)
+        assert compiled_update.count_non_finite(view) == 0
+        where = torch.randint(0, numel, (5,), generator=generator)
+        view[where] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan"), float("inf")], dtype=dtype)
+        expected = int(numel - torch.isfinite(view).sum())
+        assert compiled_update.count_non_finite(view) == expected == count_non_finite([(0, view)])
+    assert compiled_update.count_non_finite(torch.zeros(10, dtype=torch.float64)) is None  # torch counts what the loop does not take
+    assert compiled_update.count_non_finite(torch.zeros(10)[::2]) is None
 
 
 def test_policy_flag():
