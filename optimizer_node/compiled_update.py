@@ -74,9 +74,14 @@ def _kernels() -> SimpleNamespace:
     )
 
 
+def loop_threads() -> int:
+    """The threads the loop runs on from this thread: torch's count, capped by numba's."""
+    return max(1, min(torch.get_num_threads(), _kernels().numba.config.NUMBA_NUM_THREADS))
+
+
 def _use_threads(kernels: SimpleNamespace) -> int:
-    """Run numba's parallel loops from this thread on torch's thread count (capped by numba's); the count."""
-    threads = max(1, min(torch.get_num_threads(), kernels.numba.config.NUMBA_NUM_THREADS))
+    """Run numba's parallel loops from this thread on :func:`loop_threads`; the count."""
+    threads = loop_threads()
     if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
         kernels.numba.set_num_threads(threads)
         _calling_thread.threads = threads

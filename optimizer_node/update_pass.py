@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import math
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
@@ -90,16 +91,25 @@ class LoopPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_loop(segments: tuple[tuple[int, int], ...], block: int = compiled_update.BLOCK) -> LoopPlan:
-    """Split each segment into its whole multiples of ``SPLIT_ALIGNMENT`` (cut in blocks) and its tail."""
+def plan_loop(segments: tuple[tuple[int, int], ...], block: int = compiled_update.BLOCK, threads: int = 1) -> LoopPlan:
+    """Split each segment into its whole multiples of ``SPLIT_ALIGNMENT`` (cut in blocks of at most
+    ``block`` elements) and its tail. With ``threads`` > 1 the blocks are about ``block`` elements,
+    as many as a whole number of rounds over the threads: numba hands each thread an equal count of
+    blocks, so 64 blocks on 14 threads would keep 6 threads idle through the last round."""
+    bulks = [(offset, numel - numel % SPLIT_ALIGNMENT) for offset, numel in segments]
+    total = sum(bulk for _offset, bulk in bulks)
+    balanced = threads > 1 and total > block
+    target = total / (threads * max(1, round(total / (threads * block)))) if balanced else block
     blocks: list[tuple[int, int]] = []
-    tails: list[tuple[int, int]] = []
-    for offset, numel in segments:
-        bulk = numel - numel % SPLIT_ALIGNMENT
-        blocks += [(start, min(start + block, offset + bulk)) for start in range(offset, offset + bulk, block)]
-        if bulk < numel:
-            tails.append((offset + bulk, numel - bulk))
-    return LoopPlan(np.array(blocks, dtype=np.int64).reshape(-1, 2), tuple(tails))
+    for offset, bulk in bulks:
+        units = bulk // SPLIT_ALIGNMENT
+        if not units:
+            continue
+        count = max(1, round(bulk / target), math.ceil(bulk / (2 * block))) if balanced else math.ceil(bulk / block)
+        edges = [offset + units * k // count * SPLIT_ALIGNMENT for k in range(count + 1)]  # equal to within one alignment
+        blocks += [(start, stop) for start, stop in itertools.pairwise(edges) if stop > start]
+    tails = tuple((offset + bulk, numel - bulk) for (offset, bulk), (_, numel) in zip(bulks, segments, strict=True) if bulk < numel)
+    return LoopPlan(np.array(blocks, dtype=np.int64).reshape(-1, 2), tails)
 
 
 class _Term:
@@ -283,7 +293,7 @@ def _compiled_pass(
             return False
     if not compiled_update.ready():
         return False
-    plan = plan_loop(segments)
+    plan = plan_loop(segments, threads=compiled_update.loop_threads())
     # the loop writes the outgoing copy: bf16 bits, or fp32 (a parameter board's slot) from fp32 frames
     loop_copy = None
     if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and windows[0][2][-1].dtype == torch.float32)):

@@ -296,3 +296,14 @@ def test_chunks_cut_segments_only_at_the_split_alignment():
         assert all(n <= 4096 for _, n in parts)
         if size % SPLIT_ALIGNMENT:
             assert (offset + size - size % SPLIT_ALIGNMENT, size % SPLIT_ALIGNMENT) in loop.tails
+    for threads in (3, 14):  # over threads: the same elements, in a whole number of rounds where one segment fills the bucket
+        balanced = plan_loop(tuple(segments), 4096, threads)
+        assert balanced.tails == loop.tails
+        for offset, size in segments:
+            parts = sorted((int(start), int(stop)) for start, stop in balanced.blocks if offset <= start < offset + size)
+            assert all((start - offset) % SPLIT_ALIGNMENT == 0 and stop - start <= 2 * 4096 for start, stop in parts)
+            assert all(stop == following for (_, stop), (following, _) in itertools.pairwise(parts))
+            assert sum(stop - start for start, stop in parts) == size - size % SPLIT_ALIGNMENT
+        one = plan_loop(((0, 1 << 20),), 16384, threads)
+        sizes = one.blocks[:, 1] - one.blocks[:, 0]
+        assert len(one.blocks) % threads == 0 and int(sizes.max() - sizes.min()) <= SPLIT_ALIGNMENT and int(sizes.sum()) == 1 << 20
