@@ -53,6 +53,7 @@ class UpdateLane:
         self.depth = depth
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="netoptim-update")
         self._work: collections.deque[LaneWork] = collections.deque()
+        self.started = 0  # updates started in the lane since the node started
 
     def __len__(self) -> int:
         return len(self._work)
@@ -87,6 +88,7 @@ class UpdateLane:
 
         work.future = self._executor.submit(run)
         self._work.append(work)
+        self.started += 1
 
     def done(self) -> LaneWork | None:
         """The oldest update, taken out of the lane, if its pass is over; else ``None``."""
