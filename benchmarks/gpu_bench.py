@@ -140,9 +140,7 @@ def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, devi
         if mode in NETOPTIM_MODES:
             for i in range(args.nodes):
                 pinned = ("--cpus", format_cpu_list(split.node_cpus[i])) if split.node_cpus else ()
-                lane = () if args.update_lane else ("--no-update-lane",)
-                extra = ("--admin", "127.0.0.1:0", *pinned, *lane)
-                nodes.append(NodeProcess(workdir, name=f"node{i}", threads=split.node_threads, extra_args=extra).start())
+                nodes.append(NodeProcess(workdir, name=f"node{i}", threads=split.node_threads, extra_args=("--admin", "127.0.0.1:0", *pinned)).start())
         try:
             mode_settings = replace(
                 settings,
@@ -218,7 +216,7 @@ def run(args: argparse.Namespace) -> dict:
         "gpu_memory_gb": properties.total_memory / 1e9,
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
-        "settings": {**asdict(settings), "nodes": args.nodes, "update_lane": args.update_lane, **split.describe()},
+        "settings": {**asdict(settings), "nodes": args.nodes, **split.describe()},
         "sizes": {},
     }
     try:

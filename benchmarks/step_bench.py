@@ -79,7 +79,7 @@ def settled_update_path(stub: admin_pb2_grpc.OptimizerNodeAdminStub, timeout_s: 
         time.sleep(0.1)
 
 
-def measure(numel: int, buckets: int, steps: int, warmup: int, update_lane: bool = True) -> dict:
+def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
     """Median step time and phases of one worker training ``numel`` parameters in ``buckets`` buckets."""
     bucket_numel = -(-numel // buckets)
     job = JobSpec(
@@ -87,10 +87,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, update_lane: bool
     )
     param = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
-    with (
-        tempfile.TemporaryDirectory(prefix="netoptim-bench-step-") as workdir,
-        NodeProcess(workdir, threads=1, extra_args=("--admin", "127.0.0.1:0", *(() if update_lane else ("--no-update-lane",)))) as node,
-    ):
+    with tempfile.TemporaryDirectory(prefix="netoptim-bench-step-") as workdir, NodeProcess(workdir, threads=1, extra_args=("--admin", "127.0.0.1:0")) as node:
         session = OffloadSession([node.address], job, 0, [param], timeouts=WorkerTimeouts())
         channel = grpc.insecure_channel(node.admin_address)
         stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
@@ -132,7 +129,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, update_lane: bool
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     counts = sorted(set(args.buckets))
-    results = [measure(args.numel, count, args.steps, args.warmup, args.update_lane) for count in counts]
+    results = [measure(args.numel, count, args.steps, args.warmup) for count in counts]
     fewest, most = results[0], results[-1]
     for result in results[1:]:
         extra = result["buckets"] - fewest["buckets"]

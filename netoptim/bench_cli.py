@@ -122,12 +122,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated bucket counts to split the parameters into; the fewest is the baseline (default: 128,1024,4096)",
     )
     step.add_argument("--threads", type=positive_int, default=1, help="torch threads of the worker (the node runs one) (default: %(default)s)")
-    step.add_argument(
-        "--update-lane",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the node updates buckets on a thread of its own beside its loop (netoptim node --update-lane) (default: on)",
-    )
     step.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
     step.add_argument("--steps", type=positive_int, default=5, help="timed steps per bucket count; the median is reported (default: %(default)s)")
     morph = which.add_parser(
@@ -196,12 +190,6 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         default=False,
         help="pin the training process to the first --worker-cpus CPUs and each local node to a disjoint set of the rest, NUMA nodes kept whole "
         "where the counts allow (netoptim node --cpus); DeepSpeed's modes run unpinned either way (default: off)",
-    )
-    gpu.add_argument(
-        "--update-lane",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the local nodes update buckets on a thread of their own beside their loop (netoptim node --update-lane) (default: on)",
     )
     gpu.add_argument("--worker-cpus", type=positive_int, default=2, help="CPUs left to the training process, pinned there with --pin (default: %(default)s)")
     gpu.add_argument("--copy-bytes", type=size, default=1 << 30, help="bytes per copy when measuring host-device bandwidth (default: 1GiB)")

@@ -99,13 +99,6 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="I/O threads moving the data plane's bytes; give the connections per node your workers open (default: %(default)s)",
     )
     node.add_argument(
-        "--update-lane",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="update buckets on a thread of their own while the node's loop takes the next gradients, checks them for NaN/inf and "
-        "sends the new values (not with --state-dir); off: one thread does both, one after the other (default: on)",
-    )
-    node.add_argument(
         "--threads",
         type=positive_int,
         default=None,
@@ -355,7 +348,6 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         non_finite=args.non_finite,
         next_job=args.next_job,
         io_threads=args.io_threads,
-        update_lane=args.update_lane,
     )
     if args.chunk_bytes is not None:
         config.chunk_bytes = args.chunk_bytes

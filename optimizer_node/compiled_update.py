@@ -175,18 +175,17 @@ CHECK_CHUNK = 65536
 """Elements per task of the parallel non-finite count; a view of at most one chunk is counted in the calling thread."""
 
 
-def count_non_finite(view: torch.Tensor, *, parallel: bool = True) -> int | None:
+def count_non_finite(view: torch.Tensor) -> int | None:
     """How many elements of the contiguous fp32/bf16/fp16 ``view`` are NaN or +-inf, counted on the
-    update's threads; ``None`` where the compiled loop is not in use (yet: an update settled
-    :func:`ready`; a node held to a memory budget never loads numba) or the view does not suit
-    it (the caller counts with torch). ``parallel=False``: on the calling thread alone."""
+    update's threads; ``None`` where the compiled loop is not (yet) in use or the view does not suit
+    it (the caller counts with torch)."""
     bits = _EXPONENT_BITS.get(view.dtype)
-    if bits is None or not view.is_contiguous() or _settled is not True:  # never the one to start the check (and load numba)
+    if bits is None or not view.is_contiguous() or not ready():
         return None
     integer, unsigned, mask = bits
     kernels = _kernels()
     raw = view.view(integer).numpy().view(unsigned)
-    if not parallel or raw.shape[0] <= CHECK_CHUNK or _use_threads(kernels) == 1:
+    if _use_threads(kernels) == 1 or raw.shape[0] <= CHECK_CHUNK:
         return int(kernels.count_exponent_all_ones_serial(raw, mask, CHECK_CHUNK))
     return int(kernels.count_exponent_all_ones(raw, mask, CHECK_CHUNK))
 

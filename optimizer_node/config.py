@@ -116,11 +116,6 @@ class NodeConfig:
     io_threads: int = 1
     """I/O threads of the data plane's ZeroMQ context: raise it to the connections per node workers open."""
 
-    update_lane: bool = True
-    """Run bucket updates on a thread of their own (:mod:`optimizer_node.update_lane`), so that the
-    node's loop takes pushes, checks them and sends new values meanwhile; in memory only (not with
-    ``state_dir``). Off: the loop's thread runs them too."""
-
     send_timeout_s: float = 60.0
     """How long an update waits for the previous step's sends of the same bucket to finish."""
 

@@ -31,11 +31,6 @@ class CommandQueue:
         self._pending.put((function, future))
         return future.result(timeout_s)
 
-    @property
-    def waiting(self) -> bool:
-        """Whether a function waits to run."""
-        return not self._pending.empty()
-
     def run_pending(self) -> None:
         """Called by the daemon thread: run everything submitted so far."""
         while True:

@@ -14,7 +14,6 @@ workers that asked for that bucket at that step (PULL with ``at_step``), in the 
 
 from __future__ import annotations
 
-import functools
 import gc
 import heapq
 import json
@@ -32,7 +31,7 @@ import torch
 from job.hyper import validate_for_rule
 from job.placement import BucketSpec
 from optimizer_node.adamw import AdamWHyper
-from optimizer_node.bucket_update import Applied, absent_segments, update_bucket
+from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
@@ -54,7 +53,6 @@ from optimizer_node.reply_budget import UnregisteredReplyBudget
 from optimizer_node.state_transfer import load_part, read_part
 from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
-from optimizer_node.update_lane import LaneWork, UpdateLane
 from optimizer_node.update_path_choice import UpdatePathChoice
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import backend_for, create_transport
@@ -79,34 +77,8 @@ class _PushCheck(NamedTuple):
     in_flight: BucketStep
 
 
-class _Update(NamedTuple):
-    """A bucket's update between its start and its finish (see :meth:`NodeDaemon._start_update`)."""
-
-    job: ActiveJob
-    state: BucketState
-    in_flight: BucketStep
-    board: torch.Tensor | None  # the board slot the new values go to (fp32 wire, same-host readers)
-    previous: torch.Tensor | None  # where the values before the update are kept, when not on the board
-    wire: torch.Tensor | None  # the outgoing copy: the board slot, or the 16-bit cast buffer
-    wire_out: torch.Tensor | None  # ``wire``, where the pass writes it
-    segments: list[tuple[int, int]]
-    absent: frozenset[int]  # segments not stepped
-    unchanged: bool  # no rank had a gradient for any of the bucket's parameters
-    hyper: AdamWHyper
-    compiled: bool  # the compiled loop is allowed
-    prepared_s: float  # the start's own time
-
-
 APPLY_BURST = 8
 """Ready updates applied in a row before the serve loop looks for messages again."""
-
-LANE_MIN_NUMEL = 1 << 18
-"""Smaller buckets are updated on the loop's thread: handing an update to the lane and back costs
-tens of microseconds, the whole update of a bucket of 64K elements about as much."""
-
-LANE_WAIT_S = 0.0002
-"""With updates in the lane and no message waiting, how long the loop waits for the oldest to end
-before it looks for messages again (it wakes at once when the update ends)."""
 
 
 def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
@@ -155,8 +127,6 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self._compiled_update = not out_of_core
         # Out of core, a bucket's tensors go back to the store's pool once released: values must leave at once.
         self._batch_params = not out_of_core
-        # Out of core, the store's reads and writes already overlap the updates, on threads of its own.
-        self._lane = UpdateLane() if config.update_lane and not out_of_core else None
         self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
         self._outsider_replies = UnregisteredReplyBudget(config.max_unread_reply_bytes)  # answers to peers outside the job, not yet sent
         self.limit_log = RateLimitedLog(log)
@@ -273,39 +243,27 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self.write_ready_file()
         try:
             while not stop.is_set():
-                if self.commands.waiting and self._lane is not None:
-                    self._settle_lane()  # an operator's call may read or change any bucket's state
                 self.commands.run_pending()
                 self._store.poll()
                 if self._store.last_error is not None:
                     self.storage_error, self._store.last_error = self._store.last_error, None
                 can_apply = bool(self._ready) and self._pause_reason is None and time.monotonic() >= self._storage_retry_at
-                if self._lane is not None:
-                    self._pump_lane()
-                    can_apply = can_apply and not len(self._lane) and bool(self._ready)  # what the lane leaves (small buckets) runs here
-                lane_busy = self._lane is not None and len(self._lane) > 0
-                if self._replies.outbox and not can_apply and not lane_busy:  # no more updates to add to them: the batches leave
+                if self._replies.outbox and not can_apply:  # no more updates to add to them: the batches leave
                     self._flush_outbox()
                 try:
-                    message = self._endpoint.recv(0.0 if can_apply or lane_busy else self.config.poll_interval_s)
+                    message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
                 except WireError as exc:
                     self._log_rejected(exc, exc.peer, "rejected a malformed message: %s", exc)
                     if exc.peer is not None:
                         self._send_error(exc.peer, exc.code, exc.message)
                     continue
                 if message is not None:
-                    if lane_busy and not self._beside_lane(message):
-                        self._settle_lane()
                     self.handle(message)
-                elif lane_busy:
-                    self._lane.wait_for_oldest(LANE_WAIT_S)
                 elif can_apply:  # a few in a row: a look for messages costs a system call
                     for _ in range(APPLY_BURST):
                         if not self.apply_next():
                             break
         finally:
-            if self._lane is not None:
-                self._settle_lane_at_exit()
             self._flush_outbox()
             self.commands.run_pending()
             self._checkpoints.on_exit()
@@ -314,8 +272,6 @@ class NodeDaemon(JobRegistration, OperatorControls):
         log.info("node %s stopped at step %s", self.node_id, self.step)
 
     def close(self) -> None:
-        if self._lane is not None:
-            self._lane.close()
         self._endpoint.close()
         self._transport.close()
         self._store.close()
@@ -565,9 +521,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self._morphs.push_taken()
         # NaN/inf, before the gradient touches any state: one vectorized sum per view, counted exactly only when a sum is not finite.
         checking = time.perf_counter()
-        # beside the lane's update, on this thread alone: the update has the cores (and numba's workqueue
-        # layer, where OpenMP is missing, takes one parallel call at a time)
-        non_finite = 0 if known_finite else count_non_finite(message.tensors, parallel=self._lane is None or not len(self._lane))
+        non_finite = 0 if known_finite else count_non_finite(message.tensors)
         self.clock.current.reduce_s += time.perf_counter() - checking
         if non_finite and self.config.non_finite == "refuse":
             self._refuse_non_finite(message.peer, header, non_finite)
@@ -648,70 +602,8 @@ class NodeDaemon(JobRegistration, OperatorControls):
             for peer in self._ledger.connections():
                 self._send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
 
-    # ---------------------------------------------------------------- the update lane
-
-    def _beside_lane(self, message: Message) -> bool:
-        """Whether ``message`` may be handled while the lane updates: a push for a bucket not in it
-        (all it touches is that bucket's gradients). Anything else waits for the lane to be empty."""
-        header = message.header
-        assert self._lane is not None
-        return header.msg_type == MsgType.PUSH and "batch" not in header.meta and not self._lane.holds(header.bucket_id)
-
-    def _pump_lane(self) -> None:
-        """Finish the lane's updates whose pass is over, oldest first, and start the ready ones it has
-        room for. A finished update's next is started before its values go out (the lane goes on
-        meanwhile), but only one of the same step: a step's last update ends the step (its
-        checkpoint reads every bucket) with no later step's update under way."""
-        assert self._lane is not None
-        while (work := self._lane.done()) is not None:
-            self._start_in_lane(work.step)
-            self._finish_in_lane(work)
-        self._start_in_lane(self._lane.step)
-
-    def _start_in_lane(self, step: int | None) -> None:
-        """Start ready updates in the lane while it has room, lowest bucket id first, of ``step`` only
-        (any step: ``None``)."""
-        assert self._lane is not None
-        while self._lane.has_room and self._ready and self._pause_reason is None and time.monotonic() >= self._storage_retry_at:
-            in_flight = self._in_flight[self._ready[0]]
-            if step is not None and in_flight.step != step:
-                return  # a later step's bucket waits for this step's updates to finish
-            state = self._store.get(self._ready[0])
-            assert state is not None, "a bucket with gradients has state"
-            if state.numel < LANE_MIN_NUMEL:
-                return  # its update would take less than handing it over: the loop runs it once the lane is empty
-            bucket_id = heapq.heappop(self._ready)
-            update = self._start_update(self._require_job(), state, in_flight)  # in memory: acquiring cannot fail
-            self._lane.start(bucket_id, in_flight.step, update, functools.partial(self._update_pass, update))
-            step = in_flight.step
-
-    def _finish_in_lane(self, work: LaneWork) -> None:
-        update: _Update = work.context
-        try:
-            applied = work.result()
-        except BaseException:
-            self._store.release(update.state, dirty=True)
-            raise
-        self._finish_update(update, applied, work.seconds)
-
-    def _settle_lane(self) -> None:
-        """Wait for every update in the lane and finish them: no bucket's state is being updated after."""
-        if self._lane is not None:
-            while (work := self._lane.wait()) is not None:
-                self._finish_in_lane(work)
-
-    def _settle_lane_at_exit(self) -> None:
-        """:meth:`_settle_lane` on the way out: a pass that failed is logged (the loop's own error, if
-        any, is the one that propagates)."""
-        try:
-            self._settle_lane()
-        except Exception:
-            log.exception("an update in the lane failed as the node stopped")
-            self._settle_lane_at_exit()
-
     def apply_next(self) -> bool:
         """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
-        self._settle_lane()  # one at a time, on this thread: the lane's first
         if not self._ready or self._pause_reason is not None:
             return False
         job = self._require_job()
@@ -742,27 +634,12 @@ class NodeDaemon(JobRegistration, OperatorControls):
         return applied
 
     def _apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
-        """One bucket's update, start to finish, on this thread."""
-        update = self._start_update(job, state, in_flight)
-        try:
-            started = time.perf_counter()
-            applied = self._update_pass(update)
-            seconds = time.perf_counter() - started
-        except BaseException:
-            self._store.release(state, dirty=True)
-            raise
-        self._finish_update(update, applied, seconds)
-
-    def _start_update(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> _Update:
-        """Everything before a bucket's update pass: its outputs opened, what a restarted rank needs
-        kept. ``StorageError`` (from acquiring an out-of-core bucket) leaves everything as it was."""
-        started = time.perf_counter()
         if self._replies.outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
             self._flush_outbox()
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
-        self._store.acquire(state)
+        self._store.acquire(state)  # StorageError here leaves everything as it was
         # fp32: the update pass writes the values onto the parameter board too; on a board of two slots
         # a bucket, into the slot that does not hold this step's values, which stay where they are
         board = self._replies.board_slot(job, state)
@@ -775,6 +652,26 @@ class NodeDaemon(JobRegistration, OperatorControls):
             elif board is None or not self._kept_on_board(state):  # else on the board's other slot, no copy
                 # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
                 previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
+        kept_step = state.step
+        try:
+            self._update_and_send(job, state, in_flight, board, previous)
+        finally:
+            self._store.release(state, dirty=True)
+        if previous is not None:
+            self._ledger.keep(state.bucket_id, kept_step, previous)
+
+    def _kept_on_board(self, state: BucketState) -> bool:
+        """Keep the bucket's values of its step for a restarted rank where a board of two slots a bucket
+        holds them (a view; the update writes the other slot); False where it does not (keep a copy)."""
+        on_board = self._replies.board_values(state, state.step)
+        if on_board is None:
+            return False
+        if self._ledger.may_need(state.bucket_id, state.step):
+            self._ledger.keep(state.bucket_id, state.step, on_board, owned=False)
+        return True
+
+    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None) -> None:
+        started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
         wire = board
         if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
@@ -792,74 +689,30 @@ class NodeDaemon(JobRegistration, OperatorControls):
             absent = frozenset(range(len(segments)))
         else:
             self._overrides.applied(job.owned[state.bucket_id].group, hyper)
-        return _Update(
-            job,
-            state,
-            in_flight,
-            board,
-            previous,
-            wire,
-            # an unchanged bucket's outgoing copy is written only where it does not hold these values yet
-            wire if board is not None or not unchanged or state.wire_step != state.step else None,
-            segments,
-            absent,
-            unchanged,
-            hyper,
-            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
-            prepared_s=time.perf_counter() - started,
-        )
-
-    def _update_pass(self, update: _Update) -> Applied:
-        """The update pass over one bucket's state: all it touches is that state, its gradients and its
-        outputs (the update lane runs it on a thread of its own)."""
-        state, in_flight = update.state, update.in_flight
-        return update_bucket(
+        updating = time.perf_counter()
+        applied = update_bucket(
             state,
             in_flight.reduction,
-            update.hyper,
-            segments=update.segments,
-            absent_everywhere=update.absent,
-            rule=update.job.spec.rule,
+            hyper,
+            segments=segments,
+            absent_everywhere=absent,
+            rule=job.spec.rule,
             # with clipping, the sum was divided by world_size for the norm: it is only multiplied
-            grad_divisor=update.job.divisor if in_flight.clip is None else None,
+            grad_divisor=job.divisor if in_flight.clip is None else None,
             grad_multiplier=in_flight.clip,
-            wire_out=update.wire_out,
-            previous_out=update.previous,
-            compiled=update.compiled,
+            wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
+            previous_out=previous,
+            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
         )
-
-    def _kept_on_board(self, state: BucketState) -> bool:
-        """Keep the bucket's values of its step for a restarted rank where a board of two slots a bucket
-        holds them (a view; the update writes the other slot); False where it does not (keep a copy)."""
-        on_board = self._replies.board_values(state, state.step)
-        if on_board is None:
-            return False
-        if self._ledger.may_need(state.bucket_id, state.step):
-            self._ledger.keep(state.bucket_id, state.step, on_board, owned=False)
-        return True
-
-    def _finish_update(self, update: _Update, applied: Applied, pass_seconds: float) -> None:
-        """Everything after a bucket's update pass: the new step, the values out, the step's end."""
-        state = update.state
-        kept_step = state.step
-        try:
-            self._send_update(update, applied, pass_seconds)
-        finally:
-            self._store.release(state, dirty=True)
-        if update.previous is not None:
-            self._ledger.keep(state.bucket_id, kept_step, update.previous)
-
-    def _send_update(self, update: _Update, applied: Applied, pass_seconds: float) -> None:
-        job, state, in_flight, board, wire, unchanged = update.job, update.state, update.in_flight, update.board, update.wire, update.unchanged
         if applied.changed:
-            self._update_paths.record(applied.compiled, state.numel, pass_seconds)
+            self._update_paths.record(applied.compiled, state.numel, time.perf_counter() - updating)
         state.step += 1
         state.wire_step = state.step if wire is not None and board is None else -1
         if board is not None:
             self._replies.board_written(state)
         del self._in_flight[state.bucket_id]
         sending = time.perf_counter()
-        self.clock.current.update_s += update.prepared_s + pass_seconds
+        self.clock.current.update_s += sending - started
         done = self._buckets_done.get(state.step, 0) + 1
         ends_step = done == len(job.owned)
         checkpointed_first = ends_step and self._checkpoints.due(state.step)

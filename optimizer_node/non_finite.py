@@ -47,19 +47,18 @@ def _scratch() -> torch.Tensor:
     return scratch
 
 
-def count_non_finite(pieces: TensorPieces, *, parallel: bool = True) -> int:
+def count_non_finite(pieces: TensorPieces) -> int:
     """How many elements of a received gradient are NaN or +-inf (0 for a clean one).
 
     The compiled count where the node's compiled loop is in use; otherwise one vectorized sum per
-    piece, and the exact count only for a piece whose sum is not finite. ``parallel=False``: the
-    compiled count runs on the calling thread alone.
+    piece, and the exact count only for a piece whose sum is not finite.
     fp16 is summed in fp32: its own sum would overflow at 65504 and send ordinary gradients down
     the slow path. bf16 has fp32's range and is summed as it is (fp32 accumulation inside).
     """
     count = 0
     total = _scratch()
     for _offset, view in pieces:
-        counted = compiled_update.count_non_finite(view, parallel=parallel)
+        counted = compiled_update.count_non_finite(view)
         if counted is not None:
             count += counted
             continue

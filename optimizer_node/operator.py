@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from optimizer_node.persistence import Checkpoints
     from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
-    from optimizer_node.update_lane import UpdateLane
     from optimizer_node.update_path_choice import UpdatePathChoice
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,6 @@ class OperatorControls:
     _morphs: MorphGate
     non_finite: NonFiniteStats
     _update_paths: UpdatePathChoice
-    _lane: UpdateLane | None
 
     if TYPE_CHECKING:  # provided by NodeDaemon
 
@@ -174,7 +172,7 @@ class OperatorControls:
             "job_state": self.job_state(),
             "overrides": self.override_list(),
             "jobs_let_go": self.jobs_let_go,
-            "update_path": self._update_paths.describe() + (f"; {self._lane.started} updates so far on the update lane" if self._lane is not None else ""),
+            "update_path": self._update_paths.describe(),
             **self._morphs.snapshot(),
             "drain_step": -1 if self._checkpoints.drain_step is None else self._checkpoints.drain_step,
         }
