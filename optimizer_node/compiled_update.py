@@ -177,10 +177,11 @@ CHECK_CHUNK = 65536
 
 def count_non_finite(view: torch.Tensor) -> int | None:
     """How many elements of the contiguous fp32/bf16/fp16 ``view`` are NaN or +-inf, counted on the
-    update's threads; ``None`` where the compiled loop is not (yet) in use or the view does not suit
+    update's threads; ``None`` where the compiled loop is not in use (yet: an update settled
+    :func:`ready`; a node held to a memory budget never loads numba) or the view does not suit
     it (the caller counts with torch)."""
     bits = _EXPONENT_BITS.get(view.dtype)
-    if bits is None or not view.is_contiguous() or not ready():
+    if bits is None or not view.is_contiguous() or _settled is not True:  # never the one to start the check (and load numba)
         return None
     integer, unsigned, mask = bits
     kernels = _kernels()
