@@ -140,7 +140,8 @@ def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, devi
         if mode in NETOPTIM_MODES:
             for i in range(args.nodes):
                 pinned = ("--cpus", format_cpu_list(split.node_cpus[i])) if split.node_cpus else ()
-                nodes.append(NodeProcess(workdir, name=f"node{i}", threads=split.node_threads, extra_args=("--admin", "127.0.0.1:0", *pinned)).start())
+                extra = ("--admin", "127.0.0.1:0", *pinned, *args.node_arg)
+                nodes.append(NodeProcess(workdir, name=f"node{i}", threads=split.node_threads, extra_args=extra).start())
         try:
             mode_settings = replace(
                 settings,
@@ -216,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
         "gpu_memory_gb": properties.total_memory / 1e9,
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
-        "settings": {**asdict(settings), "nodes": args.nodes, **split.describe()},
+        "settings": {**asdict(settings), "nodes": args.nodes, "node_args": list(args.node_arg), **split.describe()},
         "sizes": {},
     }
     try:
@@ -225,8 +226,11 @@ def run(args: argparse.Namespace) -> dict:
         report["deepspeed"] = deepspeed.__version__
     except ImportError:
         report["deepspeed"] = None
-    limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, split), args.timeout_s)
-    report["limits"] = limits.get("ok", {"status": limits.get("error")})
+    if args.limits:
+        limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, split), args.timeout_s)
+        report["limits"] = limits.get("ok", {"status": limits.get("error")})
+    else:
+        report["limits"] = {"status": "not measured (--no-limits)"}
     _save(report, args.out)
     jobs = [(size, dtype_name, mode) for size in sizes for dtype_name in args.dtypes for mode in args.modes]
     for size, dtype_name, mode in tqdm(jobs, desc="gpu bench", leave=False):

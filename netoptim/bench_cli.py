@@ -191,6 +191,21 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         help="pin the training process to the first --worker-cpus CPUs and each local node to a disjoint set of the rest, NUMA nodes kept whole "
         "where the counts allow (netoptim node --cpus); DeepSpeed's modes run unpinned either way (default: off)",
     )
+    gpu.add_argument(
+        "--limits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the box's limits first (bandwidth each way, CPU AdamW, the node's update pass; 30-60 s on a 16-core box); "
+        "without them no fraction of the offload limit is reported, as for a second run on a box already measured (default: on)",
+    )
+    gpu.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for every local node of the netoptim modes, as netoptim node takes it (repeat it for more; write it with '=': "
+        "--node-arg=--no-same-host-board), to compare node settings on one box",
+    )
     gpu.add_argument("--worker-cpus", type=positive_int, default=2, help="CPUs left to the training process, pinned there with --pin (default: %(default)s)")
     gpu.add_argument("--copy-bytes", type=size, default=1 << 30, help="bytes per copy when measuring host-device bandwidth (default: 1GiB)")
     gpu.add_argument(

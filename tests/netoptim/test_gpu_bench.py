@@ -39,7 +39,8 @@ PINNABLE = len(os.sched_getaffinity(0)) >= 2
 @pytest.mark.parametrize("mode", ["compute", "torch", "full", pytest.param("layerwise", marks=pytest.mark.slow)])
 def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
     """The full model runs pinned (``--pin``) where there are two CPUs: the worker on one, its node on the others."""
-    args = argparse.Namespace(nodes=1, timeout_s=180)
+    # the full model's node keeps payloads on the socket (--node-arg): nothing goes through shared memory
+    args = argparse.Namespace(nodes=1, timeout_s=180, node_arg=["--same-host-window-mb=0"] if mode == "full" else [])
     settings = ModeSettings(batch=2, seq=16, warmup=1, steps=2, bucket_numel=1 << 16)
     pinned = mode == "full" and PINNABLE
     split = gpu_bench.host_split(nodes=1, node_threads=1, pin=True, worker_cpus=1) if pinned else gpu_bench.HostSplit(node_threads=1)
@@ -53,6 +54,8 @@ def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
         assert "compiled" in node["update_path"] or node["update_path"].startswith("torch-ops")
         assert node["last_step_s"]["wall"] > 0
         assert set(report["worker_phases_s_per_step"]) == {"gather_s", "send_s", "wait_s", "install_s"}
+        shared = report["shared_memory_mb_per_step"]
+        assert (shared["sent"] == shared["received"] == 0) == (mode == "full"), shared
     if mode == "layerwise":
         assert 0 <= report["comm_hidden_fraction"] <= 1
     if pinned:  # where each process ran, read from the processes themselves
@@ -71,7 +74,7 @@ def test_the_host_split_pins_disjoint_sets_or_shares_the_cpus_the_worker_leaves(
 
 
 def test_a_failing_mode_is_reported_and_the_run_goes_on():
-    args = argparse.Namespace(nodes=1, timeout_s=60)
+    args = argparse.Namespace(nodes=1, timeout_s=60, node_arg=[])
     report = gpu_bench.run_mode("zero2", "small", "float32", ModeSettings(batch=0), torch.device("cpu"), args, gpu_bench.HostSplit(node_threads=1))
     assert report["status"].startswith("failed: ")
 
