@@ -79,9 +79,9 @@ def loop_threads() -> int:
     return max(1, min(torch.get_num_threads(), _kernels().numba.config.NUMBA_NUM_THREADS))
 
 
-def _use_threads(kernels: SimpleNamespace) -> int:
-    """Run numba's parallel loops from this thread on :func:`loop_threads`; the count."""
-    threads = loop_threads()
+def _use_threads(kernels: SimpleNamespace, threads: int | None = None) -> int:
+    """Run numba's parallel loops from this thread on ``threads`` (default :func:`loop_threads`); the count."""
+    threads = threads or loop_threads()
     if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
         kernels.numba.set_num_threads(threads)
         _calling_thread.threads = threads
@@ -143,15 +143,17 @@ def update(
     previous: torch.Tensor | None = None,
     serial: bool | None = None,
     arrays: tuple[np.ndarray, ...] | None = None,
+    threads: int | None = None,
 ) -> None:
     """Sum ``head`` (the partial sum, if any) and ``frames`` in order, divide by ``divisor`` and apply
     AdamW at ``step`` (already incremented) to the ``(start, stop)`` ranges in ``blocks``, in place;
     ``wire`` (bf16), if given, receives those ranges' new parameters as ``wire.copy_(param)`` would;
     ``previous`` (fp32), if given, receives their parameters as they were before the update.
     ``serial`` runs the blocks in this thread (default: with one thread or one block). ``arrays``:
-    numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` the caller keeps (made here otherwise)."""
+    numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` the caller keeps (made here otherwise).
+    ``threads``: :func:`loop_threads` as the caller found it for its plan (found here otherwise)."""
     kernels = _kernels()
-    threads = _use_threads(kernels)
+    threads = _use_threads(kernels, threads)
     consts = constants(hyper, step, divisor)
     p, m, v = arrays if arrays is not None else (param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy())
     out = _array(wire) if wire is not None else _NO_BF16

@@ -293,7 +293,8 @@ def _compiled_pass(
             return False
     if not compiled_update.ready():
         return False
-    plan = plan_loop(segments, threads=compiled_update.loop_threads())
+    threads = compiled_update.loop_threads()  # once a bucket: the plan's rounds and the kernel's threads
+    plan = plan_loop(segments, threads=threads)
     # the loop writes the outgoing copy: bf16 bits, or fp32 (a parameter board's slot) from fp32 frames
     loop_copy = None
     if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and windows[0][2][-1].dtype == torch.float32)):
@@ -316,6 +317,7 @@ def _compiled_pass(
             float(grad_divisor),
             _cut(previous_out, lo, hi, whole),
             arrays=arrays and (arrays[:3] if whole else tuple(array[lo:hi] for array in arrays[:3])),
+            threads=threads,
         )
     if plan.tails:
         start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]

@@ -19,14 +19,13 @@ BUCKET_NUMEL = 1 << 20
 
 
 def update_pass_seconds_per_param(
-    terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True, board: bool = False, kept: bool = False, check: bool = False
+    terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True, board: bool = False, check: bool = False
 ) -> float:
     """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
     1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
     ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
     ``board``: the pass also writes the new values out (as onto the parameter board in an fp32 job);
-    ``kept``: and the values as they were (kept for a rank that restarts mid-step); ``check``: each
-    gradient is checked for NaN/inf first, as a node checks every push it receives."""
+    ``check``: each gradient is checked for NaN/inf first, as a node checks every push it receives."""
     if terms < 1 or threads < 1 or numel < BUCKET_NUMEL or repeats < 1:
         raise ValueError(f"terms, threads and repeats must be >= 1 and numel >= {BUCKET_NUMEL}, got {terms}, {threads}, {repeats}, {numel}")
     buckets = numel // BUCKET_NUMEL
@@ -39,7 +38,6 @@ def update_pass_seconds_per_param(
     hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
     divisor = torch.tensor(float(terms))
     wire_out = [torch.empty(BUCKET_NUMEL) for _ in range(buckets)] if board else [None] * buckets
-    previous_out = [torch.empty(BUCKET_NUMEL) for _ in range(buckets)] if kept else [None] * buckets
 
     def one_pass() -> float:
         started = time.perf_counter()
@@ -60,7 +58,6 @@ def update_pass_seconds_per_param(
                 grad_divisor=divisor,
                 compiled=compiled,
                 wire_out=wire_out[index],
-                previous_out=previous_out[index],
             )
         return time.perf_counter() - started
 
