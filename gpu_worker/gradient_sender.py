@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_worker.device_copy import in_page_locked_window
+from gpu_worker.finite_probe import FiniteProbe
 from gpu_worker.layout import gather_run
 from gpu_worker.node_connections import NodeConnections
 from job.hyper import AdamWHyper
@@ -22,15 +23,17 @@ class GradientSender:
     param group's hyperparameters encoded once while they hold. The gradient is gathered (and cast)
     into the node's shared window where the node is on this host and its window has room (sending it
     then copies nothing; the node credits the bytes back once it used them), else into a send
-    buffer of the wire dtype that is reused once its send is done."""
+    buffer of the wire dtype that is reused once its send is done. A GPU worker vouches for a
+    gradient whose sum on the device is finite (:mod:`gpu_worker.finite_probe`)."""
 
-    def __init__(self, connections: NodeConnections, wire_dtype: torch.dtype, *, pin_memory: bool) -> None:
+    def __init__(self, connections: NodeConnections, wire_dtype: torch.dtype, *, pin_memory: bool, bucket_count: int = 1) -> None:
         self._connections = connections
+        self._probe = FiniteProbe(max(1, bucket_count), wire_dtype)
         self._buffers = SendBuffers(wire_dtype, pin_memory=pin_memory)
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
         self._staged: dict[
-            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None]
-        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it
+            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool]
+        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it, whether its sum was queued
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.staged_pushes = 0  # pushes sent from a staged gradient (counted for tests and benchmarks)
         self.in_place_bytes = 0  # gradient bytes gathered straight into a node's shared window
@@ -55,6 +58,7 @@ class GradientSender:
         device = sources[0].device
         buffer, window_of = self._take(bucket.node, bucket.numel, cuda=device.type == "cuda")
         event = None
+        probed = False
         if device.type == "cuda" and (window_of is not None or buffer.is_pinned()):
             stream = self._copy_streams.get(device)
             if stream is None:
@@ -62,13 +66,14 @@ class GradientSender:
             stream.wait_stream(torch.cuda.current_stream(device))  # after the kernels that made the gradients
             with torch.cuda.stream(stream):
                 gather_run((bucket,), grads, buffer)
+                probed = self._probe.queue(bucket, grads)
                 event = torch.cuda.Event()
                 event.record(stream)
             for source in sources:  # the allocator must not reuse their memory before the copies ran
                 source.record_stream(stream)
         else:
             gather_run((bucket,), grads, buffer)
-        self._staged[bucket.bucket_id] = (buffer, event, window_of)
+        self._staged[bucket.bucket_id] = (buffer, event, window_of, probed)
 
     def _take(self, node: int, numel: int, *, cuda: bool) -> tuple[torch.Tensor, int | None]:
         """Where to gather ``numel`` elements for ``node``: its shared window, where it has room (on a
@@ -81,9 +86,9 @@ class GradientSender:
             self._connections.cancel(node, reserved)
         return self._buffers.take(numel), None
 
-    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None]) -> None:
+    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool]) -> None:
         """A staged gradient that will not be sent: its place is free again once its copies are done."""
-        buffer, event, window_of = staged
+        buffer, event, window_of, _probed = staged
         if event is not None:
             event.synchronize()
         if window_of is None:
@@ -101,12 +106,14 @@ class GradientSender:
     def push(self, run: Sequence[BucketSpec], grads: Sequence[torch.Tensor | None], *, rank: int, step: int, meta: dict) -> float:
         """Gather ``run``'s gradients (``grads[i]`` belongs to parameter ``i``; ``None`` counts as
         zeros), or take a lone bucket's staged gather (:meth:`stage`), and send them to the run's node
-        as one PUSH named after its first bucket; returns the seconds the gather took."""
+        as one PUSH named after its first bucket; returns the seconds the gather took. A lone bucket's
+        ``meta`` gets ``finite`` where its sum on the device proved it finite."""
         started = time.perf_counter()
         staged = self._staged.pop(run[0].bucket_id, None) if len(run) == 1 else None
         first = run[0]
+        probed = False
         if staged is not None:
-            buffer, event, window_of = staged
+            buffer, event, window_of, probed = staged
             if event is not None:
                 event.synchronize()  # its copies were queued during backward
             self.staged_pushes += 1
@@ -115,7 +122,10 @@ class GradientSender:
             buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
             if cuda:
+                probed = len(run) == 1 and all(grads[seg.param_index] is not None for seg in first.segments) and self._probe.queue(first, grads)
                 torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
+        if probed and self._probe.proven_finite(first.bucket_id):
+            meta["finite"] = True
         gathered = time.perf_counter() - started
         header = tensor_header(MsgType.PUSH, buffer, rank=rank, step=step, bucket_id=first.bucket_id, meta=meta)
         handle = self._connections.send(first.node, header, buffer)
@@ -125,6 +135,10 @@ class GradientSender:
             self.in_place_bytes += buffer.numel() * buffer.element_size()
         return gathered
 
+    def set_bucket_count(self, bucket_count: int) -> None:
+        """The job has ``bucket_count`` buckets now (a param group was added, between steps)."""
+        self._probe.resize(bucket_count)
+
     def forget(self, node: int) -> None:
         """Node ``node``'s connection is being replaced: its sends in flight will not complete."""
         self._buffers.forget(node)
@@ -133,6 +147,11 @@ class GradientSender:
         """Drop the pooled buffers (layer-wise workers keep no gradient memory between steps)."""
         self.drop_staged()
         self._buffers.clear()
+
+    @property
+    def vouched_pushes(self) -> int:
+        """Pushes sent with the worker's word that the gradient is finite."""
+        return self._probe.vouched
 
     @property
     def buffers_allocated(self) -> int:

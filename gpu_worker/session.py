@@ -109,7 +109,7 @@ class OffloadSession:
             same_host=same_host,
             connections_per_node=connections_per_node,
         )
-        self._sender = GradientSender(self._connections, self._wire_dtype, pin_memory=self._cuda)
+        self._sender = GradientSender(self._connections, self._wire_dtype, pin_memory=self._cuda, bucket_count=len(self.buckets))
         self._pushed: dict[int, int] = {}  # bucket -> the step its gradient was pushed for, in the step in progress
         self._seen_step: dict[int, int] = {}  # node -> the newest step of values it sent this process
         self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
@@ -165,6 +165,7 @@ class OffloadSession:
         self.job, self.params = job, list(params)
         self.buckets = job.plan()
         self.bucket_steps = self.bucket_steps + [step] * (len(self.buckets) - old)
+        self._sender.set_bucket_count(len(self.buckets))
         self._connections.set_job(job.to_wire())
         try:
             needs_init = self.hello()

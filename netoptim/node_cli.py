@@ -178,6 +178,14 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "per step, as clipping does). Give every node of a job the same policy (default: %(default)s)",
     )
     node.add_argument(
+        "--non-finite-check",
+        choices=("worker", "node"),
+        default="worker",
+        help="who checks a push for NaN/inf. worker: take a worker's word that its gradient is finite (a GPU worker sums each bucket on the "
+        "device before copying it out, nearly free there; pushes without that word, as from CPU workers, are checked here). node: check "
+        "every push here (one more read of every gradient on this host's memory bus) (default: %(default)s)",
+    )
+    node.add_argument(
         "--next-job",
         choices=("take", "refuse"),
         default="take",
@@ -346,6 +354,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         memory_budget=args.memory_budget,
         sync_state_writes=args.sync_state_writes,
         non_finite=args.non_finite,
+        non_finite_check=args.non_finite_check,
         next_job=args.next_job,
         io_threads=args.io_threads,
     )

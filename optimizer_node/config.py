@@ -160,6 +160,12 @@ class NodeConfig:
     ``optimizer.step()`` (parameters, moments and AdamW's step count unchanged). Every node of a job
     needs the same policy."""
 
+    non_finite_check: str = "worker"
+    """Who checks a push for NaN/inf: ``worker`` takes a worker's word that its gradient is finite
+    (a GPU worker sums each bucket on the device before copying it out, nearly free there; a push
+    without that word is checked here, as every push of a CPU worker is); ``node`` checks every push
+    here, at the cost of one more read of each gradient on the node's memory bus."""
+
     next_job: str = "take"
     """When every rank of the job has closed its optimizer (the job is finished): ``take`` lets the job
     go (checkpointed, its checkpoints archived under ``finished/``) as soon as rank 0 of another job
@@ -254,6 +260,8 @@ class NodeConfig:
             raise ValueError(f"next_job must be 'take' or 'refuse', not {self.next_job!r}")
         if self.non_finite not in ("refuse", "skip"):
             raise ValueError(f"non_finite must be 'refuse' or 'skip', not {self.non_finite!r}")
+        if self.non_finite_check not in ("worker", "node"):
+            raise ValueError(f"non_finite_check must be 'worker' or 'node', not {self.non_finite_check!r}")
         if self.resume and self.checkpoint_dir and not os.path.isdir(self.checkpoint_dir):
             if os.path.exists(self.checkpoint_dir):
                 raise NotADirectoryError(errno.ENOTDIR, "the checkpoint directory to resume from is not a directory", self.checkpoint_dir)

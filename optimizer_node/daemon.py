@@ -134,6 +134,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self._store: BucketStore = self._new_store()
         self._crash_points = CrashPoints(config.crash_at)
         self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
+        self._worker_checks = config.non_finite_check == "worker"
         self._reset_job_state()
         self._handlers = {  # built once: handle() runs for every message
             MsgType.HELLO: self._on_hello,
@@ -521,7 +522,10 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self._morphs.push_taken()
         # NaN/inf, before the gradient touches any state: one vectorized sum per view, counted exactly only when a sum is not finite.
         checking = time.perf_counter()
-        non_finite = 0 if known_finite else count_non_finite(message.tensors)
+        vouched = not known_finite and self._worker_checks and header.meta.get("finite") is True
+        if vouched:  # the worker summed this gradient on its device before copying it out (--non-finite-check worker)
+            self.non_finite.vouched()
+        non_finite = 0 if known_finite or vouched else count_non_finite(message.tensors)
         self.clock.current.reduce_s += time.perf_counter() - checking
         if non_finite and self.config.non_finite == "refuse":
             self._refuse_non_finite(message.peer, header, non_finite)

@@ -145,6 +145,11 @@ class _ScrapeTimeCollector(Collector):
             "Steps skipped on every bucket because a gradient held NaN or inf (--non-finite skip).",
             value=stats["skipped_steps"],
         )
+        yield CounterMetricFamily(
+            "netoptim_non_finite_vouched_pushes",
+            "Pushes taken on the worker's word that the gradient is finite (its device summed it; --non-finite-check worker).",
+            value=stats["vouched_pushes"],
+        )
         yield GaugeMetricFamily("netoptim_non_finite_last_step", "Step of the last refused or skipped non-finite gradient (-1: none).", value=last["step"])
         yield GaugeMetricFamily(
             "netoptim_non_finite_last_rank", "Rank whose gradient was the last non-finite one (-1: none, or seen by another node).", value=last["rank"]

@@ -9,6 +9,13 @@ into inf or NaN), so a finite sum proves the view clean; only a sum that is not 
 inf, or finite values whose sum overflows) is looked at element by element, which also counts the
 culprits. Either way a finite gradient whose sum would overflow is accepted, as torch would apply it.
 
+Where a worker vouches for its gradient (a GPU worker sums each bucket on the device before copying
+it out, and a finite sum proves every element finite: header ``meta["finite"]``), the node takes its
+word and reads nothing (``--non-finite-check worker``, the default); a push without it, from a CPU
+worker or a worker whose sum was not finite, is checked here. ``--non-finite-check node`` checks
+every push. A worker that vouches falsely can put NaN into the state; it could as well push finite
+garbage: the check guards against accidents, not against a hostile rank (that is CURVE's job).
+
 What follows depends on the node's ``--non-finite`` policy (:data:`POLICIES`):
 
 * ``refuse`` (default): the push is answered with ``ERROR NON_FINITE`` naming the rank, bucket,
@@ -90,12 +97,18 @@ class NonFiniteStats:
         self._lock = threading.Lock()
         self.refused_pushes = 0
         self.skipped_steps = 0
+        self.vouched_pushes = 0
         self.last: NonFiniteEvent | None = None
 
     def refused(self, step: int, rank: int, bucket_id: int, values: int) -> None:
         with self._lock:
             self.refused_pushes += 1
             self.last = NonFiniteEvent("refused", step, rank, bucket_id, values, time.time())
+
+    def vouched(self) -> None:
+        """A push taken on its worker's word that it is finite (``--non-finite-check worker``)."""
+        with self._lock:
+            self.vouched_pushes += 1
 
     def skipped(self, step: int, rank: int, bucket_id: int, values: int) -> None:
         with self._lock:
@@ -110,6 +123,7 @@ class NonFiniteStats:
                 "policy": self.policy,
                 "refused_pushes": self.refused_pushes,
                 "skipped_steps": self.skipped_steps,
+                "vouched_pushes": self.vouched_pushes,
                 "last": None
                 if last is None
                 else {

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from gpu_worker import RemoteAdamW, offload
+from gpu_worker import NonFiniteGradientError, RemoteAdamW, offload
 from gpu_worker.device_copy import HostToDevice
 from gpu_worker.models import GPT, GPTConfig
 from tests.gpu_worker.harness import run_threads
@@ -72,6 +72,7 @@ def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1, pus
                     assert param.device.type == "cuda", f"{name} left the GPU"
             if push_during_backward:  # autograd's device thread staged the large buckets' copies
                 assert opt._session._sender.staged_pushes >= STEPS
+                assert opt._session._sender.vouched_pushes >= STEPS  # summed on the device: the nodes read nothing
             # the nodes are on this host: gradients were copied off the GPU straight into their windows
             assert opt.shared_memory_bytes["sent_in_place"] > 0, opt.shared_memory_bytes
             results[rank] = {name: value.cpu() for name, value in opt.gather_parameters().items()}
@@ -127,6 +128,23 @@ def test_layerwise_on_cuda_is_bitwise_equal_to_full_model(start_node, prefetch):
     streamed = train_offloaded(nodes, layerwise=True, prefetch=prefetch)
     for name in full:
         assert torch.equal(streamed[name], full[name]), f"{name}: max diff {(streamed[name] - full[name]).abs().max():.3g}"
+
+
+def test_a_nan_gradient_on_the_gpu_goes_without_the_workers_word_and_is_refused(start_node):
+    model = make_gpt()
+    opt = RemoteAdamW(model.named_parameters(), nodes=[start_node().address], push_during_backward=True, **(OPTIONS | {"bucket_numel": 1 << 18}))
+    _logits, loss = model(*tokens(0, 0))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    vouched = opt._session._sender.vouched_pushes
+    assert vouched > 0
+    _logits, loss = model(*tokens(1, 0))
+    (loss * float("nan")).backward()
+    with pytest.raises(NonFiniteGradientError, match="NaN"):
+        opt.step()
+    assert opt._session._sender.vouched_pushes == vouched
+    opt.close()
 
 
 def test_host_to_device_copies_are_staged_through_pinned_memory_on_a_side_stream():

@@ -43,8 +43,10 @@ class RawWorker:
     def hello(self, job: JobSpec = JOB) -> Header:
         return self.request(Header(msg_type=MsgType.HELLO, rank=self.rank, meta={"job": job.to_wire(), "node_index": 0, "incarnation": self.incarnation}))
 
-    def push(self, bucket_id: int, step: int, grad: torch.Tensor, hyper: AdamWHyper = HYPER) -> None:
-        self.client.send(tensor_header(MsgType.PUSH, grad, rank=self.rank, step=step, bucket_id=bucket_id, meta={"hyper": hyper.to_wire()}), grad)
+    def push(self, bucket_id: int, step: int, grad: torch.Tensor, hyper: AdamWHyper = HYPER, *, finite: bool = False) -> None:
+        """A PUSH; ``finite``: with a GPU worker's word that the gradient is finite (``meta["finite"]``)."""
+        meta = {"hyper": hyper.to_wire()} | ({"finite": True} if finite else {})
+        self.client.send(tensor_header(MsgType.PUSH, grad, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta), grad)
 
     def pull(self, bucket_id: int) -> torch.Tensor:
         header, values = self.request(Header(msg_type=MsgType.PULL, rank=self.rank, bucket_id=bucket_id))

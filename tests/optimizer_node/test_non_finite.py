@@ -84,6 +84,10 @@ def test_policy_flag():
     assert "--non-finite {refuse,skip}" in help_text and "GradScaler" in help_text and "(default: refuse)" in help_text
     assert node_config_from_args(parser.parse_args(["node"])).non_finite == "refuse"
     assert node_config_from_args(parser.parse_args(["node", "--non-finite", "skip"])).non_finite == "skip"
+    assert "--non-finite-check {worker,node}" in help_text and "(default: worker)" in help_text
+    assert node_config_from_args(parser.parse_args(["node", "--non-finite-check", "node"])).non_finite_check == "node"
+    with pytest.raises(ValueError, match="'worker' or 'node'"):
+        NodeConfig(non_finite_check="device").validate()
 
 
 # ---------------------------------------------------------------- refuse (the default), message by message
@@ -160,6 +164,47 @@ def test_finite_gradient_whose_sum_overflows_is_accepted(raw_job):
     mirror.apply(0, [huge, other])
     header, values = rank0.reply()
     assert header.msg_type == MsgType.PARAMS and torch.equal(values, mirror.param[0])
+
+
+@pytest.mark.parametrize("check", ["worker", "node"])
+def test_a_workers_word_spares_the_nodes_check_unless_the_node_checks_everything(start_node, check):
+    """``--non-finite-check worker`` (the default) takes a push's ``finite`` word without reading the
+    gradient (a NaN vouched for gets in: the word guards against accidents, a GPU worker gives it only
+    for a finite sum); ``node`` checks every push, vouched or not."""
+    node = start_node(extra_args=("--metrics-port", "0", "--non-finite-check", check))
+    transport = ZmqTransport()
+    rank0, rank1 = RawWorker(transport, node.address, 0), RawWorker(transport, node.address, 1)
+    try:
+        rank0.hello()
+        generator = torch.Generator().manual_seed(0)
+        initial = [torch.randn(b.numel, generator=generator) for b in JOB.plan()]
+        for bucket_id, values in enumerate(initial):
+            assert rank0.request(tensor_header(MsgType.INIT, values, rank=0, bucket_id=bucket_id), values).msg_type == MsgType.ACK
+        rank1.hello()
+        mirror = Mirror(initial)
+        numel = mirror.buckets[0].numel
+        grads = [torch.randn(numel, generator=generator) for _ in range(2)]
+        rank0.push(0, 0, grads[0], finite=True)
+        rank1.push(0, 0, grads[1], finite=True)
+        mirror.apply(0, grads)
+        assert all(torch.equal(worker.reply()[1], mirror.param[0]) for worker in (rank0, rank1))
+        poisoned = torch.randn(mirror.buckets[1].numel, generator=generator)
+        poisoned[0] = float("nan")
+        rank1.push(1, 0, poisoned, finite=True)
+        if check == "node":
+            error = rank1.reply()
+            assert error.msg_type == MsgType.ERROR and error.meta["code"] == ErrorCode.NON_FINITE
+        else:  # taken on its word: the step completes, with a NaN in the new values
+            rank0.push(1, 0, torch.randn(mirror.buckets[1].numel, generator=generator))
+            header, values = rank1.reply()
+            assert header.msg_type == MsgType.PARAMS and bool(values.isnan().any())
+        metrics = metrics_of(node)
+        assert metrics["netoptim_non_finite_vouched_pushes_total"] == (3 if check == "worker" else 0)
+        assert metrics["netoptim_non_finite_refused_total"] == (0 if check == "worker" else 1)
+    finally:
+        for worker in (rank0, rank1):
+            worker.client.close()
+        transport.close()
 
 
 # ---------------------------------------------------------------- refuse, through RemoteAdamW
