@@ -11,6 +11,7 @@ bits are the high half of the fp32 ones).
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
 from llvmlite import ir
@@ -46,6 +47,62 @@ def _as_float(typingctx, bits):
 def _as_bits(typingctx, value):
     """The bits (uint32) of the fp32 ``value``."""
     return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
+
+
+_VECTOR = 8  # fp32 lanes of one streaming store: 32 bytes, an AVX register (two SSE ones)
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+@intrinsic
+def _stream_store(typingctx, src, dst, i):
+    """``dst[i : i + 8] = src[i : i + 8]`` with a non-temporal store (``dst`` 32-byte aligned at ``i``):
+    the line goes to memory without being read first (no write-allocate) and without evicting the
+    cache the update works in."""
+    signature = types.void(src, dst, types.intp)
+
+    def codegen(context, builder, sig, args):
+        vector = ir.VectorType(ir.FloatType(), _VECTOR)
+        source = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0]).data
+        target = cgutils.create_struct_proxy(sig.args[1])(context, builder, value=args[1]).data
+        values = builder.load(builder.bitcast(builder.gep(source, [args[2]]), vector.as_pointer()), align=4)
+        store = builder.store(values, builder.bitcast(builder.gep(target, [args[2]]), vector.as_pointer()), align=4 * _VECTOR)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    """Order the streaming stores before whatever follows (they are weakly ordered): ``sfence`` on
+    x86, a full fence elsewhere."""
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"), [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@_jit()
+def stream_copy(p, out):  # pragma: no cover - compiled
+    """``out`` = ``p`` (fp32), the aligned body in streaming stores: a copy nobody on this host reads
+    soon (the parameter board, read by a GPU's DMA; the values kept for a restarted rank) costs its
+    write only, not a read of the target's lines first."""
+    n = p.shape[0]
+    head = min(n, ((4 * _VECTOR - out.ctypes.data % (4 * _VECTOR)) % (4 * _VECTOR)) // 4)
+    for i in range(head):
+        out[i] = p[i]
+    i = head
+    while i + _VECTOR <= n:
+        _stream_store(p, out, i)
+        i += _VECTOR
+    for k in range(i, n):
+        out[k] = p[k]
+    _store_fence()
 
 
 @_jit(inline="always")
@@ -136,16 +193,10 @@ def write_copy(p, out):  # pragma: no cover - compiled code calls the overload b
         cast_bf16(p, out)
 
 
-@_jit()
-def _copy_fp32(p, out):  # pragma: no cover - compiled
-    for i in range(p.shape[0]):
-        out[i] = p[i]
-
-
 @overload(write_copy, inline="always")
 def _write_copy(p, out):  # pragma: no cover - compiled
     if out.dtype == types.float32:
-        return lambda p, out: _copy_fp32(p, out)
+        return lambda p, out: stream_copy(p, out)
     return lambda p, out: cast_bf16(p, out)
 
 
@@ -155,7 +206,7 @@ def _block_fp32(p, m, v, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_f
     fp32 frames summed in order; then (``wire`` not empty) the outgoing copy: bf16 bits, or fp32."""
     count = len(frames)
     if prev.shape[0] > 0:  # the block is in cache for the update that follows
-        prev[lo:hi] = p[lo:hi]
+        stream_copy(p[lo:hi], prev[lo:hi])
     last = frames[count - 1][lo:hi]
     if count == 1:
         _single_fp32(p[lo:hi], m[lo:hi], v[lo:hi], last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
@@ -180,7 +231,7 @@ def _block_bf16(
     copy in the same loop."""
     count = len(frames)
     if prev.shape[0] > 0:  # the block is in cache for the update that follows
-        prev[lo:hi] = p[lo:hi]
+        stream_copy(p[lo:hi], prev[lo:hi])
     last = frames[count - 1][lo:hi]
     wire_block = wire[lo:hi] if wire.shape[0] > 0 else wire
     if head.shape[0] == 0 and count == 1:
