@@ -75,6 +75,16 @@ class GradientSender:
             gather_run((bucket,), grads, buffer)
         self._staged[bucket.bucket_id] = (buffer, event, window_of, probed)
 
+    def is_staged(self, bucket_id: int) -> bool:
+        """Whether the bucket's gradient is staged, waiting for :meth:`push`."""
+        return bucket_id in self._staged
+
+    def wait_staged(self, bucket_id: int) -> None:
+        """Block until the bucket's staged copies are done (without the GIL); nothing if none are."""
+        staged = self._staged.get(bucket_id)
+        if staged is not None and staged[1] is not None:
+            staged[1].synchronize()
+
     def _take(self, node: int, numel: int, *, cuda: bool) -> tuple[torch.Tensor, int | None]:
         """Where to gather ``numel`` elements for ``node``: its shared window, where it has room (on a
         GPU only once the window is page-locked, so that the device's copies into it are

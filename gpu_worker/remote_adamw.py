@@ -70,7 +70,10 @@ class RemoteAdamW(RemoteOptimizer):
             as with DDP. Pushes happen only from the thread that built the optimizer: where autograd
             runs the hooks on a thread of its own (its device thread, on a GPU), a bucket's copy out
             of the device starts there as its gradients are final, on a side stream that overlaps
-            the rest of backward, and ``step()`` sends it (hyperparameters are then read in ``step()``).
+            the rest of backward, and a courier thread sends it as soon as the copy has landed, while
+            backward goes on (call ``backward()`` from the thread that built the optimizer: the
+            courier uses the connections only while that thread is inside it); ``step()`` sends the
+            rest.
         curve_secret_key, curve_server_key: for nodes that require CURVE (``netoptim node
             --curve-secret-key``): this worker's ``.key_secret`` file and the node's ``.key`` file.
         units: set by :func:`gpu_worker.offload` for layer-wise mode: the worker then holds only the

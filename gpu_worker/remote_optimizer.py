@@ -23,6 +23,7 @@ from gpu_worker.buffers import BufferBroadcast
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import gather_state, load_state, state_entries
+from gpu_worker.push_courier import PushCourier
 from gpu_worker.push_pacing import PushPacer
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer, StreamStats
@@ -181,7 +182,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._hooked: set[int] = set()
         self._hook_handles: list = []
         self._push_early = push_during_backward and units is None
+        # Unpaced full-model pushes staged on autograd's device thread leave from a courier thread (a
+        # paced push may have to wait for values, which only the owner thread receives).
+        self._courier = PushCourier(self._session.wait_staged, self._courier_send) if self._push_early and self._session.pacer is None else None
         self._index_buckets(push_during_backward=self._push_early)
+
+    def _courier_send(self, bucket_id: int) -> None:
+        """The courier's push of a staged bucket (its thread holds the sockets meanwhile)."""
+        self._session.push_staged(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
 
     def _index_buckets(self, *, push_during_backward: bool) -> None:
         """Which parameters each bucket holds and the other way round, and the early-push hooks of
@@ -289,8 +297,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if not self._sync_enabled:
             return
         # On a GPU autograd runs the hooks on its device thread, which must not block (it launches the
-        # rest of backward) nor use this thread's sockets: there the bucket's copy out of the device
-        # starts, and step() sends it.
+        # rest of backward) nor use the sockets: there the bucket's copy out of the device starts, and
+        # the courier thread sends it once landed (or step(), what the courier did not send).
         foreign = threading.get_ident() != self._owner_thread
         for bucket_id in self._param_buckets[index]:
             ready = self._ready[bucket_id]
@@ -300,7 +308,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             ready.add(index)
             if self._bucket_ready(bucket_id) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
                 if foreign:
-                    self._session.stage_bucket(bucket_id, [p.grad for p in self._params])
+                    staged = self._session.stage_bucket(bucket_id, [p.grad for p in self._params])
+                    if staged and self._courier is not None:
+                        self._courier.offer(bucket_id)
                 else:
                     self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
 
@@ -348,6 +358,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if grad is not None and not math.prod(grad.shape) == param.numel():
                 raise ValueError("a gradient's shape differs from its parameter's")
         try:
+            if self._courier is not None:
+                self._courier.stop()  # the sockets are this thread's again
             if self._streamer is not None:
                 self._streamer.finish_step()
             else:
@@ -443,6 +455,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Close the connections to the nodes (also done at garbage collection)."""
+        if getattr(self, "_courier", None) is not None:
+            self._courier.close()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -374,19 +374,29 @@ class OffloadSession:
         self.timings.send_s += elapsed(sending)
         self.timings.pushes += 1
 
-    def stage_bucket(self, bucket_id: int, grads: Sequence[torch.Tensor | None]) -> None:
+    def stage_bucket(self, bucket_id: int, grads: Sequence[torch.Tensor | None]) -> bool:
         """A bucket's gradients are final (a hook on autograd's device thread, during backward): start
         copying them out of the device now, for :meth:`push_bucket` to send from there in ``step()``.
         Buckets that go in a batch with their neighbours, or that hold a parameter without a gradient,
-        are gathered in ``step()`` as before."""
+        are gathered in ``step()`` as before. True where the bucket was staged."""
         bucket = self.buckets[bucket_id]
         if self._small_for_batches(bucket):
-            return
+            return False
         if bucket_id in self._pushed or self._node_has_gradient(bucket_id):
-            return
+            return False
         if any(grads[seg.param_index] is None for seg in bucket.segments):
-            return
+            return False
         self._sender.stage(bucket, grads)
+        return True
+
+    def wait_staged(self, bucket_id: int) -> None:
+        """Block until the bucket's staged copy out of the device landed (nothing if none is staged)."""
+        self._sender.wait_staged(bucket_id)
+
+    def push_staged(self, bucket_id: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Push a staged bucket now, unless it went already (the courier thread, during backward)."""
+        if bucket_id not in self._pushed and self._sender.is_staged(bucket_id):
+            self.push_bucket(bucket_id, grads, hypers)
 
     def _wait_for_room(self, pacer: PushPacer, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Wait until ``nbytes`` more fit the push window. Values that come while nothing awaits them
