@@ -22,12 +22,16 @@ Without CUDA it says so and exits 0 without a figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
+import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -84,6 +88,10 @@ def in_child(target, args: tuple, timeout_s: float) -> dict:
         outcome = results.get(timeout=timeout_s)
     except Exception:
         outcome = {"error": f"no result within {timeout_s:.0f} s"}
+    except BaseException:  # the run is ending (Ctrl-C, SIGTERM): the child must not train on alone
+        process.kill()
+        process.join()
+        raise
     process.join(30)
     if process.is_alive():
         process.kill()
@@ -194,7 +202,31 @@ def headline(report: dict) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (``timeout``, a job scheduler) ends the run as Ctrl-C does: the ``finally`` blocks run,
+    so the mode's training process and its nodes are stopped rather than left to train on alone on
+    the GPU the next run measures. Only on the main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> dict:
+    with sigterm_unwinds():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     report: dict = {"benchmark": "gpu", "ratio": None}

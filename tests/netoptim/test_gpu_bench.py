@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -118,3 +119,49 @@ def test_the_limits_include_both_update_paths_of_the_node():
 def test_copy_bandwidth_is_measured_each_way():
     figures = copy_bandwidth_gbs(torch.device("cpu"), nbytes=1 << 20, repeats=1)
     assert set(figures) == {"pinned_h2d_gbs", "pinned_d2h_gbs", "pageable_h2d_gbs"} and min(figures.values()) > 0
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rpartition(")")[2].split()[1]) == pid:
+                        found.add(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_sigterm_stops_the_mode_running_in_its_child():
+    """``timeout`` or a scheduler ends a run with SIGTERM: the mode's process goes with it, instead of
+    training on alone on the GPU that the next run measures."""
+    script = "import time\nfrom benchmarks.gpu_bench import in_child, sigterm_unwinds\nwith sigterm_unwinds():\n    print('ready', flush=True)\n    in_child(time.sleep, (120,), 300)\n"
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        children: set[int] = set()
+        while time.monotonic() < deadline and len(children) < 2:  # the mode's process and multiprocessing's resource tracker
+            time.sleep(0.1)
+            children = _children(bench.pid)
+        assert children, "the mode's process did not start"
+        time.sleep(0.5)
+        bench.terminate()
+        assert bench.wait(timeout=30) == 128 + 15
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in children), "a child of the run outlived it"
+    finally:
+        bench.kill()
