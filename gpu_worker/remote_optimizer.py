@@ -187,6 +187,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._courier = PushCourier(self._session.wait_staged, self._courier_send) if self._push_early and self._session.pacer is None else None
         self._index_buckets(push_during_backward=self._push_early)
 
+    def _take_sockets(self) -> None:
+        """This thread is about to use the connections: the courier sends nothing more of the current
+        backward (what it did not send, ``step()`` sends)."""
+        courier = getattr(self, "_courier", None)
+        if courier is not None:
+            courier.stop()
+
     def _courier_send(self, bucket_id: int) -> None:
         """The courier's push of a staged bucket (its thread holds the sockets meanwhile)."""
         self._session.push_staged(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
@@ -235,6 +242,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         nodes keep the parameters and moments and average the following steps over the new width."""
         if self._buffers is not None:
             raise RuntimeError("this optimizer broadcasts buffers over a torch.distributed group of a fixed size: pass broadcast_buffers=False to morph")
+        self._take_sockets()
         self._session.morph(rank, world_size, at_step)
 
     @property
@@ -358,8 +366,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if grad is not None and not math.prod(grad.shape) == param.numel():
                 raise ValueError("a gradient's shape differs from its parameter's")
         try:
-            if self._courier is not None:
-                self._courier.stop()  # the sockets are this thread's again
+            self._take_sockets()
             if self._streamer is not None:
                 self._streamer.finish_step()
             else:
@@ -383,6 +390,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         the nodes, their step and the world size. Call it between steps (layer-wise mode waits for the
         last update first). Every rank gets the same dict, its moments on each parameter's device and
         in its dtype, as torch keeps them."""
+        self._take_sockets()
         if self._streamer is not None:
             self._streamer.gather()  # waits until every bucket applied the last step
         state = super().state_dict()
@@ -419,6 +427,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         entries = state_entries(self.rule, self._params, key_of, moments)  # checked before anything changes
         super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker; checks the groups
         self.state = NodeHeldState(dict)
+        self._take_sockets()
         if self._session.rank == 0:
             with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
             load_state(self._session, self._params, entries, with_params=with_params)
@@ -441,6 +450,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 "with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
             )
         known = {id(p) for p in self._params}
+        self._take_sockets()
         super().add_param_group(param_group)
         specs, tensors = layout_from_groups(self.param_groups)
         try:
