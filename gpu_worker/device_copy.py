@@ -59,6 +59,28 @@ def lock_source_window(pieces: list[tuple[int, torch.Tensor]]) -> None:
             page_locked(window)
 
 
+def host_waitable_event() -> torch.cuda.Event:
+    """A CUDA event a host thread waits for asleep (``cudaEventBlockingSync``). CUDA's default with
+    one context on a many-core host is to spin while waiting: a worker thread that waits for a copy
+    (the push courier through backward, the loop before each push) would hold a core that the node's
+    update threads on the same host need, and one thread of a static parallel loop held up holds up
+    the whole loop."""
+    return torch.cuda.Event(blocking=True)
+
+
+def wait_on_host(event: torch.cuda.Event) -> None:
+    """Block this thread until ``event`` completed: asleep, if it has not already (most have)."""
+    if not event.query():
+        event.synchronize()
+
+
+def wait_for_stream(stream: torch.cuda.Stream) -> None:
+    """Block this thread, asleep, until the work queued on ``stream`` so far is done."""
+    event = host_waitable_event()
+    event.record(stream)
+    event.synchronize()
+
+
 class HostToDevice:
     """Copies received host views into device tensors, overlapped with compute on CUDA."""
 
@@ -89,18 +111,18 @@ class HostToDevice:
         if window is not None and page_locked(window):
             with torch.cuda.stream(self._stream):
                 target.copy_(source, non_blocking=True)
-                done = torch.cuda.Event()
+                done = host_waitable_event()
                 done.record(self._stream)
             self._held.append((source, done))
             return
         staging, last_use = self._staging.popleft()
         if last_use is not None:
-            last_use.synchronize()  # the copy that read this buffer before has finished
+            wait_on_host(last_use)  # the copy that read this buffer before has finished
         piece = staging.view(torch.uint8)[: source.numel() * source.element_size()].view(source.dtype)
         piece.copy_(source)
         with torch.cuda.stream(self._stream):
             target.copy_(piece, non_blocking=True)
-            done = torch.cuda.Event()
+            done = host_waitable_event()
             done.record(self._stream)
         self._staging.append((staging, done))
 
@@ -115,7 +137,7 @@ class HostToDevice:
         """An event after every copy queued so far (``None`` on CPU)."""
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = host_waitable_event()
         event.record(self._stream)
         return event
 
@@ -143,4 +165,4 @@ def canonical_device(device: torch.device | str) -> torch.device:
 def device_to_host_ready(device: torch.device) -> None:
     """Before a send buffer filled by non-blocking device-to-host copies is read by the transport."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        wait_for_stream(torch.cuda.current_stream(device))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_worker.device_copy import in_page_locked_window
+from gpu_worker.device_copy import host_waitable_event, in_page_locked_window, wait_for_stream, wait_on_host
 from gpu_worker.finite_probe import FiniteProbe
 from gpu_worker.layout import gather_run
 from gpu_worker.node_connections import NodeConnections
@@ -67,7 +67,7 @@ class GradientSender:
             with torch.cuda.stream(stream):
                 gather_run((bucket,), grads, buffer)
                 probed = self._probe.queue(bucket, grads)
-                event = torch.cuda.Event()
+                event = host_waitable_event()
                 event.record(stream)
             for source in sources:  # the allocator must not reuse their memory before the copies ran
                 source.record_stream(stream)
@@ -83,7 +83,7 @@ class GradientSender:
         """Block until the bucket's staged copies are done (without the GIL); nothing if none are."""
         staged = self._staged.get(bucket_id)
         if staged is not None and staged[1] is not None:
-            staged[1].synchronize()
+            wait_on_host(staged[1])
 
     def _take(self, node: int, numel: int, *, cuda: bool) -> tuple[torch.Tensor, int | None]:
         """Where to gather ``numel`` elements for ``node``: its shared window, where it has room (on a
@@ -100,7 +100,7 @@ class GradientSender:
         """A staged gradient that will not be sent: its place is free again once its copies are done."""
         buffer, event, window_of, _probed = staged
         if event is not None:
-            event.synchronize()
+            wait_on_host(event)
         if window_of is None:
             self._buffers.give_back(buffer)
         else:
@@ -125,7 +125,7 @@ class GradientSender:
         if staged is not None:
             buffer, event, window_of, probed = staged
             if event is not None:
-                event.synchronize()  # its copies were queued during backward
+                wait_on_host(event)  # its copies were queued during backward
             self.staged_pushes += 1
         else:
             cuda = self._buffers.pin_memory  # the session's parameters are on a GPU (no per-push scan of them)
@@ -133,7 +133,7 @@ class GradientSender:
             gather_run(run, grads, buffer)
             if cuda:
                 probed = len(run) == 1 and all(grads[seg.param_index] is not None for seg in first.segments) and self._probe.queue(first, grads)
-                torch.cuda.current_stream().synchronize()  # the device-to-host copies were asynchronous
+                wait_for_stream(torch.cuda.current_stream())  # the device-to-host copies were asynchronous
         if probed and self._probe.proven_finite(first.bucket_id):
             meta["finite"] = True
         gathered = time.perf_counter() - started

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from gpu_worker.device_copy import HostToDevice
+from gpu_worker.device_copy import HostToDevice, wait_on_host
 from gpu_worker.layout import finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
@@ -228,7 +228,7 @@ class LayerStreamer:
         if unit.pending:  # a prefetch nobody used: let it land before its storage goes
             self.session.receive_until(lambda: not unit.pending, lambda: f"unit {unit.name!r} is missing {len(unit.pending)} bucket(s)")
         if unit.ready_event is not None:
-            unit.ready_event.synchronize()  # type: ignore[attr-defined]
+            wait_on_host(unit.ready_event)
         for i in unit.params:
             self.params[i].untyped_storage().resize_(0)
         unit.resident = False

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_worker.device_copy import HostToDevice, lock_source_window
+from gpu_worker.device_copy import HostToDevice, lock_source_window, wait_on_host
 from gpu_worker.layout import InstallTargets, finish_board_read
 from job.placement import BucketSpec
 from transport.interface import Message
@@ -57,7 +57,7 @@ class ValueInstaller:
             return
         last = self._device_copies.record()
         if last is not None:
-            last.synchronize()
+            wait_on_host(last)
         self._device_copies.drop_finished()
         reads, self._board_reads = self._board_reads, []
         for message, node in reads:

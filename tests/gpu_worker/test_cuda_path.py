@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
 
 from gpu_worker import NonFiniteGradientError, RemoteAdamW, offload
-from gpu_worker.device_copy import HostToDevice
+from gpu_worker.device_copy import HostToDevice, host_waitable_event, wait_for_stream, wait_on_host
 from gpu_worker.models import GPT, GPTConfig
 from tests.gpu_worker.harness import run_threads
 
@@ -145,6 +146,24 @@ def test_a_nan_gradient_on_the_gpu_goes_without_the_workers_word_and_is_refused(
         opt.step()
     assert opt._session._sender.vouched_pushes == vouched
     opt.close()
+
+
+def test_a_host_thread_waits_for_the_gpu_asleep():
+    """The worker's waits for copies sleep instead of spinning a core the node's update needs."""
+    for wait in (lambda: wait_for_stream(torch.cuda.current_stream()), None):
+        torch.cuda.synchronize()
+        wall, cpu = time.perf_counter(), time.process_time()
+        torch.cuda._sleep(400_000_000)  # a few hundred milliseconds of GPU time
+        if wait is None:
+            event = host_waitable_event()
+            event.record()
+            wait_on_host(event)
+            assert event.query()
+        else:
+            wait()
+        assert torch.cuda.current_stream().query()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        assert wall > 0.05 and cpu < 0.5 * wall, f"waited {wall:.3f} s using {cpu:.3f} s of CPU"
 
 
 def test_host_to_device_copies_are_staged_through_pinned_memory_on_a_side_stream():
