@@ -79,6 +79,11 @@ class GradientSender:
         """Whether the bucket's gradient is staged, waiting for :meth:`push`."""
         return bucket_id in self._staged
 
+    def staged_landed(self, bucket_id: int) -> bool:
+        """Whether the bucket's staged copies are done (True where none are staged); never waits."""
+        staged = self._staged.get(bucket_id)
+        return staged is None or staged[1] is None or staged[1].query()
+
     def wait_staged(self, bucket_id: int) -> None:
         """Block until the bucket's staged copies are done (without the GIL); nothing if none are."""
         staged = self._staged.get(bucket_id)

@@ -389,6 +389,10 @@ class OffloadSession:
         self._sender.stage(bucket, grads)
         return True
 
+    def staged_landed(self, bucket_id: int) -> bool:
+        """Whether the bucket's staged copy out of the device is done (True if none is staged)."""
+        return self._sender.staged_landed(bucket_id)
+
     def wait_staged(self, bucket_id: int) -> None:
         """Block until the bucket's staged copy out of the device landed (nothing if none is staged)."""
         self._sender.wait_staged(bucket_id)

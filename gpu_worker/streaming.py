@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from gpu_worker.device_copy import HostToDevice, wait_on_host
+from gpu_worker.landed_pushes import LandedPushes
 from gpu_worker.layout import finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
@@ -121,6 +122,7 @@ class LayerStreamer:
         self._position = {unit.index: position for position, unit in enumerate(self._module_units)}
         self._copier = HostToDevice(plan.device, session.job.bucket_numel)
         self._grads = _Grads(self.params)
+        self._pushes = LandedPushes(session)
         self.step = 0
         self._handles: list = []
         self._hooked: set[int] = set()  # layout indices with a gradient hook
@@ -308,11 +310,14 @@ class LayerStreamer:
         self._measure()
 
     def _before_backward(self, unit: _Unit) -> None:
+        self._pushes.send_landed()
         self._ensure(unit)
         self._prefetch(self._position[unit.index], -1)
         self._measure()
 
     def _on_grad(self, layout_index: int) -> None:
+        if self._pushes:
+            self._pushes.send_landed()
         unit = self._unit_of_param[layout_index]
         unit.grads_ready.add(layout_index)
         # Ready once every parameter of the unit that trains now has its gradient; a parameter unfrozen
@@ -331,8 +336,9 @@ class LayerStreamer:
 
     def _push(self, unit: _Unit) -> None:
         hypers = self._hypers()
-        for bucket_id in unit.buckets:
-            self.session.push_bucket(bucket_id, self._grads, hypers)
+        for bucket_id in unit.buckets:  # the copies start now; each bucket goes once its copy landed
+            self._pushes.push(bucket_id, self._grads, hypers)
+        self._pushes.send_landed()
         for i in unit.params:
             self.params[i].grad = None
         unit.pushed = True
@@ -348,7 +354,9 @@ class LayerStreamer:
             unit.pushed = False
             unit.grads_ready.clear()
             unit.waits_for = None
+        self._pushes.send_all()
         self.session.advance([b.bucket_id for b in self.session.buckets])
+        self._pushes.clear()
         self.session.release_send_buffers()
         trim_host_heap()
         self.step += 1

@@ -44,15 +44,17 @@ def tokens(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return part[:, :-1].contiguous(), part[:, 1:].contiguous()
 
 
-def make_gpt() -> GPT:
+def make_gpt(config: GPTConfig = CONFIG) -> GPT:
     torch.manual_seed(0)
-    return GPT(CONFIG).cuda()
+    return GPT(config).cuda()
 
 
-def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1, push_during_backward: bool = False) -> dict[str, torch.Tensor]:
+def train_offloaded(
+    nodes: list[str], *, layerwise: bool, prefetch: int = 1, push_during_backward: bool = False, config: GPTConfig = CONFIG, bucket_numel: int | None = None
+) -> dict[str, torch.Tensor]:
     """Two worker threads on the GPU; returns rank 0's final parameters (checked equal on both ranks).
     ``push_during_backward``: 1 MiB buckets, whose copies out of the GPU start during backward."""
-    models = [make_gpt() for _ in range(WORLD_SIZE)]
+    models = [make_gpt(config) for _ in range(WORLD_SIZE)]
     results: dict[int, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
 
@@ -62,6 +64,8 @@ def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1, pus
             options = dict(nodes=nodes, rank=rank, world_size=WORLD_SIZE, **OPTIONS)
             if push_during_backward:
                 options |= {"push_during_backward": True, "bucket_numel": 1 << 18}
+            if bucket_numel is not None:
+                options["bucket_numel"] = bucket_numel
             opt = offload(model, model.blocks, prefetch=prefetch, **options) if layerwise else RemoteAdamW(model.named_parameters(), **options)
             for step in range(STEPS):
                 _logits, loss = model(*tokens(step, rank))
@@ -74,6 +78,8 @@ def train_offloaded(nodes: list[str], *, layerwise: bool, prefetch: int = 1, pus
             if push_during_backward:  # autograd's device thread staged the large buckets' copies
                 assert opt._session._sender.staged_pushes >= STEPS
                 assert opt._session._sender.vouched_pushes >= STEPS  # summed on the device: the nodes read nothing
+            if layerwise and bucket_numel is not None and bucket_numel * 4 >= 1 << 20:  # staged in backward, sent once landed
+                assert opt._session._sender.staged_pushes >= STEPS and opt._session._sender.vouched_pushes >= STEPS
             # the nodes are on this host: gradients were copied off the GPU straight into their windows
             assert opt.shared_memory_bytes["sent_in_place"] > 0, opt.shared_memory_bytes
             results[rank] = {name: value.cpu() for name, value in opt.gather_parameters().items()}
@@ -127,6 +133,16 @@ def test_layerwise_on_cuda_is_bitwise_equal_to_full_model(start_node, prefetch):
     full = train_offloaded(nodes, layerwise=False)
     nodes = [start_node("node1").address]
     streamed = train_offloaded(nodes, layerwise=True, prefetch=prefetch)
+    for name in full:
+        assert torch.equal(streamed[name], full[name]), f"{name}: max diff {(streamed[name] - full[name]).abs().max():.3g}"
+
+
+def test_layerwise_large_buckets_go_out_as_their_copies_land(start_node):
+    """Buckets of 1 MiB in 3 MiB blocks: layer-wise backward stages their copies and sends each once
+    landed, bitwise as the full model with the same buckets."""
+    wide, numel = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=256), 1 << 18
+    full = train_offloaded([start_node("node0").address], layerwise=False, config=wide, bucket_numel=numel)
+    streamed = train_offloaded([start_node("node1").address], layerwise=True, config=wide, bucket_numel=numel)
     for name in full:
         assert torch.equal(streamed[name], full[name]), f"{name}: max diff {(streamed[name] - full[name]).abs().max():.3g}"
 

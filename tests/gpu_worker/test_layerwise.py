@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -226,3 +227,30 @@ def test_a_small_push_window_throttles_backward_and_changes_nothing(start_node):
     narrow = opt.gather_parameters()
     opt.close()
     assert all(torch.equal(reference[k], narrow[k]) for k in reference)
+
+
+def test_large_buckets_go_out_as_their_copies_land_bitwise_as_adamw(start_node):
+    """Buckets large enough to skip batching are staged in backward's hook and sent as their copies
+    land (here at once: a CPU copy is done when made), with a push window of one bucket: bitwise as
+    torch's AdamW, every such bucket sent from its staged copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4))
+    reference = copy.deepcopy(model)
+    numel = 1 << 18  # 1 MiB of fp32: not batched
+    opt = offload(
+        model, [model[0], model[2]], nodes=[start_node().address], lr=1e-3, weight_decay=0.1, bucket_numel=numel, push_window_bytes=4 * numel, timeout_s=30
+    )
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 512, generator=generator), torch.randn(16, 4, generator=generator)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        F.mse_loss(reference(x), y).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    assert opt._session._sender.staged_pushes >= 3 * 2  # each Linear(512, 512) weight fills a bucket
+    values = opt.gather_parameters()
+    opt.close()
+    for name, want in reference.named_parameters():
+        assert torch.equal(values[name], want.detach()), name
