@@ -16,9 +16,11 @@ sends, as before.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -29,9 +31,11 @@ class PushCourier:
 
     def __init__(self, wait_copied: Callable[[int], None], send: Callable[[int], None]) -> None:
         """``wait_copied(bucket_id)``: block (without the GIL) until the bucket's staged copy landed;
-        ``send(bucket_id)``: push it (the sockets are the courier's while it runs)."""
-        self._wait_copied = wait_copied
-        self._send = send
+        ``send(bucket_id)``: push it (the sockets are the courier's while it runs). Bound methods are
+        held weakly: the courier's thread does not keep the optimizer alive (a user who never calls
+        ``close()`` has its connections closed when it is collected, as before), and ends with it."""
+        self._wait_copied = _weak(wait_copied)
+        self._send = _weak(send)
         self._lock = threading.Lock()  # whoever sends holds it
         self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._generation = 0  # bumped by stop(): offers of a stopped backward are dropped
@@ -56,12 +60,13 @@ class PushCourier:
         if error is not None:
             log.warning("a push during backward failed (%s); step() sends it again", error)
 
-    def close(self) -> None:
-        """End the thread (the optimizer closes)."""
+    def close(self, *, wait: bool = True) -> None:
+        """End the thread (the optimizer closes; ``wait=False`` when it is being collected)."""
         self.stop()
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=30)
+            if wait:
+                self._thread.join(timeout=30)
             self._thread = None
 
     def _run(self) -> None:
@@ -70,14 +75,29 @@ class PushCourier:
             if item is None:
                 return
             generation, bucket_id = item
-            if generation != self._generation:
-                continue
-            self._wait_copied(bucket_id)  # outside the lock: step() may take the sockets meanwhile
-            with self._lock:
-                if generation != self._generation or self._error is not None:
-                    continue
-                try:
-                    self._send(bucket_id)
-                    self.sent += 1
-                except Exception as exc:  # logged by stop(); step() pushes the bucket again
-                    self._error = exc
+            if generation == self._generation and not self._deliver(generation, bucket_id):
+                return
+
+    def _deliver(self, generation: int, bucket_id: int) -> bool:
+        """Wait for the bucket's copy and send it (a method of its own: the owner's methods are not
+        held while the thread waits for the next offer); False once the owner was collected."""
+        wait_copied, send = self._wait_copied(), self._send()
+        if wait_copied is None or send is None:
+            return False
+        wait_copied(bucket_id)  # outside the lock: step() may take the sockets meanwhile
+        with self._lock:
+            if generation != self._generation or self._error is not None:
+                return True
+            try:
+                send(bucket_id)
+                self.sent += 1
+            except Exception as exc:  # logged by stop(); step() pushes the bucket again
+                self._error = exc
+        return True
+
+
+def _weak(function: Callable[[int], None]) -> Callable[[], Callable[[int], None] | None]:
+    """A weak reference to a bound method (a plain function is held as it is)."""
+    if inspect.ismethod(function):
+        return weakref.WeakMethod(function)
+    return lambda: function

@@ -482,4 +482,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         # the session and may be collected while the optimizer trains on.
         session = getattr(self, "_session", None)
         if session is not None and getattr(self, "_session_owner", id(self)) == id(self):
+            courier = getattr(self, "_courier", None)
+            if courier is not None:
+                courier.close(wait=False)
             session.close()

@@ -5,8 +5,10 @@ plays autograd's device thread (the staged copies are then CPU gathers), against
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -93,3 +95,33 @@ def test_pushes_leave_during_a_backward_on_another_thread_bitwise_as_adamw(start
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(got, want)
     opt.close()
+
+
+def test_the_courier_does_not_keep_its_owner_alive():
+    """Its thread holds the owner's methods weakly: an optimizer nobody closes is still collected
+    (and closes its connections), and the thread ends with it."""
+
+    class Owner:
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        def wait(self, _bucket_id: int) -> None:
+            pass
+
+        def send(self, bucket_id: int) -> None:
+            self.sent.append(bucket_id)
+
+    owner = Owner()
+    courier = PushCourier(owner.wait, owner.send)
+    courier.offer(3)
+    deadline = time.monotonic() + 10
+    while owner.sent != [3] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.sent == [3]
+    thread, alive = courier._thread, weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert alive() is None
+    courier.offer(4)  # finds its owner gone and ends
+    thread.join(10)
+    assert not thread.is_alive()
