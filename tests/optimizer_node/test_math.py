@@ -307,3 +307,19 @@ def test_chunks_cut_segments_only_at_the_split_alignment():
         one = plan_loop(((0, 1 << 20),), 16384, threads)
         sizes = one.blocks[:, 1] - one.blocks[:, 0]
         assert len(one.blocks) % threads == 0 and int(sizes.max() - sizes.min()) <= SPLIT_ALIGNMENT and int(sizes.sum()) == 1 << 20
+
+
+def test_the_streaming_copy_is_exact_at_every_alignment_and_length():
+    """The board's copy: a scalar head up to a 32-byte boundary of the target, non-temporal vector
+    stores, a scalar tail; every element lands, nothing past the end is touched."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    from optimizer_node._compiled_kernels import stream_copy
+
+    source = torch.randn(300).numpy()
+    for shift in range(9):  # target starts 0..8 floats past a 32-byte boundary
+        for length in (0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200):
+            target = torch.full((320,), -1.0).numpy()
+            stream_copy(source[:length], target[shift : shift + length])
+            assert (target[shift : shift + length] == source[:length]).all(), (shift, length)
+            assert (target[:shift] == -1).all() and (target[shift + length :] == -1).all(), (shift, length)
