@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from netoptim import cli
 from netoptim.cli import build_parser
+from tests.netoptim.in_process import in_process
 
 
 def netoptim(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -89,17 +89,6 @@ def test_bad_flags_exit_2_with_a_reason(args, message, capsys, caplog):
     checked below): a fresh interpreter per case cost 2 s of imports each."""
     code, stderr = in_process(args, capsys, caplog)
     assert code == 2 and message in stderr, stderr
-
-
-def in_process(args: list[str], capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> tuple[int, str]:
-    """``netoptim ARGS`` run in this process: its exit status and what it wrote to stderr or logged
-    (in a process of its own the log goes to stderr)."""
-    said = ""
-    try:
-        code = cli.main(args)
-    except SystemExit as exc:  # a message for SystemExit is what the interpreter prints to stderr, with status 1
-        code, said = (exc.code, "") if isinstance(exc.code, int) else (1, str(exc.code))
-    return code, capsys.readouterr().err + caplog.text + said
 
 
 def test_a_bad_flag_exits_2_from_the_console():

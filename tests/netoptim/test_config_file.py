@@ -14,6 +14,7 @@ import pytest
 from gpu_worker.recipes.train_gpt import build_parser as recipe_parser
 from gpu_worker.recipes.train_gpt import parse_recipe_args
 from netoptim.cli import parse_command_line
+from tests.netoptim.in_process import in_process
 
 
 def netoptim(*args: str) -> subprocess.CompletedProcess:
@@ -44,11 +45,11 @@ def test_flags_override_the_file_and_sources_are_told(tmp_path):
         ("[node\n", "not valid TOML"),
     ],
 )
-def test_a_wrong_file_names_the_key_and_line(tmp_path, body, message):
+def test_a_wrong_file_names_the_key_and_line(tmp_path, body, message, capsys, caplog):
     config = tmp_path / "bad.toml"
     config.write_text(body)
-    result = netoptim("node", "--config", str(config))
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+    code, stderr = in_process(["node", "--config", str(config)], capsys, caplog)
+    assert code == 2 and message in stderr, stderr
 
 
 def test_a_node_runs_from_its_file(tmp_path):
