@@ -160,9 +160,3 @@ def canonical_device(device: torch.device | str) -> torch.device:
         if backend is not None and hasattr(backend, "current_device") and backend.is_available():
             return torch.device(device.type, backend.current_device())
     return device
-
-
-def device_to_host_ready(device: torch.device) -> None:
-    """Before a send buffer filled by non-blocking device-to-host copies is read by the transport."""
-    if device.type == "cuda":
-        wait_for_stream(torch.cuda.current_stream(device))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from job.placement import BucketSpec
@@ -37,13 +38,17 @@ class FiniteProbe:
         self._wire_dtype = wire_dtype
         self._device_sums: dict[torch.device, torch.Tensor] = {}
         self._host_sums: torch.Tensor | None = None
+        self._host_values: np.ndarray | None = None
         self.vouched = 0  # pushes that carried the word (counted for tests and benchmarks)
 
-    def queue(self, bucket: BucketSpec, grads: Sequence[torch.Tensor]) -> bool:
+    def queue(self, bucket: BucketSpec, grads: Sequence[torch.Tensor | None]) -> bool:
         """Queue the bucket's sum on the current (copy) stream, before the caller records its event;
-        False, queueing nothing, where the word could not be given (a cast on the wire)."""
-        sources = [grads[seg.param_index].detach().view(-1)[seg.param_offset : seg.param_offset + seg.numel] for seg in bucket.segments]
-        if any(source.dtype != self._wire_dtype for source in sources):
+        False, queueing nothing, where the word could not be given (a cast on the wire). A parameter
+        without a gradient is zeros on the wire: it leaves the sum as it is."""
+        sources = [
+            grad.detach().view(-1)[seg.param_offset : seg.param_offset + seg.numel] for seg in bucket.segments if (grad := grads[seg.param_index]) is not None
+        ]
+        if not sources or any(source.dtype != self._wire_dtype for source in sources):
             return False
         device = sources[0].device
         sums = self._device_sums.get(device)
@@ -51,6 +56,7 @@ class FiniteProbe:
             sums = self._device_sums[device] = torch.empty(self._count, dtype=torch.float32, device=device)
         if self._host_sums is None:
             self._host_sums = torch.empty(self._count, dtype=torch.float32, pin_memory=device.type == "cuda")
+            self._host_values = self._host_sums.numpy()  # read per push: no tensor made for it
         slot = sums[bucket.bucket_id]
         if len(sources) == 1:
             torch.sum(sources[0], dim=0, dtype=torch.float32, out=slot)
@@ -66,11 +72,11 @@ class FiniteProbe:
             raise ValueError(f"bucket_count must be at least 1, got {bucket_count}")
         self._count = bucket_count
         self._device_sums.clear()
-        self._host_sums = None
+        self._host_sums = self._host_values = None
 
     def proven_finite(self, bucket_id: int) -> bool:
         """Whether the bucket's queued sum (its copies done) is finite."""
-        assert self._host_sums is not None, "proven_finite before any queue"
-        finite = math.isfinite(float(self._host_sums[bucket_id]))
+        assert self._host_values is not None, "proven_finite before any queue"
+        finite = math.isfinite(self._host_values[bucket_id])
         self.vouched += finite
         return finite

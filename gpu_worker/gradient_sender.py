@@ -137,7 +137,7 @@ class GradientSender:
             buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
             if cuda:
-                probed = len(run) == 1 and all(grads[seg.param_index] is not None for seg in first.segments) and self._probe.queue(first, grads)
+                probed = len(run) == 1 and self._probe.queue(first, grads)
                 wait_for_stream(torch.cuda.current_stream())  # the device-to-host copies were asynchronous
         if probed and self._probe.proven_finite(first.bucket_id):
             meta["finite"] = True

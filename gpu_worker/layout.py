@@ -41,6 +41,19 @@ def layout_from_groups(param_groups: Sequence[dict]) -> tuple[list[ParamSpec], l
     return specs, tensors
 
 
+class GradsOf:
+    """``grads[i]``: the current gradient of layout parameter ``i``, read when a bucket asks for it (a
+    hook per bucket must not build a list over every parameter)."""
+
+    __slots__ = ("_params",)
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._params = params
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:
+        return self._params[index].grad
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().view(-1)
 

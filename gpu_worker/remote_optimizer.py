@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.buffers import BufferBroadcast
-from gpu_worker.layout import layout_from_groups
+from gpu_worker.layout import GradsOf, layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import gather_state, load_state, state_entries
 from gpu_worker.push_courier import PushCourier
@@ -196,12 +196,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _courier_send(self, bucket_id: int) -> None:
         """The courier's push of a staged bucket (its thread holds the sockets meanwhile)."""
-        self._session.push_staged(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
+        self._session.push_staged(bucket_id, self._grads, self._hypers_of_step())
 
     def _index_buckets(self, *, push_during_backward: bool) -> None:
         """Which parameters each bucket holds and the other way round, and the early-push hooks of
         the parameters that have none yet (after construction, or after a param group was added)."""
         buckets = self._session.buckets
+        self._grads = GradsOf(self._params)  # the hooks' view of the current gradients (self._params changes with a param group)
         self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
         self._param_buckets: list[list[int]] = [[] for _ in self._params]
         for bucket in buckets:
@@ -316,11 +317,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
             ready.add(index)
             if self._bucket_ready(bucket_id) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
                 if foreign:
-                    staged = self._session.stage_bucket(bucket_id, [p.grad for p in self._params])
+                    staged = self._session.stage_bucket(bucket_id, self._grads)
                     if staged and self._courier is not None:
                         self._courier.offer(bucket_id)
                 else:
-                    self._session.push_bucket(bucket_id, [p.grad for p in self._params], self._hypers_of_step())
+                    self._session.push_bucket(bucket_id, self._grads, self._hypers_of_step())
 
     def _bucket_ready(self, bucket_id: int) -> bool:
         """Every parameter of the bucket that trains now has its gradient. One unfrozen after the

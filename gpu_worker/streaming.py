@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from gpu_worker.device_copy import HostToDevice, wait_on_host
 from gpu_worker.landed_pushes import LandedPushes
-from gpu_worker.layout import finish_board_read
+from gpu_worker.layout import GradsOf, finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
 from job.hyper import AdamWHyper
@@ -75,16 +75,6 @@ class StreamStats:
         return 1.0 - self.fetch_wait_s / self.fetch_transfer_s if self.fetch_transfer_s > 0 else 1.0
 
 
-class _Grads:
-    """``grads[i]``: the current gradient of layout parameter ``i`` (read when a bucket is pushed)."""
-
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self._params = params
-
-    def __getitem__(self, index: int) -> torch.Tensor | None:
-        return self._params[index].grad
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -121,7 +111,7 @@ class LayerStreamer:
         self._module_units = [self.units[u] for u in present if u != 0]  # forward order
         self._position = {unit.index: position for position, unit in enumerate(self._module_units)}
         self._copier = HostToDevice(plan.device, session.job.bucket_numel)
-        self._grads = _Grads(self.params)
+        self._grads = GradsOf(self.params)
         self._pushes = LandedPushes(session)
         self.step = 0
         self._handles: list = []

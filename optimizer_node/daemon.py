@@ -520,7 +520,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         job, bucket, state, absent, in_flight = check
         header = message.header
         self._morphs.push_taken()
-        # NaN/inf, before the gradient touches any state: one vectorized sum per view, counted exactly only when a sum is not finite.
+        # NaN/inf, before the gradient touches any state: on the worker's word, else counted here (non_finite.py).
         checking = time.perf_counter()
         vouched = not known_finite and self._worker_checks and header.meta.get("finite") is True
         if vouched:  # the worker summed this gradient on its device before copying it out (--non-finite-check worker)

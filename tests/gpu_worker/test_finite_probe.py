@@ -38,6 +38,8 @@ def test_the_word_is_given_for_finite_sums_only():
     huge = [torch.full((100,), 3e38), grads[1]]  # every element finite, the sum not: no word, the node counts
     assert probe.queue(one, huge) and not probe.proven_finite(0)
     assert probe.vouched == 6
+    assert probe.queue(two, [grads[0], None]) and probe.proven_finite(1)  # a parameter without a gradient is zeros on the wire
+    assert not probe.queue(two, [None, None])  # nothing to sum: no word (such a push has no payload)
 
 
 def test_no_word_where_the_wire_casts():
