@@ -16,6 +16,7 @@ the fewest buckets (milliseconds per bucket per step), the send buffers allocate
 torch ops it uses meanwhile are its first seconds, not its steady state), and the install rate against a ``copy_`` between two buffers of the same size
 on the same thread count (``install_vs_memcpy``; a buffer of ``--numel`` may sit in the caches) and
 against the machine's memcpy bandwidth, 256 MiB buffers on every core (``install_vs_machine_memcpy``).
+``--wire-dtype bfloat16`` sends bf16 each way (the node casts its new values as it computes them).
 """
 
 from __future__ import annotations
@@ -79,11 +80,12 @@ def settled_update_path(stub: admin_pb2_grpc.OptimizerNodeAdminStub, timeout_s: 
         time.sleep(0.1)
 
 
-def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
-    """Median step time and phases of one worker training ``numel`` parameters in ``buckets`` buckets."""
+def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str = "float32") -> dict:
+    """Median step time and phases of one worker training ``numel`` parameters in ``buckets`` buckets,
+    ``wire_dtype`` on the wire."""
     bucket_numel = -(-numel // buckets)
     job = JobSpec(
-        world_size=1, num_nodes=1, bucket_numel=bucket_numel, wire_dtype="float32", max_grad_norm=None, params=(ParamSpec("w", (numel,), "float32", 0),)
+        world_size=1, num_nodes=1, bucket_numel=bucket_numel, wire_dtype=wire_dtype, max_grad_norm=None, params=(ParamSpec("w", (numel,), "float32", 0),)
     )
     param = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
@@ -129,7 +131,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     counts = sorted(set(args.buckets))
-    results = [measure(args.numel, count, args.steps, args.warmup) for count in counts]
+    results = [measure(args.numel, count, args.steps, args.warmup, args.wire_dtype) for count in counts]
     fewest, most = results[0], results[-1]
     for result in results[1:]:
         extra = result["buckets"] - fewest["buckets"]
@@ -144,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
         "ratio": round(fewest["step_s"] / most["step_s"], 3),
         "numel": args.numel,
         "threads": args.threads,
+        "wire_dtype": args.wire_dtype,
         "steps": args.steps,
         "memcpy_gbs": round(memcpy, 2),
         "machine_memcpy_gbs": round(machine_memcpy, 2),

@@ -124,6 +124,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--threads", type=positive_int, default=1, help="torch threads of the worker (the node runs one) (default: %(default)s)")
     step.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
     step.add_argument("--steps", type=positive_int, default=5, help="timed steps per bucket count; the median is reported (default: %(default)s)")
+    step.add_argument(
+        "--wire-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of gradients and parameters on the wire (the node keeps fp32 master values either way) (default: %(default)s)",
+    )
     morph = which.add_parser(
         "morph", help="an elastic job shrinking from 4 workers to 2 and growing to 3: bitwise against torch AdamW at the same widths, and each morph's pause"
     )

@@ -79,16 +79,18 @@ def run_plan_memory(args: argparse.Namespace) -> int:
 
     share = -(-args.params // args.nodes)
     wire_bytes = 4 if args.wire_dtype == "float32" else 2
-    needs = node_needs(
-        share,
-        workers=args.workers,
-        wire_bytes=wire_bytes,
-        layerwise=args.layerwise,
-        push_window_bytes=args.push_window,
-        memory_budget=args.memory_budget,
-        keep_checkpoints=args.keep,
-    )
-    board = wire_bytes * share  # the parameter board, where workers share the node's host (netoptim node --same-host-board)
+    sizing = {
+        "workers": args.workers,
+        "wire_bytes": wire_bytes,
+        "layerwise": args.layerwise,
+        "push_window_bytes": args.push_window,
+        "memory_budget": args.memory_budget,
+        "keep_checkpoints": args.keep,
+    }
+    needs = node_needs(share, **sizing)
+    # the parameter board, where workers share the node's host (netoptim node --same-host-board): what it adds
+    # to the in-memory figure, less the copies it stands in for (the kept values, a 16-bit wire's cast)
+    board = node_needs(share, **sizing, board=True).ram_in_memory - needs.ram_in_memory
     available = available_memory()
     if args.json:
         print(json.dumps({"nodes": args.nodes, "per_node": needs.to_dict() | {"same_host_board": board}, "this_host_available_ram": available}, indent=2))

@@ -644,8 +644,8 @@ class NodeDaemon(JobRegistration, OperatorControls):
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
         self._store.acquire(state)  # StorageError here leaves everything as it was
-        # fp32: the update pass writes the values onto the parameter board too; on a board of two slots
-        # a bucket, into the slot that does not hold this step's values, which stay where they are
+        # the update pass writes the values onto the parameter board too (a 16-bit wire: its cast, which
+        # it makes anyway), into the bucket's slot that does not hold this step's values: they stay there
         board = self._replies.board_slot(job, state)
         previous = None
         if self._retain_previous and self._ledger.retained(state.bucket_id, state.step) is None:
@@ -656,6 +656,8 @@ class NodeDaemon(JobRegistration, OperatorControls):
             elif board is None or not self._kept_on_board(state):  # else on the board's other slot, no copy
                 # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
                 previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
+        if board is not None and state.wire_copy is not None:  # 16-bit: cast onto the board from now on, no copy of its own
+            state.wire_copy, state.wire_step = None, -1
         kept_step = state.step
         try:
             self._update_and_send(job, state, in_flight, board, previous)
@@ -678,7 +680,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
         wire = board
-        if job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
+        if board is None and job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
             wire = state.wire_copy

@@ -5,8 +5,9 @@ holds the gradients that arrived and are not applied yet: in full-model mode up 
 whole share (workers push everything at the end of the step), in layer-wise mode at most each
 worker's push window. A wire dtype other than fp32 adds an fp32 sum and a cast copy per resident
 bucket. In memory it also keeps, for a worker that restarts in the middle of a step, the values of
-each bucket before its last update, in the wire dtype (see :mod:`optimizer_node.step_ledger`), and,
-where same-host workers read from it, the parameter board: one more copy in the wire dtype. Out
+each bucket before its last update, in the wire dtype (see :mod:`optimizer_node.step_ledger`), or,
+where same-host workers read from it, the parameter board: two versions of each bucket in the wire
+dtype, the one before the current being what is kept (a 16-bit wire's cast is made there). Out
 of core (where those are not kept), the state in RAM is the budget, and the disk holds the live state plus, for
 each kept checkpoint, the versions it hard-links (at most one full copy each).
 """
@@ -47,16 +48,16 @@ def node_needs(
     board: bool = False,
 ) -> NodeNeeds:
     """RAM and disk for a node owning ``params`` parameters of a job with ``workers`` workers;
-    ``board``: with a parameter board for same-host workers (in memory only; with an fp32 wire it has
-    two slots a bucket, and the one before the current holds what is kept for a restarted rank)."""
+    ``board``: with a parameter board for same-host workers (in memory only: two slots a bucket in the
+    wire dtype, the one before the current holding what is kept for a restarted rank, and a 16-bit
+    wire's cast written there instead of into a copy of its own)."""
     gradients = workers * wire_bytes * params
     if layerwise:
         gradients = min(gradients, workers * push_window_bytes)
     state = STATE_BYTES_PER_PARAM * params
-    cast = 0 if wire_bytes == 4 else (4 + wire_bytes) * params  # fp32 sums and the cast copy of what goes out
-    double_board = board and wire_bytes == 4
-    kept_for_restarts = 0 if double_board else wire_bytes * params
-    board_bytes = (2 if double_board else 1) * wire_bytes * params if board else 0
+    cast = 0 if wire_bytes == 4 else (4 + (0 if board else wire_bytes)) * params  # fp32 sums and the cast copy of what goes out
+    kept_for_restarts = 0 if board else wire_bytes * params
+    board_bytes = 2 * wire_bytes * params if board else 0
     in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts + board_bytes
     out_of_core = None
     if memory_budget is not None:

@@ -92,8 +92,14 @@ _SAME_HOST_SERIES = (  # (family, name, help, key of ServerEndpoint.shared_memor
     (
         CounterMetricFamily,
         "netoptim_same_host_board_written_bytes",
-        "Payload bytes copied onto the parameter board (once per bucket version).",
+        "Payload bytes written onto the parameter board (once per bucket version), by the update pass in place or copied there.",
         "board_written_bytes",
+    ),
+    (
+        CounterMetricFamily,
+        "netoptim_same_host_board_copied_bytes",
+        "Of the bytes written onto the parameter board, those copied there on the send path (values the update pass did not write in place).",
+        "board_copied_bytes",
     ),
     (
         CounterMetricFamily,

@@ -62,6 +62,7 @@ class ParameterReplies:
         self._deferred: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
         self.batching_peers: frozenset[bytes] = frozenset()
+        self._board_dtype = torch.float32  # the job's wire dtype, what the board's slots hold
 
     def forget_ranks(self) -> None:
         """The job's ranks are not the same any more (it changed its width): no pull waits, no rank
@@ -148,8 +149,11 @@ class ParameterReplies:
         """The bucket's current values to ``peers``; ``batched``: small ones may wait in the outbox for
         the other buckets updated meanwhile, for the peers that take batches."""
         params = self._store.params_for_send(state)  # out of core: only the parameter third is read
+        on_board = None if job.spec.wire_dtype == "float32" or params is not state.param else self.board_values(state, state.step)
         if job.spec.wire_dtype == "float32":
             payload = params
+        elif on_board is not None:  # the update pass cast them onto the board: sent from there, no cast, no copy
+            payload = on_board
         elif params is state.param:
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
@@ -171,23 +175,24 @@ class ParameterReplies:
             self._send(peer, header, payload, published=version)
 
     def board_slot(self, job: ActiveJob, state: BucketState) -> torch.Tensor | None:
-        """Where an fp32 job's update pass may write the bucket's new values in place: its slot on the
-        parameter board, where same-host ranks read it and the values do not leave in a batch (small
-        buckets of a full-model job go out as copies); ``None`` otherwise. :meth:`board_written` once
-        the values are there."""
-        nbytes = state.numel * 4
-        if job.spec.wire_dtype != "float32" or (job.spec.mode == "full" and self.batching_peers and self.outbox.takes_bytes(nbytes)):
+        """Where the update pass may write the bucket's new values in place, in the wire dtype (a
+        16-bit wire: the cast it makes anyway): its slot on the parameter board, where same-host ranks
+        read it and the values do not leave in a batch (small buckets of a full-model job go out as
+        copies); ``None`` otherwise. :meth:`board_written` once the values are there."""
+        dtype = WIRE_DTYPES[job.spec.wire_dtype]
+        nbytes = state.numel * dtype.itemsize
+        if job.spec.mode == "full" and self.batching_peers and self.outbox.takes_bytes(nbytes):
             return None
         slot = self._endpoint.board_slot(state.bucket_id, nbytes)
-        return slot.view(torch.float32) if slot is not None else None
+        return slot.view(dtype) if slot is not None else None
 
     def board_values(self, state: BucketState, step: int) -> torch.Tensor | None:
-        """The bucket's fp32 values of ``step`` (its current revision) where they lie on a board of two
-        slots a bucket: the current slot, or after :meth:`board_slot` opened the other one, the slot
-        before; what the node keeps for a rank that restarts mid-step, without a copy. Valid until the
-        bucket's next :meth:`board_slot` but one (the current) or its next (the one before)."""
+        """The bucket's values of ``step`` (its current revision) in the wire dtype where they lie on
+        the board: the current slot, or after :meth:`board_slot` opened the other one, the slot before;
+        what the node sends from, and keeps for a rank that restarts mid-step, without a copy. Valid
+        until the bucket's next :meth:`board_slot` but one (the current) or its next (the one before)."""
         held = self._endpoint.board_held(state.bucket_id, (state.revision, step))
-        return held.view(torch.float32) if held is not None else None
+        return held.view(self._board_dtype) if held is not None else None
 
     def board_written(self, state: BucketState) -> None:
         """The update pass wrote the bucket's values of its current step into :meth:`board_slot`: the
@@ -210,8 +215,9 @@ class ParameterReplies:
                 "no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", needs.ram_in_memory / 2**30, available / 2**30
             )
             return
-        # fp32: two slots a bucket, so the update writes each version beside the one before, which is
-        # then what a restarted rank needs (no copy of it in the update pass)
-        slots = 2 if job.spec.wire_dtype == "float32" else 1
+        # two slots a bucket, so the update writes each version beside the one before, which is then
+        # what a restarted rank needs (no copy of it in the update pass, no kept 16-bit copy)
+        slots = 2
+        self._board_dtype = WIRE_DTYPES[job.spec.wire_dtype]
         if self._endpoint.publish_board(board_bytes(sizes * slots), slots_per_key=slots):
             log.info("same-host workers read parameters from a board of %.1f MiB", board_bytes(sizes * slots) / 2**20)

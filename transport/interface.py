@@ -18,7 +18,9 @@ from transport.wire import Header, Payload
 
 def no_shared_memory() -> dict[str, int]:
     """:meth:`ServerEndpoint.shared_memory` of an endpoint without shared memory."""
-    return dict.fromkeys(("connections", "written_bytes", "read_bytes", "board_bytes", "board_written_bytes", "board_referenced_bytes"), 0)
+    return dict.fromkeys(
+        ("connections", "written_bytes", "read_bytes", "board_bytes", "board_written_bytes", "board_copied_bytes", "board_referenced_bytes"), 0
+    )
 
 
 @dataclass(slots=True)

@@ -128,15 +128,16 @@ class SharedPeers:
         self._written_before = 0  # by connections since closed
         self._read_before = 0
         self.board: BoardPublisher | None = None
-        self._board_bytes_before = {"board_written_bytes": 0, "board_referenced_bytes": 0}  # by boards since closed
+        self._board_bytes_before = {"board_written_bytes": 0, "board_copied_bytes": 0, "board_referenced_bytes": 0}  # by boards since closed
 
     def snapshot(self) -> dict[str, int]:
         """Windowed connections and payload bytes through them each way (``written_bytes`` counts
-        board references too); the board's size, the bytes copied onto it and those sent as
-        references to it. Safe from another thread (values are copied under the interpreter lock)."""
+        board references too); the board's size, the bytes written onto it (in place or copied), those
+        copied and those sent as references to it. Safe from another thread (values are copied under the interpreter lock)."""
         live = list(self.connections.values())
         board = self.board
         written_board = self._board_bytes_before["board_written_bytes"] + (board.written_bytes if board is not None else 0)
+        copied_board = self._board_bytes_before["board_copied_bytes"] + (board.copied_bytes if board is not None else 0)
         referenced = self._board_bytes_before["board_referenced_bytes"] + (board.referenced_bytes if board is not None else 0)
         return {
             "connections": len(live),
@@ -144,6 +145,7 @@ class SharedPeers:
             "read_bytes": self._read_before + sum(c.reader.read_bytes for c in live),
             "board_bytes": board.window.nbytes if board is not None else 0,
             "board_written_bytes": written_board,
+            "board_copied_bytes": copied_board,
             "board_referenced_bytes": referenced,
         }
 

@@ -70,7 +70,8 @@ class BoardPublisher:
         self._double = slots_per_key == 2
         self._other: dict[Hashable, tuple[int, int, Hashable]] = {}  # key -> its other slot: (start, payload bytes, version held)
         self._end = 0
-        self.written_bytes = 0  # payload bytes copied in
+        self.written_bytes = 0  # payload bytes written in: copied by reference() or in place after open_slot()
+        self.copied_bytes = 0  # of them, copied by reference(): values not computed on the board
         self.referenced_bytes = 0  # payload bytes sent as references
 
     @property
@@ -102,6 +103,7 @@ class BoardPublisher:
             token = next(_tokens)
             self._tokens[index] = token
             self.written_bytes += total
+            self.copied_bytes += total
             self._slots[key] = (start, total, version, token)
         self.referenced_bytes += total
         return msgpack.packb([start, lengths, token])

@@ -1,0 +1,65 @@
+"""The update pass writes a bucket's new values onto the parameter board in the wire dtype, fp32 or
+bf16 (its cast), so nothing is copied onto the board on the send path once the job runs; the values
+same-host workers read there are the oracle's, bit for bit, and a worker on TCP gets the same bits
+(sent from the board's slot)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from job.placement import ParamSpec
+from optimizer_node.adamw import adamw_update
+from tests.optimizer_node.raw_client import HYPER, JOB, RawWorker
+from tests.optimizer_node.test_metrics import scrape
+from transport.wire import WIRE_DTYPES, Header, MsgType, tensor_header
+from transport.zmq_backend import ZmqTransport
+
+STEPS = 3
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_updates_are_written_onto_the_board_in_place_in_the_wire_dtype(start_node, wire):
+    # two workers, one on the node's host (reads the board) and one on TCP; buckets large enough to leave alone
+    job = dataclasses.replace(JOB, world_size=2, wire_dtype=wire, bucket_numel=4096, params=(ParamSpec("w", (6400,), "float32", 0),))
+    dtype = WIRE_DTYPES[wire]
+    node = start_node(extra_args=("--metrics-port", "0"))
+    transport = ZmqTransport()
+    local, remote = RawWorker(transport, node.same_host_address, 0), RawWorker(transport, node.address, 1)
+    try:
+        assert local.hello(job).meta["needs_init"] == [0, 1]
+        generator = torch.Generator().manual_seed(7)
+        params = [torch.randn(bucket.numel, generator=generator) for bucket in job.plan()]
+        for bucket_id, values in enumerate(params):
+            assert local.request(tensor_header(MsgType.INIT, values, rank=0, bucket_id=bucket_id), values).msg_type == MsgType.ACK
+        assert remote.hello(job).meta["needs_init"] == []
+        for _ in range(2):  # two round trips: the board is offered, mapped, and the node told
+            local.request(Header(msg_type=MsgType.QUERY, rank=0))
+        for bucket_id, values in enumerate(params):  # the first values are copied onto the board as they are sent
+            assert torch.equal(local.pull(bucket_id), values.to(dtype)) and torch.equal(remote.pull(bucket_id), values.to(dtype))
+        copied_at_start = scrape(node.metrics_url)["netoptim_same_host_board_copied_bytes_total"]
+        assert copied_at_start == sum(values.numel() for values in params) * dtype.itemsize
+
+        moments = [(torch.zeros_like(values), torch.zeros_like(values), torch.zeros(())) for values in params]
+        for step in range(STEPS):
+            for bucket_id, values in enumerate(params):
+                grads = [torch.randn(values.numel(), generator=generator).to(dtype) for _ in range(2)]
+                remote.push(bucket_id, step, grads[1])
+                local.push(bucket_id, step, grads[0])
+                # the oracle: torch's fused AdamW on the two gradients summed in fp32 in rank order, divided by two
+                total = grads[0].to(torch.float32) + grads[1].to(torch.float32)
+                adamw_update(values, total, *moments[bucket_id], HYPER, grad_divisor=torch.tensor(2.0))
+                for worker in (local, remote):
+                    header, received = worker.reply()
+                    assert header.msg_type == MsgType.PARAMS and header.bucket_id == bucket_id and header.step == step + 1
+                    assert received.dtype == dtype and torch.equal(received, values.to(dtype)), f"step {step}, bucket {bucket_id}, rank {worker.rank}"
+        assert local.client.shared.board is not None and local.client.shared.board.read_bytes > 0, "the local worker read the board"
+        metrics = scrape(node.metrics_url)
+        assert metrics["netoptim_same_host_board_copied_bytes_total"] == copied_at_start, "every update was written onto the board in place"
+        assert metrics["netoptim_same_host_board_written_bytes_total"] == copied_at_start * (1 + STEPS)
+    finally:
+        local.client.close()
+        remote.client.close()
+        transport.close()
