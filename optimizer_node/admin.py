@@ -144,7 +144,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         raise AssertionError("unreachable: abort raises")
 
     def GetStatus(self, request: admin_pb2.GetStatusRequest, context: grpc.ServicerContext) -> admin_pb2.GetStatusResponse:
-        status = self._call(context, self._daemon.status)
+        status = self._call(context, self._daemon.operator.status)
         return admin_pb2.GetStatusResponse(
             node_id=status["node_id"],
             version=_version(),
@@ -174,12 +174,18 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:
-        status = self._call(context, self._daemon.status)
+        status = self._call(context, self._daemon.operator.status)
         return admin_pb2.ListWorkersResponse(world_size=status["world_size"], workers=_workers(status["workers"]))
 
     def GetHyperparameters(self, request: admin_pb2.GetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.GetHyperparametersResponse:
         overrides, clip, applied, origins = self._call(
-            context, lambda: (self._daemon.overrides, self._daemon.clip_override, self._daemon.last_applied(), self._daemon.override_list())
+            context,
+            lambda: (
+                self._daemon.operator.hyper_overrides,
+                self._daemon.operator.clip_override,
+                self._daemon.operator.last_applied(),
+                self._daemon.operator.override_list(),
+            ),
         )
         return admin_pb2.GetHyperparametersResponse(
             overrides=_overrides_message(overrides, clip),
@@ -192,7 +198,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
 
     def SetHyperparameters(self, request: admin_pb2.SetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.SetHyperparametersResponse:
         def change() -> tuple[HyperOverrides, float | None]:
-            base = HyperOverrides() if request.clear else self._daemon.overrides
+            base = HyperOverrides() if request.clear else self._daemon.operator.hyper_overrides
             values = {name: getattr(base, name) for name in _OVERRIDE_FIELDS}
             for name in _OVERRIDE_FIELDS:
                 if request.overrides.HasField(name):
@@ -204,12 +210,12 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             clip_changes = request.overrides.HasField("max_grad_norm") or request.clear
             clip = request.overrides.max_grad_norm if request.overrides.HasField("max_grad_norm") else None
             if clip_changes:
-                self._daemon.check_max_grad_norm(clip)
+                self._daemon.operator.check_max_grad_norm(clip)
             # Both validated: apply both, or neither.
-            self._daemon.set_overrides(overrides)
+            self._daemon.operator.set_overrides(overrides)
             if clip_changes:
-                self._daemon.set_max_grad_norm(clip)
-            return self._daemon.overrides, self._daemon.clip_override
+                self._daemon.operator.set_max_grad_norm(clip)
+            return self._daemon.operator.hyper_overrides, self._daemon.operator.clip_override
 
         return admin_pb2.SetHyperparametersResponse(overrides=_overrides_message(*self._call(context, change)))
 
@@ -219,10 +225,10 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         # would let a caller forge log lines.
         if len(reason) > MAX_REASON_CHARS or not reason.isprintable():
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the reason must be printable text on one line, at most {MAX_REASON_CHARS} characters")
-        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.pause(reason)))
+        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.operator.pause(reason)))
 
     def Resume(self, request: admin_pb2.ResumeRequest, context: grpc.ServicerContext) -> admin_pb2.ResumeResponse:
-        applied, step = self._call(context, lambda: (self._daemon.resume(), self._daemon.step))
+        applied, step = self._call(context, lambda: (self._daemon.operator.resume(), self._daemon.step))
         return admin_pb2.ResumeResponse(step=step, buckets_applied=applied)
 
     def _await_checkpoint(self, context: grpc.ServicerContext, start: Callable[[], futures.Future], timeout_s: float) -> dict:
@@ -271,7 +277,9 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         reason = request.reason
         if len(reason) > MAX_REASON_CHARS or not reason.isprintable():
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the reason must be printable text on one line, at most {MAX_REASON_CHARS} characters")
-        told, width = self._call(context, lambda: (self._daemon.ask_to_leave(list(request.leave), reason), self._daemon.status()["world_size"]))
+        told, width = self._call(
+            context, lambda: (self._daemon.operator.ask_to_leave(list(request.leave), reason), self._daemon.operator.status()["world_size"])
+        )
         return admin_pb2.MorphResponse(told=told, world_size=width)
 
     def WatchSteps(self, request: admin_pb2.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[admin_pb2.StepEvent]:

@@ -15,6 +15,7 @@ from job.spec import (
     DEFAULT_MAX_WORLD_SIZE,
     JobLimits,
 )
+from transport import backend_for
 from transport.exposure import reachable_from_network
 from transport.wire import DEFAULT_CHUNK_BYTES, MAX_HEADER_BYTES
 
@@ -195,6 +196,18 @@ class NodeConfig:
             max_world_size=self.max_world_size,
             max_nodes=self.max_job_nodes,
         )
+
+    def endpoint_limits(self) -> dict[str, int | None]:
+        """The limits the ZeroMQ backend enforces on the node's endpoint (frames, headers, peers); other
+        backends have their own bounds (Mooncake: its receive windows)."""
+        if backend_for(self.listen) != "zmq":
+            return {}
+        return {
+            "max_frame_bytes": self.max_frame_bytes,
+            "max_header_bytes": self.max_header_bytes,
+            "max_peers": self.max_peers,
+            "same_host_window_bytes": self.same_host_window_mb << 20,
+        }
 
     def _validate_limits(self) -> None:
         """``ValueError`` for a resource limit that is not a positive integer, or too small to work."""

@@ -22,6 +22,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import NamedTuple
@@ -36,6 +37,7 @@ from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
+from optimizer_node.echoes import EchoReplies
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
@@ -43,7 +45,7 @@ from optimizer_node.metrics import NodeMetrics
 from optimizer_node.morphing import MorphGate
 from optimizer_node.non_finite import NonFiniteStats, count_non_finite
 from optimizer_node.ooc_store import OutOfCoreStore
-from optimizer_node.operator import OperatorControls
+from optimizer_node.operator import NodeOperator
 from optimizer_node.overrides import OperatorOverrides
 from optimizer_node.persistence import Checkpoints
 from optimizer_node.reduce import OrderedReduction
@@ -55,9 +57,9 @@ from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
 from optimizer_node.update_path_choice import UpdatePathChoice
 from optimizer_node.waiting_hellos import WaitingHellos
-from transport import backend_for, create_transport
+from transport import create_transport
 from transport.batches import split_batch
-from transport.interface import Message, SendHandle
+from transport.interface import Message
 from transport.security import CurveServerConfig
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
@@ -81,20 +83,7 @@ APPLY_BURST = 8
 """Ready updates applied in a row before the serve loop looks for messages again."""
 
 
-def _endpoint_limits(config: NodeConfig) -> dict[str, int | None]:
-    """The limits the ZeroMQ backend enforces on the node's endpoint (frames, headers, peers); other
-    backends have their own bounds (Mooncake: its receive windows)."""
-    if backend_for(config.listen) != "zmq":
-        return {}
-    return {
-        "max_frame_bytes": config.max_frame_bytes,
-        "max_header_bytes": config.max_header_bytes,
-        "max_peers": config.max_peers,
-        "same_host_window_bytes": config.same_host_window_mb << 20,
-    }
-
-
-class NodeDaemon(JobRegistration, OperatorControls):
+class NodeDaemon(JobRegistration):
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -107,7 +96,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
             chunk_bytes=config.chunk_bytes,
             curve_server=curve,
             io_threads=config.io_threads,
-            **_endpoint_limits(config),
+            **config.endpoint_limits(),
         )
         self._endpoint = self._transport.bind(config.listen)
         try:  # which ranks each allowed key may register as; a bad allow-list file stops the start
@@ -116,7 +105,6 @@ class NodeDaemon(JobRegistration, OperatorControls):
             self._endpoint.close()
             self._transport.close()
             raise
-        self._echoes_in_flight: list[tuple[SendHandle, int]] = []  # ECHO payloads not yet handed to the OS, and their bytes
         self.address = self._endpoint.address
         self.same_host_address = self._endpoint.bind_same_host() if config.same_host_ipc else None
         self.node_id = config.node_id or self.address
@@ -136,6 +124,9 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
         self._worker_checks = config.non_finite_check == "worker"
         self._reset_job_state()
+        self._echoes = EchoReplies(
+            self._endpoint, self._send, lambda nbytes: self.metrics.sent(nbytes), max_bytes=config.max_echo_bytes, chunk_bytes=config.chunk_bytes
+        )
         self._handlers = {  # built once: handle() runs for every message
             MsgType.HELLO: self._on_hello,
             MsgType.INIT: self._on_init,
@@ -143,7 +134,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
             MsgType.PULL: self._on_pull,
             MsgType.CLIP: self._on_clip,
             MsgType.QUERY: self._on_query,
-            MsgType.ECHO: self._on_echo,
+            MsgType.ECHO: self._echoes.on_echo,
             MsgType.READ_STATE: self._on_read_state,
             MsgType.LOAD_STATE: self._on_load_state,
             MsgType.BYE: self._on_bye,
@@ -155,7 +146,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
             self.non_finite,
             workers_last_seen=lambda: [record.last_seen for record in self._ledger.present()],
-            paused=lambda: self._pause_reason is not None,
+            paused=lambda: self.operator.pause_reason is not None,
             draining=lambda: self._checkpoints.drain_step is not None,
             last_checkpoint_unix=lambda: (self._checkpoints.last or {}).get("created_unix"),
             shared_memory=self._endpoint.shared_memory,
@@ -201,15 +192,16 @@ class NodeDaemon(JobRegistration, OperatorControls):
         self._payload_why = f"this node's limit of {self.config.max_message_bytes} bytes (--max-message-bytes)"
         self._in_flight: dict[int, BucketStep] = {}
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
-        self._overrides = OperatorOverrides()  # hyperparameter overrides and the clipping threshold an operator set, with their origins
-        self._pause_reason: str | None = None  # set while an operator has paused updates
         self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
         self._storage_retry_at = 0.0
-        self._checkpoints = Checkpoints(self.config, self._crash_points, self._store, self._overrides, self)  # asked for, drain, the last one
+        overrides = OperatorOverrides()  # hyperparameter overrides and the clipping threshold an operator set, with their origins
+        self._checkpoints = Checkpoints(self.config, self._crash_points, self._store, overrides, self)  # asked for, drain, the last one
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
         self._morphs = MorphGate()  # the job's width changes, and morph HELLOs that came early
         self._update_paths = UpdatePathChoice(enabled=self._compiled_update)  # compiled loop or torch ops: timed on the job's first updates
+        # what an operator set for this job (the pause, the overrides) and can see
+        self.operator = NodeOperator(self, overrides, store=self._store, checkpoints=self._checkpoints, morphs=self._morphs, update_paths=self._update_paths)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -248,7 +240,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
                 self._store.poll()
                 if self._store.last_error is not None:
                     self.storage_error, self._store.last_error = self._store.last_error, None
-                can_apply = bool(self._ready) and self._pause_reason is None and time.monotonic() >= self._storage_retry_at
+                can_apply = bool(self._ready) and self.operator.pause_reason is None and time.monotonic() >= self._storage_retry_at
                 if self._replies.outbox and not can_apply:  # no more updates to add to them: the batches leave
                     self._flush_outbox()
                 try:
@@ -292,6 +284,38 @@ class NodeDaemon(JobRegistration, OperatorControls):
         """Whether every owned bucket is at the same step and no gradient of the next is in."""
         steps = {state.step for state in self._store}
         return self._job is not None and len(steps) <= 1 and not self._in_flight and len(self._store) == len(self._job.owned)
+
+    def request_stop(self) -> None:
+        """Stop the serve loop after the current message."""
+        if self._stop is not None:
+            self._stop.set()
+
+    # ---------------------------------------------------------------- what the operator reads and asks (operator.py)
+
+    @property
+    def ledger(self) -> StepLedger:
+        """Who each rank of the job is (a new ledger when the job changes its width)."""
+        return self._ledger
+
+    @property
+    def finished_step(self) -> int | None:
+        """The step at which every rank said BYE, ending the job; ``None`` while it runs."""
+        return self._finished_step
+
+    def tell_workers(self, meta: dict, *, peers: Iterable[bytes] | None = None, rank: int = -1) -> None:
+        """A NOTICE with ``meta`` to ``peers`` (every connection of the job's ranks: ``None``)."""
+        for peer in self._ledger.connections() if peers is None else peers:
+            self._send(peer, Header(msg_type=MsgType.NOTICE, rank=rank, step=self.step, meta=meta))
+
+    def release_held_updates(self) -> int:
+        """After a pause: apply the updates held (or first ask for the global norm they wait for);
+        returns how many buckets were updated now."""
+        job = self._job
+        if job is None:
+            return 0
+        if self._global_round and not self._ready:
+            self._maybe_request_norm(job)
+        return self.apply_all_ready()
 
     # ---------------------------------------------------------------- checkpoints (the admin service's calls)
 
@@ -348,8 +372,8 @@ class NodeDaemon(JobRegistration, OperatorControls):
         for peer in self._ledger.connections():
             self._send(peer, Header(msg_type=MsgType.NOTICE, step=step, meta=notice))
         self._checkpoints.cancel_waiters(reason)
-        if self._overrides.origins:
-            log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self._overrides.origins)))
+        if self.operator.overrides.origins:
+            log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self.operator.overrides.origins)))
         self._store.close()
         if self._gc_frozen:
             gc.unfreeze()
@@ -495,7 +519,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
         in_flight = self._in_flight.get(bucket.bucket_id)
         if in_flight is None:
             try:  # once per bucket and step (later pushes must send the same): with the overrides (lr x lr_scale) too
-                validate_for_rule(job.spec.rule, self._overrides.apply(hyper))
+                validate_for_rule(job.spec.rule, self.operator.overrides.apply(hyper))
             except ValueError as exc:
                 raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
             # defer: the last arrival's gradient is added in the update pass, together with AdamW
@@ -564,7 +588,9 @@ class NodeDaemon(JobRegistration, OperatorControls):
 
     def _maybe_request_norm(self, job: ActiveJob) -> None:
         """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
-        if self._pause_reason is None and self._norm_round.share(job, self._in_flight, self.max_grad_norm) is not None:  # else resume() asks again
+        if (
+            self.operator.pause_reason is None and self._norm_round.share(job, self._in_flight, self.operator.max_grad_norm) is not None
+        ):  # else resume() asks again
             self._send_norm_partial()
 
     def _send_norm_partial(self) -> None:
@@ -572,13 +598,13 @@ class NodeDaemon(JobRegistration, OperatorControls):
 
     def _on_clip(self, message: Message) -> None:
         self._require_rank(message)
-        self._norm_round.on_clip(message.header, self._in_flight, self._ready, self.max_grad_norm)
+        self._norm_round.on_clip(message.header, self._in_flight, self._ready, self.operator.max_grad_norm)
 
     @property
     def _global_round(self) -> bool:
         """Whether a step's updates wait for the round across all buckets and nodes: for the global
         gradient norm (clipping), or for the agreement to skip a step with a non-finite gradient."""
-        return self.max_grad_norm is not None or self.config.non_finite == "skip"
+        return self.operator.max_grad_norm is not None or self.config.non_finite == "skip"
 
     def _refuse_non_finite(self, peer: bytes, header: Header, values: int) -> None:
         """The refuse policy: answer the push with NON_FINITE and tell the job's other ranks, which
@@ -608,7 +634,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
 
     def apply_next(self) -> bool:
         """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
-        if not self._ready or self._pause_reason is not None:
+        if not self._ready or self.operator.pause_reason is not None:
             return False
         job = self._require_job()
         bucket_id = heapq.heappop(self._ready)
@@ -688,13 +714,13 @@ class NodeDaemon(JobRegistration, OperatorControls):
         absent = in_flight.absent or frozenset()
         # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
         unchanged = len(absent) == len(segments) and not in_flight.skip
-        hyper = self._overrides.apply(in_flight.hyper)
+        hyper = self.operator.overrides.apply(in_flight.hyper)
         if in_flight.skip:
             # GradScaler semantics: no segment is stepped (parameters, moments and AdamW's step counts stay);
             # the protocol step still advances, so the workers get these values as the next step's and go on.
             absent = frozenset(range(len(segments)))
         else:
-            self._overrides.applied(job.owned[state.bucket_id].group, hyper)
+            self.operator.overrides.applied(job.owned[state.bucket_id].group, hyper)
         updating = time.perf_counter()
         applied = update_bucket(
             state,
@@ -763,7 +789,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
             self._gc_frozen = True
         self.clock.step_completed(step)
         self.metrics.step_completed(self.clock.last, step)
-        self._overrides.step_begins()
+        self.operator.overrides.step_begins()
         self._checkpoints.step_completed(step)
         self._maybe_finished()  # a rank's BYE can overtake its last pushes (on another of its connections)
         self._morphs.update_sent()
@@ -793,7 +819,7 @@ class NodeDaemon(JobRegistration, OperatorControls):
             "missing": missing,
             "awaiting_clip": self._norm_round.awaiting,
             "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),
-            "paused": self._pause_reason,
+            "paused": self.operator.pause_reason,
             "storage_error": self.storage_error,
         }
         self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
@@ -831,30 +857,3 @@ class NodeDaemon(JobRegistration, OperatorControls):
         state.pending_sends.clear()
         load_part(self._store, state, message, len(job.segments[state.bucket_id]))
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))
-
-    def _on_echo(self, message: Message) -> None:
-        """The peer's own payload, step and bucket id back, and nothing of the node's; LIMIT when the
-        echoes still on their way back would hold more than ``--max-echo-bytes``. The node sends what
-        it received without a copy, so a peer that echoes without reading the answers would otherwise
-        pin as much memory as it cares to send."""
-        header = message.header
-        if not message.tensors:
-            self._send(message.peer, Header(msg_type=MsgType.ECHO))
-            return
-        self._echoes_in_flight = [(handle, size) for handle, size in self._echoes_in_flight if not handle.done()]
-        pending = sum(size for _handle, size in self._echoes_in_flight)
-        if pending + header.payload_bytes > self.config.max_echo_bytes:
-            raise WireError(
-                ErrorCode.LIMIT,
-                f"an ECHO of {header.payload_bytes} bytes would put more than {self.config.max_echo_bytes} bytes of echoes on their way back at once "
-                "(--max-echo-bytes): read the echoes before sending more",
-            )
-        payload = [view for _offset, view in message.tensors]  # the received frames go back uncopied
-        reply = tensor_header(MsgType.ECHO, payload, self.config.chunk_bytes, step=header.step, bucket_id=header.bucket_id)
-        try:
-            handle = self._endpoint.send(message.peer, reply, payload)
-        except ConnectionError as exc:
-            log.warning("could not reply ECHO: %s", exc)
-            return
-        self.metrics.sent(reply.payload_bytes)
-        self._echoes_in_flight.append((handle, reply.payload_bytes))

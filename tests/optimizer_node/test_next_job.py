@@ -188,9 +188,9 @@ def test_a_node_that_let_its_job_go_is_a_fresh_node_in_every_job_field():
     serving = threading.Thread(target=node.serve, args=(stop,))
     serving.start()
     try:
-        node.commands.call(lambda: node.set_overrides(type(node.overrides)(lr_scale=0.5)))
+        node.commands.call(lambda: node.operator.set_overrides(type(node.operator.hyper_overrides)(lr_scale=0.5)))
         train(node.address, model_a)
-        node.commands.call(lambda: node.pause("checking"))
+        node.commands.call(lambda: node.operator.pause("checking"))
         assert node.commands.call(lambda: node.let_job_go("a test"))["step"] == STEPS
         after = {name: _state_of(value, node_wide=node_wide_ids(node)) for name, value in vars(node).items() if name not in NODE_WIDE}
         before = {name: _state_of(value, node_wide=node_wide_ids(fresh)) for name, value in vars(fresh).items() if name not in NODE_WIDE}

@@ -323,6 +323,7 @@ def test_echoes_a_peer_does_not_read_are_bounded():
     sends. Past --max-echo-bytes of echoes on their way back, ECHO is answered with LIMIT."""
     node = NodeDaemon(NodeConfig(same_host_ipc=False, max_echo_bytes=3 * 4096))
     real_endpoint, node._endpoint = node._endpoint, _SilentEndpoint()  # type: ignore[assignment]
+    node._echoes._endpoint = node._endpoint  # the echoes go out on it too
     try:
         payload = torch.zeros(1024)  # 4 KiB
         frames = [memoryview(frame) for frame in encode_message(tensor_header(MsgType.ECHO, payload), payload)[1:]]
