@@ -1,5 +1,5 @@
 """A node's state for the job it serves and for each bucket's step in flight (shared by the
-daemon and its mixins, so none of them imports the daemon)."""
+daemon, its registration mixin and the parts it composes, so none of them imports the daemon)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Per parameter a node keeps 12 bytes of state (fp32 master, exp_avg, exp_avg_sq).
 holds the gradients that arrived and are not applied yet: in full-model mode up to every worker's
 whole share (workers push everything at the end of the step), in layer-wise mode at most each
 worker's push window. A wire dtype other than fp32 adds an fp32 sum and a cast copy per resident
-bucket. In memory it also keeps, for a worker that restarts in the middle of a step, the values of
+bucket (the cast on the board, where there is one). In memory it also keeps, for a worker that restarts in the middle of a step, the values of
 each bucket before its last update, in the wire dtype (see :mod:`optimizer_node.step_ledger`), or,
 where same-host workers read from it, the parameter board: two versions of each bucket in the wire
 dtype, the one before the current being what is kept (a 16-bit wire's cast is made there). Out

@@ -116,7 +116,7 @@ class JobRegistration:
     limit_log: RateLimitedLog  # rate-limited lines for what peers can repeat at will
     _allow_list: AllowList | None  # with CURVE: the allowed keys and the ranks each may register as
 
-    if TYPE_CHECKING:  # provided by NodeDaemon and its other mixins
+    if TYPE_CHECKING:  # provided by NodeDaemon
 
         @property
         def step(self) -> int: ...

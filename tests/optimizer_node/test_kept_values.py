@@ -1,7 +1,7 @@
 """The values a node keeps for a worker that restarts in the middle of a step, whichever way it keeps
 them: copied at the bucket's first gradient (fp32 wire, several workers), written by the update
 pass (one worker), the outgoing 16-bit copy kept as it was sent (bf16 wire), or, with same-host
-workers reading an fp32 job's parameter board, left where they are on the board (two slots a
+workers reading the job's parameter board (fp32 or bf16), left where they are on the board (two slots a
 bucket: the update writes the other one)."""
 
 from __future__ import annotations
