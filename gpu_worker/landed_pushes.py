@@ -66,9 +66,6 @@ class LandedPushes:
             self._send_first()
 
     def _send_first(self) -> None:
-        bucket_id, grads, hypers = self._unsent.popleft()
+        bucket_id, grads, hypers = self._unsent[0]
         self._session.push_bucket(bucket_id, grads, hypers)
-
-    def clear(self) -> None:
-        """Forget staged buckets that will not be sent (the session gives their places back)."""
-        self._unsent.clear()
+        self._unsent.popleft()  # only once sent: a push that failed stays for the step's retry, with its gradients

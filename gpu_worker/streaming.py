@@ -346,7 +346,6 @@ class LayerStreamer:
             unit.waits_for = None
         self._pushes.send_all()
         self.session.advance([b.bucket_id for b in self.session.buckets])
-        self._pushes.clear()
         self.session.release_send_buffers()
         trim_host_heap()
         self.step += 1

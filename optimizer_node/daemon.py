@@ -368,9 +368,7 @@ class NodeDaemon(JobRegistration):
         self._flush_outbox()
         self._checkpoints.on_exit()
         archived = archive_checkpoints(Path(self.config.checkpoint_dir), f"job-{fingerprint}-step-{step:010d}") if self.config.checkpoint_dir else None
-        notice = {"job_dropped": f"{reason}; its state at step {step} is {f'in {archived}' if archived else 'gone (no --checkpoint-dir)'}"}
-        for peer in self._ledger.connections():
-            self._send(peer, Header(msg_type=MsgType.NOTICE, step=step, meta=notice))
+        self.tell_workers({"job_dropped": f"{reason}; its state at step {step} is {f'in {archived}' if archived else 'gone (no --checkpoint-dir)'}"})
         self._checkpoints.cancel_waiters(reason)
         if self.operator.overrides.origins:
             log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self.operator.overrides.origins)))
@@ -577,7 +575,7 @@ class NodeDaemon(JobRegistration):
                 # Keep the values a restarted rank would need now, while the other ranks' gradients are
                 # on their way, rather than on the path from the last gradient to the new values: where
                 # a board of two slots a bucket holds them, there (the update writes the other slot).
-                if not self._kept_on_board(state):
+                if not self._kept_on_board(job, state):
                     self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
             return
         if self._global_round:
@@ -679,7 +677,7 @@ class NodeDaemon(JobRegistration):
             if state.wire_copy is not None and state.wire_step == state.step:  # 16-bit wire: keep what went out
                 state.wire_copy = self._ledger.swap_kept(state.bucket_id, state.step, state.wire_copy)
                 state.wire_step = -1
-            elif board is None or not self._kept_on_board(state):  # else on the board's other slot, no copy
+            elif board is None or not self._kept_on_board(job, state):  # else on the board's other slot, no copy
                 # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
                 previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
         if board is not None and state.wire_copy is not None:  # 16-bit: cast onto the board from now on, no copy of its own
@@ -692,10 +690,10 @@ class NodeDaemon(JobRegistration):
         if previous is not None:
             self._ledger.keep(state.bucket_id, kept_step, previous)
 
-    def _kept_on_board(self, state: BucketState) -> bool:
+    def _kept_on_board(self, job: ActiveJob, state: BucketState) -> bool:
         """Keep the bucket's values of its step for a restarted rank where a board of two slots a bucket
         holds them (a view; the update writes the other slot); False where it does not (keep a copy)."""
-        on_board = self._replies.board_values(state, state.step)
+        on_board = self._replies.board_values(job, state, state.step)
         if on_board is None:
             return False
         if self._ledger.may_need(state.bucket_id, state.step):

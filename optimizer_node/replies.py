@@ -62,7 +62,6 @@ class ParameterReplies:
         self._deferred: dict[int, list[tuple[bytes, int]]] = {}  # bucket -> (peer, step asked for)
         self._batching: dict[int, bytes] = {}  # rank -> its connection, for ranks that take batches
         self.batching_peers: frozenset[bytes] = frozenset()
-        self._board_dtype = torch.float32  # the job's wire dtype, what the board's slots hold
 
     def forget_ranks(self) -> None:
         """The job's ranks are not the same any more (it changed its width): no pull waits, no rank
@@ -149,11 +148,10 @@ class ParameterReplies:
         """The bucket's current values to ``peers``; ``batched``: small ones may wait in the outbox for
         the other buckets updated meanwhile, for the peers that take batches."""
         params = self._store.params_for_send(state)  # out of core: only the parameter third is read
-        on_board = None if job.spec.wire_dtype == "float32" or params is not state.param else self.board_values(state, state.step)
         if job.spec.wire_dtype == "float32":
             payload = params
-        elif on_board is not None:  # the update pass cast them onto the board: sent from there, no cast, no copy
-            payload = on_board
+        elif params is state.param and (on_board := self.board_values(job, state, state.step)) is not None:
+            payload = on_board  # the update pass cast them onto the board: sent from there, no cast, no copy
         elif params is state.param:
             if state.wire_copy is None:
                 state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
@@ -186,13 +184,13 @@ class ParameterReplies:
         slot = self._endpoint.board_slot(state.bucket_id, nbytes)
         return slot.view(dtype) if slot is not None else None
 
-    def board_values(self, state: BucketState, step: int) -> torch.Tensor | None:
+    def board_values(self, job: ActiveJob, state: BucketState, step: int) -> torch.Tensor | None:
         """The bucket's values of ``step`` (its current revision) in the wire dtype where they lie on
         the board: the current slot, or after :meth:`board_slot` opened the other one, the slot before;
         what the node sends from, and keeps for a rank that restarts mid-step, without a copy. Valid
         until the bucket's next :meth:`board_slot` but one (the current) or its next (the one before)."""
         held = self._endpoint.board_held(state.bucket_id, (state.revision, step))
-        return held.view(self._board_dtype) if held is not None else None
+        return held.view(WIRE_DTYPES[job.spec.wire_dtype]) if held is not None else None
 
     def board_written(self, state: BucketState) -> None:
         """The update pass wrote the bucket's values of its current step into :meth:`board_slot`: the
@@ -217,7 +215,6 @@ class ParameterReplies:
             return
         # two slots a bucket, so the update writes each version beside the one before, which is then
         # what a restarted rank needs (no copy of it in the update pass, no kept 16-bit copy)
-        slots = 2
-        self._board_dtype = WIRE_DTYPES[job.spec.wire_dtype]
-        if self._endpoint.publish_board(board_bytes(sizes * slots), slots_per_key=slots):
-            log.info("same-host workers read parameters from a board of %.1f MiB", board_bytes(sizes * slots) / 2**20)
+        nbytes = board_bytes(sizes * 2)
+        if self._endpoint.publish_board(nbytes, slots_per_key=2):
+            log.info("same-host workers read parameters from a board of %.1f MiB", nbytes / 2**20)
