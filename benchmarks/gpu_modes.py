@@ -67,6 +67,14 @@ def node_status(admins: list[str], *, settle_s: float = 0.0) -> list[dict]:
                 {
                     "update_path": status.update_path,
                     "last_step_s": {"wall": last.wall_seconds, "reduce": last.reduce_seconds, "update": last.update_seconds, "send": last.send_seconds},
+                    # of "update", inside the passes; each bucket's pass (a long tail: threads stalled at the pass's join)
+                    "last_step_passes": {
+                        "seconds": last.pass_seconds,
+                        "buckets": last.buckets,
+                        "median_ms": last.pass_median_ms,
+                        "p90_ms": last.pass_p90_ms,
+                        "max_ms": last.pass_max_ms,
+                    },
                 }
             )
     return statuses

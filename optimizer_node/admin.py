@@ -84,7 +84,17 @@ class AdminConfig:
 
 
 def _timings(timings: StepTimings) -> admin_pb2.StepTimings:
-    return admin_pb2.StepTimings(wall_seconds=timings.wall_s, reduce_seconds=timings.reduce_s, update_seconds=timings.update_s, send_seconds=timings.send_s)
+    return admin_pb2.StepTimings(
+        wall_seconds=timings.wall_s,
+        reduce_seconds=timings.reduce_s,
+        update_seconds=timings.update_s,
+        send_seconds=timings.send_s,
+        pass_seconds=timings.pass_s,
+        pass_median_ms=1e3 * timings.pass_percentile(0.5),
+        pass_p90_ms=1e3 * timings.pass_percentile(0.9),
+        pass_max_ms=1e3 * timings.pass_percentile(1.0),
+        buckets=len(timings.passes),
+    )
 
 
 def _overrides_message(overrides: HyperOverrides, max_grad_norm: float | None) -> admin_pb2.Hyperparameters:

@@ -7,6 +7,7 @@ number of subscribers read from their own queues.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -54,6 +55,15 @@ class StepTimings:
     reduce_s: float = 0.0
     update_s: float = 0.0
     send_s: float = 0.0
+    pass_s: float = 0.0  # of update_s, inside the update passes (the rest: the bookkeeping around them)
+    passes: list[float] = field(default_factory=list)  # each bucket's pass, seconds
+
+    def pass_percentile(self, q: float) -> float:
+        """The ``q`` quantile (0..1, nearest rank) of the step's per-bucket pass times, seconds; 0 without any."""
+        if not self.passes:
+            return 0.0
+        ordered = sorted(self.passes)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 @dataclass(slots=True)

@@ -734,8 +734,11 @@ class NodeDaemon(JobRegistration):
             previous_out=previous,
             compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
         )
+        passed = time.perf_counter() - updating
+        self.clock.current.pass_s += passed
+        self.clock.current.passes.append(passed)
         if applied.changed:
-            self._update_paths.record(applied.compiled, state.numel, time.perf_counter() - updating)
+            self._update_paths.record(applied.compiled, state.numel, passed)
         state.step += 1
         state.wire_step = state.step if wire is not None and board is None else -1
         if board is not None:

@@ -80,6 +80,9 @@ def test_status_workers_and_step_stream(admin_node):
     status = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=AUTH, timeout=10)
     assert status.registered and status.step == 3 and status.world_size == 1 and status.buckets_owned == 1
     assert status.bytes_owned == 12 * 15 and status.last_step.update_seconds > 0
+    last = status.last_step  # one bucket: its pass is the whole of the step's passes, within the update
+    assert last.buckets == 1 and 0 < last.pass_seconds <= last.update_seconds
+    assert last.pass_median_ms == last.pass_p90_ms == last.pass_max_ms == pytest.approx(1e3 * last.pass_seconds)
     # the compiled loop is checked in the background from the node's start; torch ops meanwhile
     assert status.update_path in ("compiled", "torch-ops, checking the compiled loop", "torch-ops")
     deadline = time.monotonic() + 120
