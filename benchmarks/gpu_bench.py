@@ -41,7 +41,7 @@ from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_up
 from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
 from benchmarks.train_bench import param_count
 from gpu_worker.models import GPTConfig
-from launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, usable_cpus
+from launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, update_threads, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +118,16 @@ class HostSplit:
 
 def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int) -> HostSplit:
     """The worker gets the first ``worker_cpus`` usable CPUs; pinned, each node gets a disjoint set of
-    the rest (NUMA nodes kept whole where the counts allow) and a thread per CPU unless ``node_threads``
-    says; unpinned, the nodes share the cores the worker leaves. ValueError if the CPUs do not go round."""
+    the rest (NUMA nodes kept whole where the counts allow) and :func:`update_threads` of them unless
+    ``node_threads`` says; unpinned, the nodes share the cores the worker leaves, as many threads
+    again. ValueError if the CPUs do not go round."""
     usable = usable_cpus()
     if not pin:
-        return HostSplit(node_threads or max(1, (len(usable) - worker_cpus) // nodes))
+        return HostSplit(node_threads or update_threads(max(1, (len(usable) - worker_cpus) // nodes)))
     if len(usable) < worker_cpus + nodes:
         raise ValueError(f"--pin: {nodes} node(s) and --worker-cpus {worker_cpus} need {worker_cpus + nodes} CPUs; this process may use {len(usable)}")
     sets = tuple(split_cpus(usable[worker_cpus:], nodes, numa_nodes(usable=usable)))
-    return HostSplit(node_threads or min(len(cpus) for cpus in sets), sets, usable[:worker_cpus])
+    return HostSplit(node_threads or update_threads(min(len(cpus) for cpus in sets)), sets, usable[:worker_cpus])
 
 
 def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, split: HostSplit) -> dict:

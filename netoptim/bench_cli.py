@@ -188,14 +188,16 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         "--node-threads",
         type=positive_int,
         default=None,
-        help="update threads per local node (default: with --pin, one per CPU of the node's set; otherwise the CPUs less --worker-cpus, shared among the nodes)",
+        help="update threads per local node (default: with --pin, one per CPU of the node's set; otherwise the CPUs less --worker-cpus, shared "
+        "among the nodes; either way one less from 4 up, a CPU left for the node's I/O)",
     )
     gpu.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="pin the training process to the first --worker-cpus CPUs and each local node to a disjoint set of the rest, NUMA nodes kept whole "
-        "where the counts allow (netoptim node --cpus); DeepSpeed's modes run unpinned either way (default: off)",
+        "where the counts allow (netoptim node --cpus); DeepSpeed's modes run unpinned either way (default: on: unpinned, the node's "
+        "update threads and the training process's take cores from each other and each bucket's pass waits for its slowest thread)",
     )
     gpu.add_argument(
         "--limits",

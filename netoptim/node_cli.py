@@ -102,7 +102,8 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=positive_int,
         default=None,
-        help="CPU threads for the update kernels (default: one per CPU of --cpus/--numa-node; otherwise torch's choice)",
+        help="CPU threads for the update kernels (default: one per CPU of --cpus/--numa-node, but one left for the node's "
+        "I/O from 4 CPUs up; otherwise torch's choice)",
     )
     node.add_argument(
         "--cpus",

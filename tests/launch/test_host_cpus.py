@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
-from launch.host_cpus import CpuPlacement, format_cpu_list, numa_nodes, parse_cpu_list, split_cpus
+from launch.host_cpus import CpuPlacement, format_cpu_list, numa_nodes, parse_cpu_list, split_cpus, update_threads
 
 USABLE = tuple(sorted(os.sched_getaffinity(0)))
 
@@ -101,6 +101,12 @@ def cpus_of_every_thread(pid: int) -> set[str]:
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
     return masks
+
+
+def test_a_node_leaves_one_of_four_or_more_cpus_to_its_io():
+    assert [update_threads(cpus) for cpus in (1, 2, 3, 4, 14, 64)] == [1, 2, 3, 3, 13, 63]
+    with pytest.raises(ValueError, match="at least one CPU"):
+        update_threads(0)
 
 
 def test_a_node_pinned_with_cpus_serves_a_job_with_every_thread_on_them(start_node):

@@ -17,7 +17,7 @@ import torch
 from benchmarks import gpu_bench
 from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
 from benchmarks.gpu_modes import ModeSettings
-from launch.host_cpus import format_cpu_list
+from launch.host_cpus import format_cpu_list, update_threads
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
@@ -67,8 +67,10 @@ def test_the_host_split_pins_disjoint_sets_or_shares_the_cpus_the_worker_leaves(
     usable = len(os.sched_getaffinity(0))
     if PINNABLE:
         cpus = tuple(sorted(os.sched_getaffinity(0)))
-        assert gpu_bench.host_split(nodes=1, node_threads=None, pin=True, worker_cpus=1) == gpu_bench.HostSplit(usable - 1, (cpus[1:],), cpus[:1])
-    assert gpu_bench.host_split(nodes=1, node_threads=None, pin=False, worker_cpus=1) == gpu_bench.HostSplit(max(1, usable - 1))
+        assert gpu_bench.host_split(nodes=1, node_threads=None, pin=True, worker_cpus=1) == gpu_bench.HostSplit(
+            update_threads(usable - 1), (cpus[1:],), cpus[:1]
+        )
+    assert gpu_bench.host_split(nodes=1, node_threads=None, pin=False, worker_cpus=1) == gpu_bench.HostSplit(update_threads(max(1, usable - 1)))
     assert gpu_bench.host_split(nodes=2, node_threads=3, pin=False, worker_cpus=1).node_threads == 3
     with pytest.raises(ValueError, match="need"):
         gpu_bench.host_split(nodes=usable, node_threads=None, pin=True, worker_cpus=1)
