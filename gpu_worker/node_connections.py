@@ -257,11 +257,12 @@ class NodeConnections:
         did not answer (gone, or slow)."""
         for index in range(len(self._clients)):
             self._clients[index].send(Header(msg_type=MsgType.BYE, rank=self.rank))
-        # Not from a node already silent past the limit (gone: what stopped this worker, often): a
-        # worker's exit must not wait on it.
+        # Not from a node already silent past the limit (gone: what stopped this worker, often), nor
+        # from one whose link dropped (a node stopped or killed): a worker's exit must not wait on it.
         pending = {index for index in range(len(self._clients)) if self.liveness.silent_for(index) < self.timeouts.silent_after_s}
         deadline = time.monotonic() + wait_s
         while pending and (left := deadline - time.monotonic()) > 0:
+            pending -= {index for index in pending if self._clients[index].connection_dropped()}
             for index in self.wait_readable(min(left, 0.1)):
                 message = self.take(index)
                 if message is not None and message.header.msg_type in (MsgType.ACK, MsgType.ERROR) and message.header.meta.get("bye", True):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
+from gpu_worker.session import BYE_WAIT_S
 from tests.gpu_worker.harness import run_threads
 
 
@@ -216,6 +218,19 @@ def test_a_node_that_dies_mid_training_is_named(node):
     with pytest.raises(TimeoutError, match=rf"node {node.address}: no answer \(is it running\?\)"):
         opt.step()
     opt.close()
+
+
+def test_closing_after_the_node_stopped_does_not_wait_for_its_answer(node):
+    """The node's link dropped: close() (or the collector, for an optimizer never closed) sends BYE
+    and goes, where it used to wait out the answer that cannot come (5 s an optimizer, at a script's exit)."""
+    model = torch.nn.Linear(4, 2)
+    opt = RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=60)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert node.stop() == 0
+    started = time.monotonic()
+    opt.close()
+    assert time.monotonic() - started < BYE_WAIT_S - 1  # the BYE's linger (1 s) at most
 
 
 def test_push_during_backward_with_frozen_and_later_unfrozen_layers(node):
