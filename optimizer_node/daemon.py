@@ -31,7 +31,9 @@ import torch
 
 from job.hyper import validate_for_rule
 from job.placement import BucketSpec
+from job.spec import JobSpec
 from optimizer_node.adamw import AdamWHyper
+from optimizer_node.admission import JobAdmission, job_fingerprint
 from optimizer_node.bucket_update import absent_segments, update_bucket
 from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormRound
@@ -49,7 +51,7 @@ from optimizer_node.operator import NodeOperator
 from optimizer_node.overrides import OperatorOverrides
 from optimizer_node.persistence import Checkpoints
 from optimizer_node.reduce import OrderedReduction
-from optimizer_node.registration import JobRegistration, job_fingerprint, load_allow_list
+from optimizer_node.registration import JobRegistrar, load_allow_list
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.reply_budget import UnregisteredReplyBudget
 from optimizer_node.state_transfer import load_part, read_part
@@ -83,7 +85,7 @@ APPLY_BURST = 8
 """Ready updates applied in a row before the serve loop looks for messages again."""
 
 
-class NodeDaemon(JobRegistration):
+class NodeDaemon:
     """One optimizer node. Create it, then call :meth:`serve` (blocking) until ``stop`` is set."""
 
     def __init__(self, config: NodeConfig) -> None:
@@ -100,7 +102,7 @@ class NodeDaemon(JobRegistration):
         )
         self._endpoint = self._transport.bind(config.listen)
         try:  # which ranks each allowed key may register as; a bad allow-list file stops the start
-            self._allow_list = load_allow_list(curve.allowed_keys_dir) if curve is not None else None
+            allow_list = load_allow_list(curve.allowed_keys_dir) if curve is not None else None
         except Exception:
             self._endpoint.close()
             self._transport.close()
@@ -115,7 +117,8 @@ class NodeDaemon(JobRegistration):
         self._compiled_update = not out_of_core
         # Out of core, a bucket's tensors go back to the store's pool once released: values must leave at once.
         self._batch_params = not out_of_core
-        self._deferred_hellos = WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes)
+        # HELLO and INIT: registers a job, holds the HELLOs that came before their rank 0, says who may send what
+        self._registrar = JobRegistrar(self, WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes), allow_list)
         self._outsider_replies = UnregisteredReplyBudget(config.max_unread_reply_bytes)  # answers to peers outside the job, not yet sent
         self.limit_log = RateLimitedLog(log)
         self._stop: threading.Event | None = None
@@ -128,8 +131,8 @@ class NodeDaemon(JobRegistration):
             self._endpoint, self._send, lambda nbytes: self.metrics.sent(nbytes), max_bytes=config.max_echo_bytes, chunk_bytes=config.chunk_bytes
         )
         self._handlers = {  # built once: handle() runs for every message
-            MsgType.HELLO: self._on_hello,
-            MsgType.INIT: self._on_init,
+            MsgType.HELLO: self._registrar.on_hello,
+            MsgType.INIT: self._registrar.on_init,
             MsgType.PUSH: self._on_push,
             MsgType.PULL: self._on_pull,
             MsgType.CLIP: self._on_clip,
@@ -156,7 +159,7 @@ class NodeDaemon(JobRegistration):
         if config.resume:
             self._job = self._checkpoints.restore()
             if self._job is not None:
-                self._limit_payloads(self._job)
+                self.admission.limit_payloads(self._job)
                 self.metrics.step_reached(self.step)
         elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
             try:
@@ -188,8 +191,7 @@ class NodeDaemon(JobRegistration):
             same_host_address=self.same_host_address,
             batch_params=self._batch_params,
         )
-        self._payload_limit = self.config.max_message_bytes  # lowered to the largest bucket once a job is registered
-        self._payload_why = f"this node's limit of {self.config.max_message_bytes} bytes (--max-message-bytes)"
+        self.admission = JobAdmission(self.config, self.node_id, self._endpoint, self.limit_log)  # what the job and its messages are checked against
         self._in_flight: dict[int, BucketStep] = {}
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
@@ -302,6 +304,67 @@ class NodeDaemon(JobRegistration):
         """The step at which every rank said BYE, ending the job; ``None`` while it runs."""
         return self._finished_step
 
+    # ---------------------------------------------------------------- what registration reads and asks (registration.py)
+
+    @property
+    def store(self) -> BucketStore:
+        """The job's bucket states (parameters, moments, step)."""
+        return self._store
+
+    @property
+    def replies(self) -> ParameterReplies:
+        return self._replies
+
+    @property
+    def morphs(self) -> MorphGate:
+        return self._morphs
+
+    @property
+    def checkpoints(self) -> Checkpoints:
+        return self._checkpoints
+
+    def take_job(self, job: ActiveJob) -> None:
+        """``job`` is the registered job from now on (a new one, or the registered one with a param
+        group added): its payload limit, its parameter board, its workers' gradient windows."""
+        self._job = job
+        self.admission.limit_payloads(job)
+        self._replies.publish_board(job)
+        self.admission.size_gradient_windows(job)
+
+    def change_width(self, spec: JobSpec, at: int) -> None:
+        """Every owned bucket reached step ``at``: the job goes on at the width ``spec`` says
+        (:mod:`optimizer_node.morphing`). What the old width sent of step ``at`` is dropped: none of
+        it is applied, none mixed with the new width's gradients."""
+        job = self._job
+        assert job is not None
+        self._flush_outbox()
+        dropped = sum(len(in_flight.reduction.received) for in_flight in self._in_flight.values())
+        self._in_flight.clear()
+        self._ready.clear()
+        self._replies.forget_ranks()
+        self._norm_round.reset()
+        self._buckets_done.clear()
+        self._ledger = StepLedger()  # the old width's ranks are not part of the job any more
+        self._job = ActiveJob.create(spec, job.node_index, base_step=job.base_step)  # the same buckets: the plan does not depend on the width
+        self._morphs.morphed(at, job.spec.world_size, spec.world_size, dropped)
+
+    def go_on_after_finish(self) -> None:
+        """A rank of the finished job said HELLO again: the job is not over."""
+        self._finished_step = None
+
+    def gradient_received(self, bucket_id: int, rank: int) -> bool:
+        """Whether ``rank``'s gradient of the step in progress of ``bucket_id`` is in."""
+        in_flight = self._in_flight.get(bucket_id)
+        return in_flight is not None and rank in in_flight.reduction.received
+
+    def gradients_in_flight(self) -> bool:
+        """Whether any gradient of a step in progress is in."""
+        return bool(self._in_flight)
+
+    def reply(self, peer: bytes, header: Header) -> None:
+        """A message without payload to ``peer``."""
+        self._send(peer, header)
+
     def tell_workers(self, meta: dict, *, peers: Iterable[bytes] | None = None, rank: int = -1) -> None:
         """A NOTICE with ``meta`` to ``peers`` (every connection of the job's ranks: ``None``)."""
         for peer in self._ledger.connections() if peers is None else peers:
@@ -335,7 +398,7 @@ class NodeDaemon(JobRegistration):
 
     def _on_bye(self, message: Message) -> None:
         """A rank closed its optimizer. When every rank has, between steps, the job is finished."""
-        self._require_rank(message)
+        self._registrar.require_rank(message)
         self._ledger.mark_left(message.header.rank)
         self._send(message.peer, Header(msg_type=MsgType.ACK, rank=message.header.rank, step=self.step, meta={"bye": True}))
         log.info("rank %d closed its optimizer at step %d", message.header.rank, self.step)
@@ -398,7 +461,7 @@ class NodeDaemon(JobRegistration):
             if handler is None:
                 raise WireError(ErrorCode.BAD_REQUEST, f"a node does not accept {header.msg_type.name} messages")
             if not batched:
-                self._check_payload_size(header)
+                self.admission.check_payload_size(header)
             handler(message)
         except WireError as exc:
             self._log_rejected(
@@ -408,12 +471,12 @@ class NodeDaemon(JobRegistration):
         except Exception as exc:  # a bug must not take the node and everyone's state down
             log.exception("internal error handling %s", header.msg_type.name)
             # The exception's text may quote the node's state: only a registered rank reads it.
-            text = f"{type(exc).__name__}: {exc}" if self._is_registered(message) else "internal error; the node's log has the details"
+            text = f"{type(exc).__name__}: {exc}" if self._registrar.is_registered(message) else "internal error; the node's log has the details"
             self._send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
 
     def _on_pull(self, message: Message) -> None:
-        job = self._require_rank(message)
-        self._replies.on_pull(message, job, self._owned_bucket(job, message.header), self._ledger)
+        job = self._registrar.require_rank(message)
+        self._replies.on_pull(message, job, self.admission.owned_bucket(job, message.header), self._ledger)
 
     def _flush_outbox(self, peer: bytes | None = None) -> None:
         """Send the batched new values waiting for ``peer`` (every peer: ``None``)."""
@@ -481,7 +544,7 @@ class NodeDaemon(JobRegistration):
         """A batch of pushes (:mod:`transport.batches`) is checked whole before any of it is taken: one
         ERROR (naming the first bucket at fault) and nothing taken, or every bucket taken. Only a
         NaN/inf gradient refuses its own bucket, as a push of it alone would be."""
-        self._check_payload_size(message.header)
+        self.admission.check_payload_size(message.header)
         parts = split_batch(message)
         checked = [self._check_push(part) for part in parts]
         checking = time.perf_counter()
@@ -492,12 +555,12 @@ class NodeDaemon(JobRegistration):
 
     def _check_push(self, message: Message) -> _PushCheck:
         """Everything a push must pass before it is taken; ``WireError`` otherwise, nothing changed."""
-        job = self._require_rank(message)
+        job = self._registrar.require_rank(message)
         header = message.header
-        bucket = self._owned_bucket(job, header)
+        bucket = self.admission.owned_bucket(job, header)
         absent = absent_segments(header.meta, bucket, header.numel)
         if header.numel or not absent:  # an empty push (no gradient for any segment) has no payload to check
-            self._check_payload(header, bucket, job.spec.wire_dtype)
+            self.admission.check_payload(header, bucket, job.spec.wire_dtype)
         state = self._store.get(bucket.bucket_id)
         if state is None:
             raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
@@ -595,7 +658,7 @@ class NodeDaemon(JobRegistration):
         self._norm_round.resend(self._ledger.peer(0), self._send)
 
     def _on_clip(self, message: Message) -> None:
-        self._require_rank(message)
+        self._registrar.require_rank(message)
         self._norm_round.on_clip(message.header, self._in_flight, self._ready, self.operator.max_grad_norm)
 
     @property
@@ -634,7 +697,7 @@ class NodeDaemon(JobRegistration):
         """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
         if not self._ready or self.operator.pause_reason is not None:
             return False
-        job = self._require_job()
+        job = self._registrar.require_job()
         bucket_id = heapq.heappop(self._ready)
         # Out of core: read the next two while this one updates. They are the heap's root and the
         # smaller of its children (nsmallest would scan the whole heap: O(buckets) per update).
@@ -797,7 +860,7 @@ class NodeDaemon(JobRegistration):
         for held in self._morphs.due(step):  # the workers agreed to morph at this step
             self.handle(held)
 
-    def _rank_rejoined(self, rank: int) -> None:
+    def rank_rejoined(self, rank: int) -> None:
         """``rank`` is on a new connection (a new process, or the same one reconnecting): what the old
         connection was sent and may have lost is sent again."""
         if rank == 0:
@@ -806,7 +869,7 @@ class NodeDaemon(JobRegistration):
     # ---------------------------------------------------------------- diagnostics
 
     def _on_query(self, message: Message) -> None:
-        if not self._is_registered(message):
+        if not self._registrar.is_registered(message):
             # All a worker that is not (or no longer) registered needs for its diagnosis: is there a
             # job, and is this connection part of it. The job's state is for its ranks only.
             self._send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": self._job is not None, "rank_registered": False}))
@@ -828,8 +891,8 @@ class NodeDaemon(JobRegistration):
     # ---------------------------------------------------------------- optimizer state in and out
 
     def _state_of(self, message: Message) -> tuple[ActiveJob, BucketState]:
-        job = self._require_rank(message)
-        bucket = self._owned_bucket(job, message.header)
+        job = self._registrar.require_rank(message)
+        bucket = self.admission.owned_bucket(job, message.header)
         state = self._store.get(bucket.bucket_id)
         if state is None:
             raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
@@ -847,7 +910,7 @@ class NodeDaemon(JobRegistration):
         header = message.header
         if header.rank != 0:
             raise WireError(ErrorCode.BAD_REQUEST, "only rank 0 loads optimizer state")
-        self._check_payload(header, job.owned[state.bucket_id], "float32")
+        self.admission.check_payload(header, job.owned[state.bucket_id], "float32")
         in_flight = self._in_flight.get(state.bucket_id)
         if in_flight is not None and 0 in in_flight.reduction.received:
             raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")

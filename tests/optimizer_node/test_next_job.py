@@ -146,7 +146,10 @@ def test_with_next_job_refuse_a_finished_job_stays_until_reset(admin_node, fresh
 
 def _state_of(value: object, depth: int = 0, node_wide: frozenset[int] = frozenset()) -> object:
     """A comparable picture of a daemon attribute: plain values as they are, objects by their fields;
-    the node-wide objects a job's part refers to (``node_wide``: their ids, the node's own) by their type."""
+    the node-wide objects a job's part refers to (``node_wide``: their ids, the node's own; its id, a
+    string, too) by their type."""
+    if isinstance(value, str) and id(value) in node_wide:
+        return str
     if isinstance(value, (type(None), bool, int, float, str, bytes)):
         return value
     if id(value) in node_wide:
@@ -165,10 +168,11 @@ def _state_of(value: object, depth: int = 0, node_wide: frozenset[int] = frozens
 
 NODE_WIDE = {
     # the endpoint, identity and what serves the operator: the node's, not a job's
-    "config", "_transport", "_endpoint", "_allow_list", "address", "same_host_address", "node_id", "_handlers", "commands", "clock",
+    "config", "_transport", "_endpoint", "address", "same_host_address", "node_id", "_handlers", "commands", "clock",
     "admin_address", "metrics_address", "non_finite", "metrics", "started_at", "_crash_points", "limit_log", "_stop",
-    # bounded budgets for peers outside any job, and HELLOs waiting for a rank 0 (of this job or the next)
-    "_echoes_in_flight", "_outsider_replies", "_deferred_hellos",
+    # bounded budgets for peers outside any job; the registrar, with the HELLOs waiting for a rank 0
+    # (of this job or the next) and the keys allowed each rank
+    "_echoes_in_flight", "_outsider_replies", "_registrar",
     "jobs_let_go",
 }  # fmt: skip
 
