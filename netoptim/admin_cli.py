@@ -104,6 +104,11 @@ def _render_status(status: dict) -> str:
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f})"
         + (f", updates on {status['update_path']}" if status.get("update_path") else ""),
     ]
+    if int(last.get("buckets", 0)):  # a long tail: update threads held up by others on their cores
+        lines.append(
+            f"  of the update, {1e3 * last['pass_seconds']:.1f} ms in the passes of {last['buckets']} buckets "
+            f"(a bucket's pass: median {last['pass_median_ms']:.2f} ms, p90 {last['pass_p90_ms']:.2f}, longest {last['pass_max_ms']:.2f})"
+        )
     if int(status.get("morphs", 0)):
         pause = float(status.get("last_morph_pause_seconds", -1))
         lines.append(

@@ -11,10 +11,12 @@ import time
 import grpc
 import pytest
 import torch
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpu_worker import RemoteAdamW
+from netoptim.admin_cli import _render_status
 from protos import admin_pb2, admin_pb2_grpc
 from tests.cli import run_netoptim
 
@@ -83,6 +85,8 @@ def test_status_workers_and_step_stream(admin_node):
     last = status.last_step  # one bucket: its pass is the whole of the step's passes, within the update
     assert last.buckets == 1 and 0 < last.pass_seconds <= last.update_seconds
     assert last.pass_median_ms == last.pass_p90_ms == last.pass_max_ms == pytest.approx(1e3 * last.pass_seconds)
+    shown = _render_status(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+    assert "in the passes of 1 buckets (a bucket's pass: median" in shown
     # the compiled loop is checked in the background from the node's start; torch ops meanwhile
     assert status.update_path in ("compiled", "torch-ops, checking the compiled loop", "torch-ops")
     deadline = time.monotonic() + 120
