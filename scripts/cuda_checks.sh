@@ -15,7 +15,9 @@ python3 - <<'PY'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 PY
-timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -p no:cacheprovider -q -o addopts="" -m "not slow" \
+# On a time-out, SIGABRT: faulthandler writes every thread's stack into the log (a test, or the
+# interpreter's exit, that hangs says where).
+timeout -s ABRT -k 10 "${TESTS_TIMEOUT_S:-240}" python3 -X faulthandler -m pytest -p no:cacheprovider -q -o addopts="" -m "not slow" \
     tests/gpu_worker/test_cuda_path.py tests/gpu_worker/test_device_spelling.py 2>&1 | tee "$out/tests.log" | tail -25
 echo "tests exit status: $?"
 timeout "${BENCH_TIMEOUT_S:-600}" python3 -m netoptim bench gpu --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -60
