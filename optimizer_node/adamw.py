@@ -125,7 +125,10 @@ class HyperOverrides:
         return {name: value for name in self.__slots__ if (value := getattr(self, name)) is not None}
 
     def apply(self, sent: AdamWHyper) -> AdamWHyper:
-        """The hyperparameters to use for an update whose workers sent ``sent``."""
+        """The hyperparameters to use for an update whose workers sent ``sent`` (``sent`` itself
+        where nothing is overridden: once a bucket, on the node's hot path)."""
+        if self.lr is None and self.lr_scale is None and self.beta1 is None and self.beta2 is None and self.eps is None and self.weight_decay is None:
+            return sent
         lr = sent.lr if self.lr is None else self.lr
         if self.lr_scale is not None:
             lr *= self.lr_scale

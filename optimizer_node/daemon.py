@@ -699,10 +699,11 @@ class NodeDaemon:
             return False
         job = self._registrar.require_job()
         bucket_id = heapq.heappop(self._ready)
-        # Out of core: read the next two while this one updates. They are the heap's root and the
-        # smaller of its children (nsmallest would scan the whole heap: O(buckets) per update).
-        for upcoming in self._ready[:1] + sorted(self._ready[1:3])[:1]:
-            self._store.prefetch(upcoming)
+        if self._store.reads_ahead:
+            # Out of core: read the next two while this one updates. They are the heap's root and the
+            # smaller of its children (nsmallest would scan the whole heap: O(buckets) per update).
+            for upcoming in self._ready[:1] + sorted(self._ready[1:3])[:1]:
+                self._store.prefetch(upcoming)
         state = self._store.get(bucket_id)
         assert state is not None, "a bucket with gradients has state"
         try:
@@ -834,7 +835,7 @@ class NodeDaemon:
                 self._tell_consumed(job, state.bucket_id, in_flight.step)
             self._replies.answer_deferred(state, job, meta)
         self.clock.current.send_s += time.perf_counter() - sending
-        self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival)
+        self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival, ends_step=ends_step)
         if not ends_step:
             self._buckets_done[state.step] = done
             self._crash_points.passed("update")

@@ -130,6 +130,8 @@ class _ScrapeTimeCollector(Collector):
         created = m.last_checkpoint_unix()
         if created is not None:
             yield GaugeMetricFamily("netoptim_checkpoint_age_seconds", "Seconds since the newest checkpoint was written.", value=max(0.0, now - created))
+        yield CounterMetricFamily("netoptim_bytes_received", "Tensor payload bytes received from workers.", value=m.bytes_in)
+        yield CounterMetricFamily("netoptim_bytes_sent", "Tensor payload bytes sent to workers.", value=m.bytes_out)
         shared = m.shared_memory()
         for family, name, text, key in _SAME_HOST_SERIES:
             yield family(name, text, value=shared[key])
@@ -200,8 +202,11 @@ class NodeMetrics:
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
-        self._bytes_in = Counter("netoptim_bytes_received", "Tensor payload bytes received from workers.", registry=registry)
-        self._bytes_out = Counter("netoptim_bytes_sent", "Tensor payload bytes sent to workers.", registry=registry)
+        # Counted per message on the daemon's hot path as plain integers (a prometheus Counter takes a
+        # lock each time), read at scrape time; each bucket's update latency waits for its step's end.
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._latencies: list[float] = []
         self._steps = Counter("netoptim_steps", "Steps completed (every owned bucket updated).", registry=registry)
         self._rejected = Counter("netoptim_rejected_messages", "Messages answered with an error.", registry=registry)
         self._step = Gauge("netoptim_step", "The step every owned bucket has reached.", registry=registry)
@@ -222,19 +227,25 @@ class NodeMetrics:
 
     def received(self, nbytes: int) -> None:
         """A message with ``nbytes`` of tensor payload arrived."""
-        self._bytes_in.inc(nbytes)
+        self.bytes_in += nbytes
 
     def sent(self, nbytes: int) -> None:
         """A message with ``nbytes`` of tensor payload left."""
-        self._bytes_out.inc(nbytes)
+        self.bytes_out += nbytes
 
     def rejected_message(self) -> None:
         """A message was answered with an error."""
         self._rejected.inc()
 
-    def bucket_updated(self, latency_s: float) -> None:
-        """A bucket's update went out ``latency_s`` after the first gradient of its step arrived."""
-        self._update_latency.observe(latency_s)
+    def bucket_updated(self, latency_s: float, *, ends_step: bool = False) -> None:
+        """A bucket's update went out ``latency_s`` after the first gradient of its step arrived. The
+        histogram takes the step's latencies once its last bucket went out (``ends_step``): between
+        steps, off the path the workers wait on."""
+        self._latencies.append(latency_s)
+        if ends_step:
+            latencies, self._latencies = self._latencies, []
+            for latency in latencies:
+                self._update_latency.observe(latency)
 
     def step_reached(self, step: int) -> None:
         """Every owned bucket is at ``step`` (after a step, or when a node resumes from a checkpoint)."""

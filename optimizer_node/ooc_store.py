@@ -143,6 +143,8 @@ class OutOfCoreStore(BucketStore):
         """Bytes of all buckets' state, resident or not."""
         return self._total
 
+    reads_ahead = True
+
     def prefetch(self, bucket_id: int) -> None:
         slot = self._slots.get(bucket_id)
         if slot is None or slot.flat is not None or slot.file is None:

@@ -69,9 +69,12 @@ class BucketState:
     def numpy_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Zero-copy numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step_tensor``."""
         cached = self._arrays
+        if cached is not None:  # once a bucket update: identity checks, spelled out
+            held = cached[0]
+            if held[0] is self.param and held[1] is self.exp_avg and held[2] is self.exp_avg_sq and held[3] is self.step_tensor:
+                return cached[1]
         tensors = (self.param, self.exp_avg, self.exp_avg_sq, self.step_tensor)
-        if cached is None or any(a is not b for a, b in zip(cached[0], tensors, strict=True)):
-            cached = self._arrays = (tensors, tuple(t.numpy() for t in tensors))
+        cached = self._arrays = (tensors, tuple(t.numpy() for t in tensors))
         return cached[1]
 
     def segment_step_counts(self, segments: int) -> list[float]:
@@ -118,6 +121,9 @@ class BucketStore(ABC):
     def __len__(self) -> int: ...
 
     # Residency. In memory everything is always resident, so these do nothing.
+
+    reads_ahead = False
+    """Whether :meth:`prefetch` does anything (a store whose buckets are not all resident)."""
 
     def prefetch(self, bucket_id: int) -> None:
         """The bucket will be acquired soon: start loading it if it is not resident."""
