@@ -84,15 +84,16 @@ class AdminConfig:
 
 
 def _timings(timings: StepTimings) -> admin_pb2.StepTimings:
+    median, p90, longest = timings.pass_percentiles(0.5, 0.9, 1.0)
     return admin_pb2.StepTimings(
         wall_seconds=timings.wall_s,
         reduce_seconds=timings.reduce_s,
         update_seconds=timings.update_s,
         send_seconds=timings.send_s,
-        pass_seconds=timings.pass_s,
-        pass_median_ms=1e3 * timings.pass_percentile(0.5),
-        pass_p90_ms=1e3 * timings.pass_percentile(0.9),
-        pass_max_ms=1e3 * timings.pass_percentile(1.0),
+        pass_seconds=sum(timings.passes),
+        pass_median_ms=1e3 * median,
+        pass_p90_ms=1e3 * p90,
+        pass_max_ms=1e3 * longest,
         buckets=len(timings.passes),
     )
 

@@ -55,15 +55,14 @@ class StepTimings:
     reduce_s: float = 0.0
     update_s: float = 0.0
     send_s: float = 0.0
-    pass_s: float = 0.0  # of update_s, inside the update passes (the rest: the bookkeeping around them)
-    passes: list[float] = field(default_factory=list)  # each bucket's pass, seconds
+    passes: list[float] = field(default_factory=list)  # each bucket's update pass, seconds (of update_s; the rest is bookkeeping)
 
-    def pass_percentile(self, q: float) -> float:
-        """The ``q`` quantile (0..1, nearest rank) of the step's per-bucket pass times, seconds; 0 without any."""
+    def pass_percentiles(self, *quantiles: float) -> tuple[float, ...]:
+        """The ``quantiles`` (0..1, nearest rank) of the step's per-bucket pass times, seconds; zeros without any."""
         if not self.passes:
-            return 0.0
+            return tuple(0.0 for _ in quantiles)
         ordered = sorted(self.passes)
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+        return tuple(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] for q in quantiles)
 
 
 @dataclass(slots=True)

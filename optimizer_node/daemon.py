@@ -799,7 +799,6 @@ class NodeDaemon:
             compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
         )
         passed = time.perf_counter() - updating
-        self.clock.current.pass_s += passed
         self.clock.current.passes.append(passed)
         if applied.changed:
             self._update_paths.record(applied.compiled, state.numel, passed)

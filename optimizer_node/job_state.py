@@ -1,9 +1,10 @@
 """A node's state for the job it serves and for each bucket's step in flight (shared by the
-daemon, its registration mixin and the parts it composes, so none of them imports the daemon)."""
+daemon and the parts it composes, so none of them imports the daemon)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -11,6 +12,7 @@ from job.placement import BucketSpec
 from job.spec import JobSpec
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.reduce import OrderedReduction
+from optimizer_node.step_ledger import StepLedger
 
 
 @dataclass(slots=True)
@@ -48,3 +50,19 @@ class ActiveJob:
         owned = {b.bucket_id: b for b in (plan if plan is not None else spec.plan()) if b.node == node_index}
         segments = {b.bucket_id: [(seg.bucket_offset, seg.numel) for seg in b.segments] for b in owned.values()}
         return cls(spec, node_index, owned, segments, torch.tensor(float(spec.workers), dtype=torch.float32), base_step)
+
+
+class JobNode(Protocol):
+    """What every part the daemon composes may read of it: who it is, its job, and where the job is."""
+
+    node_id: str
+    jobs_let_go: int  # jobs the node finished or was reset from, and let go
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def active_job(self) -> ActiveJob | None: ...
+    @property
+    def ledger(self) -> StepLedger: ...
+    @property
+    def finished_step(self) -> int | None: ...

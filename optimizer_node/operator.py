@@ -12,41 +12,30 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
+from optimizer_node.job_state import JobNode
 from optimizer_node.overrides import ADMIN, OperatorOverrides
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from optimizer_node.control import StepClock
-    from optimizer_node.job_state import ActiveJob
     from optimizer_node.morphing import MorphGate
     from optimizer_node.non_finite import NonFiniteStats
     from optimizer_node.persistence import Checkpoints
-    from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketStore
     from optimizer_node.update_path_choice import UpdatePathChoice
 
 log = logging.getLogger(__name__)
 
 
-class OperatedNode(Protocol):
-    """What :class:`NodeOperator` reads and asks of the daemon."""
+class OperatedNode(JobNode, Protocol):
+    """What :class:`NodeOperator` reads and asks of the daemon, besides :class:`JobNode`."""
 
-    node_id: str
     address: str
     started_at: float
     clock: StepClock
     non_finite: NonFiniteStats
-    jobs_let_go: int
 
-    @property
-    def step(self) -> int: ...
-    @property
-    def active_job(self) -> ActiveJob | None: ...
-    @property
-    def ledger(self) -> StepLedger: ...
-    @property
-    def finished_step(self) -> int | None: ...
     def between_steps(self) -> bool: ...
     def tell_workers(self, meta: dict, *, peers: Iterable[bytes] | None = None, rank: int = -1) -> None: ...
     def release_held_updates(self) -> int: ...

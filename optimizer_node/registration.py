@@ -18,12 +18,11 @@ import torch
 from job.spec import JobSpec, LimitError
 from optimizer_node.admission import JobAdmission, job_fingerprint
 from optimizer_node.config import NodeConfig
-from optimizer_node.job_state import ActiveJob
+from optimizer_node.job_state import ActiveJob, JobNode
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.morphing import MorphGate
 from optimizer_node.persistence import Checkpoints
 from optimizer_node.replies import ParameterReplies
-from optimizer_node.step_ledger import StepLedger
 from optimizer_node.storage import BucketStore
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport.interface import Message
@@ -56,24 +55,14 @@ def _unregistered_text(rank: int) -> str:
     )
 
 
-class RegisteredNode(Protocol):
-    """What :class:`JobRegistrar` reads and asks of the daemon."""
+class RegisteredNode(JobNode, Protocol):
+    """What :class:`JobRegistrar` reads and asks of the daemon, besides :class:`JobNode`."""
 
     config: NodeConfig
-    node_id: str
     same_host_address: str | None
     limit_log: RateLimitedLog
-    jobs_let_go: int
     admission: JobAdmission
 
-    @property
-    def step(self) -> int: ...
-    @property
-    def active_job(self) -> ActiveJob | None: ...
-    @property
-    def ledger(self) -> StepLedger: ...
-    @property
-    def finished_step(self) -> int | None: ...
     @property
     def store(self) -> BucketStore: ...
     @property
@@ -269,8 +258,9 @@ class JobRegistrar:
             raise WireError(ErrorCode.CANNOT_FIT, f"node {node.node_id} cannot take the added param group: {problem}")
         base = node.step
         added = len(spec.params) - len(job.spec.params)
-        node.take_job(ActiveJob.create(spec, node_index, plan, base_step=base))
-        log.info("rank 0 added %d parameter(s) in a new param group at step %d: this node now owns %d buckets", added, base, len(node.active_job.owned))  # type: ignore[union-attr]
+        extended = ActiveJob.create(spec, node_index, plan, base_step=base)
+        node.take_job(extended)
+        log.info("rank 0 added %d parameter(s) in a new param group at step %d: this node now owns %d buckets", added, base, len(extended.owned))
 
     def _hold_hello(self, message: Message) -> None:
         """Hold the HELLO of a rank other than 0 until rank 0 registers the job (within

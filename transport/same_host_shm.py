@@ -136,17 +136,15 @@ class SharedPeers:
         copied and those sent as references to it. Safe from another thread (values are copied under the interpreter lock)."""
         live = list(self.connections.values())
         board = self.board
-        written_board = self._board_bytes_before["board_written_bytes"] + (board.written_bytes if board is not None else 0)
-        copied_board = self._board_bytes_before["board_copied_bytes"] + (board.copied_bytes if board is not None else 0)
-        referenced = self._board_bytes_before["board_referenced_bytes"] + (board.referenced_bytes if board is not None else 0)
+        board_counts = {
+            key: before + (getattr(board, key.removeprefix("board_")) if board is not None else 0) for key, before in self._board_bytes_before.items()
+        }
         return {
             "connections": len(live),
-            "written_bytes": self._written_before + sum(c.writer.written_bytes for c in live) + referenced,
+            "written_bytes": self._written_before + sum(c.writer.written_bytes for c in live) + board_counts["board_referenced_bytes"],
             "read_bytes": self._read_before + sum(c.reader.read_bytes for c in live),
             "board_bytes": board.window.nbytes if board is not None else 0,
-            "board_written_bytes": written_board,
-            "board_copied_bytes": copied_board,
-            "board_referenced_bytes": referenced,
+            **board_counts,  # written (in place or copied), copied, referenced: those of the boards since closed too
         }
 
     def publish_board(self, nbytes: int, name: str, *, slots_per_key: int = 1) -> list[tuple[bytes, bytes]]:
