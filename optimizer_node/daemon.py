@@ -25,32 +25,28 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from job.hyper import validate_for_rule
-from job.placement import BucketSpec
 from job.spec import JobSpec
-from optimizer_node.adamw import AdamWHyper
 from optimizer_node.admission import JobAdmission, job_fingerprint
-from optimizer_node.bucket_update import absent_segments, update_bucket
+from optimizer_node.bucket_apply import BucketApply
 from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.echoes import EchoReplies
 from optimizer_node.faults import CrashPoints
+from optimizer_node.gradient_intake import GradientIntake, IntakeParts
 from optimizer_node.job_state import ActiveJob, BucketStep
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.metrics import NodeMetrics
 from optimizer_node.morphing import MorphGate
-from optimizer_node.non_finite import NonFiniteStats, count_non_finite
+from optimizer_node.non_finite import NonFiniteStats
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import NodeOperator
 from optimizer_node.overrides import OperatorOverrides
 from optimizer_node.persistence import Checkpoints
-from optimizer_node.reduce import OrderedReduction
 from optimizer_node.registration import JobRegistrar, load_allow_list
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.reply_budget import UnregisteredReplyBudget
@@ -60,25 +56,14 @@ from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, Stor
 from optimizer_node.update_path_choice import UpdatePathChoice
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import create_transport
-from transport.batches import split_batch
 from transport.interface import Message
 from transport.security import CurveServerConfig
-from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, WireError, error_header, tensor_header
+from transport.wire import ErrorCode, Header, MsgType, WireError, error_header, tensor_header
 
 log = logging.getLogger(__name__)
 
 STORAGE_RETRY_S = 1.0
 """After the store failed (disk full, a damaged state file), updates are retried this often."""
-
-
-class _PushCheck(NamedTuple):
-    """What checking a push found, for taking it."""
-
-    job: ActiveJob
-    bucket: BucketSpec
-    state: BucketState
-    absent: frozenset[int]
-    in_flight: BucketStep
 
 
 APPLY_BURST = 8
@@ -125,7 +110,7 @@ class NodeDaemon:
         self._store: BucketStore = self._new_store()
         self._crash_points = CrashPoints(config.crash_at)
         self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
-        self._worker_checks = config.non_finite_check == "worker"
+        self.clock = StepClock()  # node-wide: a step's timings, and who follows them
         self._reset_job_state()
         self._echoes = EchoReplies(
             self._endpoint, self._send, lambda nbytes: self.metrics.sent(nbytes), max_bytes=config.max_echo_bytes, chunk_bytes=config.chunk_bytes
@@ -143,7 +128,6 @@ class NodeDaemon:
             MsgType.BYE: self._on_bye,
         }
         self.commands = CommandQueue()  # how the admin service reaches this thread
-        self.clock = StepClock()
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
         self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
@@ -180,7 +164,6 @@ class NodeDaemon:
         self._job: ActiveJob | None = None
         self._ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
         self._norm_round = GlobalNormRound(self.non_finite, skip_policy=self.config.non_finite == "skip")  # clipping's global norm, and skipping a step
-        self._hyper_parsed: tuple[object, AdamWHyper | None] = (None, None)  # the last hyperparameters parsed, as they came
         self._gc_frozen = False
         self._replies = ParameterReplies(  # PULL and PARAMS: pulls waiting for their step, batches of small buckets, the board
             self.config,
@@ -192,7 +175,6 @@ class NodeDaemon:
             batch_params=self._batch_params,
         )
         self.admission = JobAdmission(self.config, self.node_id, self._endpoint, self.limit_log)  # what the job and its messages are checked against
-        self._in_flight: dict[int, BucketStep] = {}
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
         self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
@@ -201,9 +183,24 @@ class NodeDaemon:
         self._checkpoints = Checkpoints(self.config, self._crash_points, self._store, overrides, self)  # asked for, drain, the last one
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
         self._morphs = MorphGate()  # the job's width changes, and morph HELLOs that came early
-        self._update_paths = UpdatePathChoice(enabled=self._compiled_update)  # compiled loop or torch ops: timed on the job's first updates
+        update_paths = UpdatePathChoice(enabled=self._compiled_update)  # compiled loop or torch ops: timed on the job's first updates
+        self._bucket_apply = BucketApply(self.config, self._store, self._replies, overrides, update_paths, self.clock, retain_previous=self._retain_previous)
+        self._intake = GradientIntake(  # the steps in flight, and the checks every push passes first
+            self,
+            IntakeParts(
+                self._registrar,
+                self.admission,
+                self._store,
+                overrides,
+                self._norm_round,
+                self._checkpoints,
+                self._morphs,
+                self._bucket_apply,
+                self._crash_points,
+            ),
+        )
         # what an operator set for this job (the pause, the overrides) and can see
-        self.operator = NodeOperator(self, overrides, store=self._store, checkpoints=self._checkpoints, morphs=self._morphs, update_paths=self._update_paths)
+        self.operator = NodeOperator(self, overrides, store=self._store, checkpoints=self._checkpoints, morphs=self._morphs, update_paths=update_paths)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -285,7 +282,7 @@ class NodeDaemon:
     def between_steps(self) -> bool:
         """Whether every owned bucket is at the same step and no gradient of the next is in."""
         steps = {state.step for state in self._store}
-        return self._job is not None and len(steps) <= 1 and not self._in_flight and len(self._store) == len(self._job.owned)
+        return self._job is not None and len(steps) <= 1 and not self._intake.in_flight and len(self._store) == len(self._job.owned)
 
     def request_stop(self) -> None:
         """Stop the serve loop after the current message."""
@@ -338,8 +335,7 @@ class NodeDaemon:
         job = self._job
         assert job is not None
         self._flush_outbox()
-        dropped = sum(len(in_flight.reduction.received) for in_flight in self._in_flight.values())
-        self._in_flight.clear()
+        dropped = self._intake.drop_all()
         self._ready.clear()
         self._replies.forget_ranks()
         self._norm_round.reset()
@@ -354,12 +350,12 @@ class NodeDaemon:
 
     def gradient_received(self, bucket_id: int, rank: int) -> bool:
         """Whether ``rank``'s gradient of the step in progress of ``bucket_id`` is in."""
-        in_flight = self._in_flight.get(bucket_id)
+        in_flight = self._intake.in_flight.get(bucket_id)
         return in_flight is not None and rank in in_flight.reduction.received
 
     def gradients_in_flight(self) -> bool:
         """Whether any gradient of a step in progress is in."""
-        return bool(self._in_flight)
+        return bool(self._intake.in_flight)
 
     def reply(self, peer: bytes, header: Header) -> None:
         """A message without payload to ``peer``."""
@@ -535,122 +531,27 @@ class NodeDaemon:
         self.metrics.rejected_message()
         self._send(peer, error_header(code, text, bucket_id=bucket_id, step=step))
 
-    # ---------------------------------------------------------------- gradients in
+    # ---------------------------------------------------------------- gradients in (gradient_intake.py)
 
     def _on_push(self, message: Message) -> None:
-        self._take_push(message, self._check_push(message))
+        self._intake.on_push(message)
 
     def _on_batched_push(self, message: Message) -> None:
-        """A batch of pushes (:mod:`transport.batches`) is checked whole before any of it is taken: one
-        ERROR (naming the first bucket at fault) and nothing taken, or every bucket taken. Only a
-        NaN/inf gradient refuses its own bucket, as a push of it alone would be."""
-        self.admission.check_payload_size(message.header)
-        parts = split_batch(message)
-        checked = [self._check_push(part) for part in parts]
-        checking = time.perf_counter()
-        whole_finite = count_non_finite(message.tensors) == 0  # one pass; bucket by bucket only if something is not finite
-        self.clock.current.reduce_s += time.perf_counter() - checking
-        for part, check in zip(parts, checked, strict=True):
-            self._take_push(part, check, known_finite=whole_finite)
+        self._intake.on_batched_push(message)
 
-    def _check_push(self, message: Message) -> _PushCheck:
-        """Everything a push must pass before it is taken; ``WireError`` otherwise, nothing changed."""
-        job = self._registrar.require_rank(message)
-        header = message.header
-        bucket = self.admission.owned_bucket(job, header)
-        absent = absent_segments(header.meta, bucket, header.numel)
-        if header.numel or not absent:  # an empty push (no gradient for any segment) has no payload to check
-            self.admission.check_payload(header, bucket, job.spec.wire_dtype)
-        state = self._store.get(bucket.bucket_id)
-        if state is None:
-            raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
-        if header.step < state.step:
-            raise WireError(ErrorCode.STALE_STEP, f"bucket {bucket.bucket_id} is at step {state.step}; a gradient for step {header.step} is stale")
-        if header.step > state.step:
-            raise WireError(ErrorCode.FUTURE_STEP, f"bucket {bucket.bucket_id} is at step {state.step}; step {header.step} is in the future")
-        raw_hyper = header.meta.get("hyper")
-        if raw_hyper is not None and raw_hyper is self._hyper_parsed[0]:  # the buckets of one batch share one list
-            hyper = self._hyper_parsed[1]
-        else:
-            try:
-                hyper = AdamWHyper.from_wire(raw_hyper)
-            except ValueError as exc:
-                raise WireError(ErrorCode.BAD_REQUEST, str(exc)) from None
-            self._hyper_parsed = (raw_hyper, hyper)
-        in_flight = self._in_flight.get(bucket.bucket_id)
-        if in_flight is None:
-            try:  # once per bucket and step (later pushes must send the same): with the overrides (lr x lr_scale) too
-                validate_for_rule(job.spec.rule, self.operator.overrides.apply(hyper))
-            except ValueError as exc:
-                raise WireError(ErrorCode.BAD_REQUEST, f"with this node's hyperparameter overrides: {exc}; see netoptim admin get-hparams") from None
-            # defer: the last arrival's gradient is added in the update pass, together with AdamW
-            reduction = OrderedReduction(state.numel, job.spec.world_size, state.reduction_buffer, defer=True)
-            in_flight = BucketStep(header.step, hyper, reduction, time.perf_counter())
-            self._store.prefetch(bucket.bucket_id)  # out of core: read the state while the other ranks' gradients arrive
-        elif header.rank in in_flight.reduction.received:
-            raise WireError(ErrorCode.DUPLICATE, f"rank {header.rank} already pushed bucket {bucket.bucket_id} for step {header.step}")
-        elif hyper != in_flight.hyper:
-            raise WireError(
-                ErrorCode.BAD_REQUEST, f"rank {header.rank} sent hyperparameters {hyper} for bucket {bucket.bucket_id}, another rank sent {in_flight.hyper}"
-            )
-        if self._norm_round.awaiting is not None:
-            raise WireError(ErrorCode.BAD_REQUEST, f"step {self._norm_round.awaiting} waits for its gradient norm; no new gradients until it is applied")
-        drain_step = self._checkpoints.drain_step
-        if drain_step is not None and header.step >= drain_step:
-            raise WireError(ErrorCode.DRAINING, f"the node is draining: it finished step {drain_step} and takes no gradients after it")
-        return _PushCheck(job, bucket, state, absent, in_flight)
-
-    def _take_push(self, message: Message, check: _PushCheck, *, known_finite: bool = False) -> None:
-        """Take a checked push: refused only for NaN/inf (``--non-finite refuse``), else added."""
-        job, bucket, state, absent, in_flight = check
-        header = message.header
-        self._morphs.push_taken()
-        # NaN/inf, before the gradient touches any state: on the worker's word, else counted here (non_finite.py).
-        checking = time.perf_counter()
-        vouched = not known_finite and self._worker_checks and header.meta.get("finite") is True
-        if vouched:  # the worker summed this gradient on its device before copying it out (--non-finite-check worker)
-            self.non_finite.vouched()
-        non_finite = 0 if known_finite or vouched else count_non_finite(message.tensors)
-        self.clock.current.reduce_s += time.perf_counter() - checking
-        if non_finite and self.config.non_finite == "refuse":
-            self._refuse_non_finite(message.peer, header, non_finite)
-            return
-        if non_finite:  # skip policy: taken, and the step's global round will skip it everywhere
-            in_flight.non_finite[header.rank] = non_finite
-            log.warning(
-                "rank %d's gradient of bucket %d at step %d holds %d NaN/inf value(s): the step will be skipped on every node (--non-finite skip)",
-                header.rank,
-                bucket.bucket_id,
-                header.step,
-                non_finite,
-            )
-        # Everything is validated: from here on the push is accepted.
-        self._ledger.gradient_of_step(header.step)
-        self.clock.gradient_arrived()
-        self._in_flight[bucket.bucket_id] = in_flight
-        in_flight.absent = absent if in_flight.absent is None else in_flight.absent & absent
-        started = time.perf_counter()
-        in_flight.reduction.add(header.rank, message.tensors)
-        self.clock.current.reduce_s += time.perf_counter() - started
-        self._crash_points.passed("push")
-        if not in_flight.reduction.complete:
-            if len(in_flight.reduction.received) == 1 and self._retain_previous and job.spec.wire_dtype == "float32":
-                # Keep the values a restarted rank would need now, while the other ranks' gradients are
-                # on their way, rather than on the path from the last gradient to the new values: where
-                # a board of two slots a bucket holds them, there (the update writes the other slot).
-                if not self._kept_on_board(job, state):
-                    self._ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
-            return
+    def gradients_complete(self, job: ActiveJob, bucket_id: int, step: int) -> None:
+        """Every rank's gradient of ``bucket_id`` at ``step`` is in: its update is ready, or waits for
+        the step's global round."""
         if self._global_round:
-            self._tell_consumed(job, bucket.bucket_id, header.step)  # the round holds every sum until the norm is known
+            self._tell_consumed(job, bucket_id, step)  # the round holds every sum until the norm is known
             self._maybe_request_norm(job)
         else:
-            heapq.heappush(self._ready, bucket.bucket_id)
+            heapq.heappush(self._ready, bucket_id)
 
     def _maybe_request_norm(self, job: ActiveJob) -> None:
         """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
         if (
-            self.operator.pause_reason is None and self._norm_round.share(job, self._in_flight, self.operator.max_grad_norm) is not None
+            self.operator.pause_reason is None and self._norm_round.share(job, self._intake.in_flight, self.operator.max_grad_norm) is not None
         ):  # else resume() asks again
             self._send_norm_partial()
 
@@ -659,33 +560,13 @@ class NodeDaemon:
 
     def _on_clip(self, message: Message) -> None:
         self._registrar.require_rank(message)
-        self._norm_round.on_clip(message.header, self._in_flight, self._ready, self.operator.max_grad_norm)
+        self._norm_round.on_clip(message.header, self._intake.in_flight, self._ready, self.operator.max_grad_norm)
 
     @property
     def _global_round(self) -> bool:
         """Whether a step's updates wait for the round across all buckets and nodes: for the global
         gradient norm (clipping), or for the agreement to skip a step with a non-finite gradient."""
         return self.operator.max_grad_norm is not None or self.config.non_finite == "skip"
-
-    def _refuse_non_finite(self, peer: bytes, header: Header, values: int) -> None:
-        """The refuse policy: answer the push with NON_FINITE and tell the job's other ranks, which
-        wait for this bucket. Nothing of the bucket changed; the rank may push it again for this step."""
-        bucket_id, step, rank = header.bucket_id, header.step, header.rank
-        text = (
-            f"rank {rank}'s gradient of bucket {bucket_id} at step {step} holds {values} NaN/inf value(s) of {header.numel}: refused "
-            f"(--non-finite refuse). The node's state is unchanged and it keeps the other ranks' gradients of this bucket; push it again with "
-            f"finite values to go on. To avoid it: lower the learning rate, clip gradients, use a GradScaler, or run the nodes with --non-finite skip"
-        )
-        log.warning("refused %s", text.partition(": refused")[0])
-        self.non_finite.refused(step, rank, bucket_id, values)
-        self.metrics.rejected_message()
-        error = error_header(ErrorCode.NON_FINITE, text, bucket_id=bucket_id, step=step)
-        error.meta.update({"rank": rank, "values": values})
-        self._send(peer, error)
-        notice = {"non_finite": {"rank": rank, "bucket": bucket_id, "step": step, "values": values}}
-        for other in self._ledger.connections():
-            if other != peer:
-                self._send(other, Header(msg_type=MsgType.NOTICE, bucket_id=bucket_id, step=step, meta=notice))
 
     def _tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
@@ -707,7 +588,7 @@ class NodeDaemon:
         state = self._store.get(bucket_id)
         assert state is not None, "a bucket with gradients has state"
         try:
-            self._apply(job, state, self._in_flight[bucket_id])
+            self._bucket_apply.apply(job, state, self._intake.in_flight[bucket_id], self._ledger, self._deliver)
         except StorageError as exc:
             heapq.heappush(self._ready, bucket_id)  # nothing was applied: its gradients wait for the retry
             self.storage_error = str(exc)
@@ -725,90 +606,11 @@ class NodeDaemon:
         self._flush_outbox()
         return applied
 
-    def _apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep) -> None:
-        if self._replies.outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
-            self._flush_outbox()
-        for handle in state.pending_sends:  # the previous step's values may still be on their way out
-            handle.wait(self.config.send_timeout_s)
-        state.pending_sends.clear()
-        self._store.acquire(state)  # StorageError here leaves everything as it was
-        # the update pass writes the values onto the parameter board too (a 16-bit wire: its cast, which
-        # it makes anyway), into the bucket's slot that does not hold this step's values: they stay there
-        board = self._replies.board_slot(job, state)
-        previous = None
-        if self._retain_previous and self._ledger.retained(state.bucket_id, state.step) is None:
-            # a rank that restarts in this step needs them to redo its gradient
-            if state.wire_copy is not None and state.wire_step == state.step:  # 16-bit wire: keep what went out
-                state.wire_copy = self._ledger.swap_kept(state.bucket_id, state.step, state.wire_copy)
-                state.wire_step = -1
-            elif board is None or not self._kept_on_board(job, state):  # else on the board's other slot, no copy
-                # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
-                previous = self._ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
-        if board is not None and state.wire_copy is not None:  # 16-bit: cast onto the board from now on, no copy of its own
-            state.wire_copy, state.wire_step = None, -1
-        kept_step = state.step
-        try:
-            self._update_and_send(job, state, in_flight, board, previous)
-        finally:
-            self._store.release(state, dirty=True)
-        if previous is not None:
-            self._ledger.keep(state.bucket_id, kept_step, previous)
-
-    def _kept_on_board(self, job: ActiveJob, state: BucketState) -> bool:
-        """Keep the bucket's values of its step for a restarted rank where a board of two slots a bucket
-        holds them (a view; the update writes the other slot); False where it does not (keep a copy)."""
-        on_board = self._replies.board_values(job, state, state.step)
-        if on_board is None:
-            return False
-        if self._ledger.may_need(state.bucket_id, state.step):
-            self._ledger.keep(state.bucket_id, state.step, on_board, owned=False)
-        return True
-
-    def _update_and_send(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None) -> None:
-        started = time.perf_counter()
-        assert in_flight.reduction.complete, "only a complete reduction is applied"
-        wire = board
-        if board is None and job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
-            if state.wire_copy is None:
-                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
-            wire = state.wire_copy
-        segments = job.segments[state.bucket_id]
-        absent = in_flight.absent or frozenset()
-        # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
-        unchanged = len(absent) == len(segments) and not in_flight.skip
-        hyper = self.operator.overrides.apply(in_flight.hyper)
-        if in_flight.skip:
-            # GradScaler semantics: no segment is stepped (parameters, moments and AdamW's step counts stay);
-            # the protocol step still advances, so the workers get these values as the next step's and go on.
-            absent = frozenset(range(len(segments)))
-        else:
-            self.operator.overrides.applied(job.owned[state.bucket_id].group, hyper)
-        updating = time.perf_counter()
-        applied = update_bucket(
-            state,
-            in_flight.reduction,
-            hyper,
-            segments=segments,
-            absent_everywhere=absent,
-            rule=job.spec.rule,
-            # with clipping, the sum was divided by world_size for the norm: it is only multiplied
-            grad_divisor=job.divisor if in_flight.clip is None else None,
-            grad_multiplier=in_flight.clip,
-            wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
-            previous_out=previous,
-            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
-        )
-        passed = time.perf_counter() - updating
-        self.clock.current.passes.append(passed)
-        if applied.changed:
-            self._update_paths.record(applied.compiled, state.numel, passed)
-        state.step += 1
-        state.wire_step = state.step if wire is not None and board is None else -1
-        if board is not None:
-            self._replies.board_written(state)
-        del self._in_flight[state.bucket_id]
+    def _deliver(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, unchanged: bool) -> None:
+        """The bucket reached its next step: its new values out (to every rank in full mode, to those
+        that asked in layer-wise mode), the step's end when it was the last owned bucket."""
+        del self._intake.in_flight[state.bucket_id]
         sending = time.perf_counter()
-        self.clock.current.update_s += sending - started
         done = self._buckets_done.get(state.step, 0) + 1
         ends_step = done == len(job.owned)
         checkpointed_first = ends_step and self._checkpoints.due(state.step)
@@ -874,7 +676,7 @@ class NodeDaemon:
             # job, and is this connection part of it. The job's state is for its ranks only.
             self._send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": self._job is not None, "rank_registered": False}))
             return
-        missing = [[b, s.step, s.reduction.missing()] for b, s in sorted(self._in_flight.items()) if not s.reduction.complete]
+        missing = self._intake.missing()
         meta = {
             "node_id": self.node_id,
             "registered": self._job is not None,
@@ -911,7 +713,7 @@ class NodeDaemon:
         if header.rank != 0:
             raise WireError(ErrorCode.BAD_REQUEST, "only rank 0 loads optimizer state")
         self.admission.check_payload(header, job.owned[state.bucket_id], "float32")
-        in_flight = self._in_flight.get(state.bucket_id)
+        in_flight = self._intake.in_flight.get(state.bucket_id)
         if in_flight is not None and 0 in in_flight.reduction.received:
             raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")
         if self._replies.outbox.waits_for(state.bucket_id):  # values waiting in a batch are read from them too

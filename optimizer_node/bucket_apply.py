@@ -1,0 +1,152 @@
+"""Applying one bucket's update on the node's thread, from its complete gradients to its new values.
+
+:class:`BucketApply` owns that path for one job: it waits for the bucket's previous values to be
+out, holds the bucket in the store while it changes, keeps the values a restarted rank may need to
+redo its gradient (on the parameter board's other slot where there is one, else a copy the update
+pass makes as it reads them), runs the one pass (:func:`~optimizer_node.bucket_update.update_bucket`:
+the last gradient summed in, the rule, the cast onto the board or the outgoing copy) on the path the
+job's first updates chose, and times it. Where the new values go is the daemon's: it hands
+:meth:`BucketApply.apply` a ``deliver`` callback, run while the bucket is still held, since an
+out-of-core bucket's tensors go back to the store's pool once released.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from optimizer_node.bucket_update import update_bucket
+from transport.wire import WIRE_DTYPES
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from optimizer_node.config import NodeConfig
+    from optimizer_node.control import StepClock
+    from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.overrides import OperatorOverrides
+    from optimizer_node.replies import ParameterReplies
+    from optimizer_node.step_ledger import StepLedger
+    from optimizer_node.storage import BucketState, BucketStore
+    from optimizer_node.update_path_choice import UpdatePathChoice
+
+    # the new values out, while the bucket is held: (job, state at its new step, its gradients, whether nothing changed)
+    Deliver = Callable[[ActiveJob, BucketState, BucketStep, bool], None]
+
+
+class BucketApply:
+    """One job's bucket updates: the values kept for a restarted rank, the pass, its timings.
+
+    ``retain_previous``: whether the node keeps a bucket's values of the step in flight for a rank
+    that restarts in it (an out-of-core node does not: it would need its memory budget again)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        store: BucketStore,
+        replies: ParameterReplies,
+        overrides: OperatorOverrides,
+        update_paths: UpdatePathChoice,
+        clock: StepClock,
+        *,
+        retain_previous: bool,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._replies = replies
+        self._overrides = overrides
+        self._update_paths = update_paths
+        self._clock = clock
+        self.retain_previous = retain_previous
+
+    def kept_on_board(self, job: ActiveJob, state: BucketState, ledger: StepLedger) -> bool:
+        """Keep the bucket's values of its step for a restarted rank where a board of two slots a bucket
+        holds them (a view; the update writes the other slot); False where it does not (keep a copy)."""
+        on_board = self._replies.board_values(job, state, state.step)
+        if on_board is None:
+            return False
+        if ledger.may_need(state.bucket_id, state.step):
+            ledger.keep(state.bucket_id, state.step, on_board, owned=False)
+        return True
+
+    def apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, ledger: StepLedger, deliver: Deliver) -> None:
+        """Update ``state`` with its complete gradients ``in_flight`` and ``deliver`` the new values
+        while the bucket is held. ``StorageError`` from the store leaves everything as it was."""
+        if self._replies.outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
+            self._replies.flush()
+        for handle in state.pending_sends:  # the previous step's values may still be on their way out
+            handle.wait(self._config.send_timeout_s)
+        state.pending_sends.clear()
+        self._store.acquire(state)  # StorageError here leaves everything as it was
+        # the update pass writes the values onto the parameter board too (a 16-bit wire: its cast, which
+        # it makes anyway), into the bucket's slot that does not hold this step's values: they stay there
+        board = self._replies.board_slot(job, state)
+        previous = None
+        if self.retain_previous and ledger.retained(state.bucket_id, state.step) is None:
+            # a rank that restarts in this step needs them to redo its gradient
+            if state.wire_copy is not None and state.wire_step == state.step:  # 16-bit wire: keep what went out
+                state.wire_copy = ledger.swap_kept(state.bucket_id, state.step, state.wire_copy)
+                state.wire_step = -1
+            elif board is None or not self.kept_on_board(job, state, ledger):  # else on the board's other slot, no copy
+                # the update pass copies them as it reads them (one worker, or a wire copy not made yet)
+                previous = ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
+        if board is not None and state.wire_copy is not None:  # 16-bit: cast onto the board from now on, no copy of its own
+            state.wire_copy, state.wire_step = None, -1
+        kept_step = state.step
+        try:
+            unchanged = self._update(job, state, in_flight, board, previous)
+            deliver(job, state, in_flight, unchanged)
+        finally:
+            self._store.release(state, dirty=True)
+        if previous is not None:
+            ledger.keep(state.bucket_id, kept_step, previous)
+
+    def _update(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None) -> bool:
+        """The pass, and the bucket at its next step; returns whether nothing changed (no segment had a
+        gradient on any rank: the workers hold these values already)."""
+        started = time.perf_counter()
+        assert in_flight.reduction.complete, "only a complete reduction is applied"
+        wire = board
+        if board is None and job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
+            if state.wire_copy is None:
+                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+            wire = state.wire_copy
+        segments = job.segments[state.bucket_id]
+        absent = in_flight.absent or frozenset()
+        # every rank's push was empty (no gradient for any parameter of the bucket, e.g. a frozen layer): no values go back
+        unchanged = len(absent) == len(segments) and not in_flight.skip
+        hyper = self._overrides.apply(in_flight.hyper)
+        if in_flight.skip:
+            # GradScaler semantics: no segment is stepped (parameters, moments and AdamW's step counts stay);
+            # the protocol step still advances, so the workers get these values as the next step's and go on.
+            absent = frozenset(range(len(segments)))
+        else:
+            self._overrides.applied(job.owned[state.bucket_id].group, hyper)
+        updating = time.perf_counter()
+        applied = update_bucket(
+            state,
+            in_flight.reduction,
+            hyper,
+            segments=segments,
+            absent_everywhere=absent,
+            rule=job.spec.rule,
+            # with clipping, the sum was divided by world_size for the norm: it is only multiplied
+            grad_divisor=job.divisor if in_flight.clip is None else None,
+            grad_multiplier=in_flight.clip,
+            wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
+            previous_out=previous,
+            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
+        )
+        timings = self._clock.current
+        passed = time.perf_counter() - updating
+        timings.passes.append(passed)
+        if applied.changed:
+            self._update_paths.record(applied.compiled, state.numel, passed)
+        state.step += 1
+        state.wire_step = state.step if wire is not None and board is None else -1
+        if board is not None:
+            self._replies.board_written(state)
+        timings.update_s += time.perf_counter() - started
+        return unchanged
