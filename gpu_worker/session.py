@@ -22,8 +22,10 @@ from gpu_worker.gradient_sender import GradientSender
 from gpu_worker.layout import gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
+from gpu_worker.norm_totals import NormTotals
 from gpu_worker.push_pacing import PushPacer
 from gpu_worker.refusals import RefusedGradients
+from gpu_worker.resume import WorkerProgress, gradients_lost, resume_point
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
 from gpu_worker.value_installer import ValueInstaller
 from job.hyper import AdamWHyper
@@ -72,7 +74,7 @@ class OffloadSession:
         self._requests: dict[int, int] = {}  # bucket -> step asked for with PULL, not arrived yet
         self._waiting: set[int] = set()  # full mode: buckets whose new values the step waits for
         self._step_grads: tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]] | None = None  # full mode: to push again
-        self._last_clip: tuple[int, float] | None = None  # rank 0: (step, sum of squares) of the last CLIP sent
+        self._norm_totals = NormTotals(rank)  # rank 0: the nodes' shares of a clipped step's norm, and the total sent
         # Nodes this process reconnected to: a bucket's values may come twice from them (asked for again
         # and broadcast), the second copy even after the step that awaited them ended.
         self._reconnected: set[int] = set()
@@ -92,7 +94,6 @@ class OffloadSession:
         # paced full-model pushes, the bucket's new values do.
         self.pacer: PushPacer | None = None
         self.pacer_ack = MsgType.CONSUMED
-        self._norm_partials: dict[int, float] = {}
         # This process, to the nodes: a restarted worker is a new incarnation of its rank, which redoes
         # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
         self.incarnation = secrets.randbits(63) | 1
@@ -232,19 +233,10 @@ class OffloadSession:
         """Take the step this rank (re)does from the nodes' accounts: the lowest of them. A node already
         a step further has this rank's whole gradient of that step; on the others, the buckets listed
         have it too. Only the rest is pushed."""
-        steps = {index: step for index, (step, _) in resume.items()}
-        step = min(steps.values(), default=0)
-        if max(steps.values(), default=0) > step + 1:
-            raise RuntimeError(f"the nodes disagree on the step of rank {self.rank} ({steps}): were some of them resumed from older checkpoints?")
-        contributed: set[int] = set()
-        for index, (node_step, buckets) in resume.items():
-            if node_step > step:
-                contributed.update(b.bucket_id for b in self.buckets if b.node == index)
-            else:
-                contributed.update(buckets)
+        step, contributed = resume_point(resume, [b.node for b in self.buckets], self.rank)
         self.resume_step = step
         self.bucket_steps = [step] * len(self.buckets)
-        self._contributed = contributed
+        self._contributed = set(contributed)  # each leaves once its step is pushed again
         if contributed:
             log.warning(
                 "rank %d resumes in the middle of step %d: the nodes already hold its gradient of %d of %d buckets (from the process it replaces); it pushes the other %d",
@@ -285,8 +277,7 @@ class OffloadSession:
         self.job = dataclasses.replace(self.job, world_size=world_size)
         self.rank = rank
         self._connections.set_job(self.job.to_wire(), rank=rank, morph_at=at_step)
-        self._last_clip = None
-        self._norm_partials.clear()
+        self._norm_totals.forget(rank)
         for index in range(len(self._connections)):
             self._connections.send_hello(index)
         resume = {index: self._registered(index, self.timeout_s) for index in range(len(self._connections))}
@@ -633,7 +624,7 @@ class OffloadSession:
                 self.pacer.returned(header.bucket_id)
             return
         if header.msg_type == MsgType.NORM_PARTIAL:
-            self._on_norm_partial(index, header)
+            self._norm_totals.on_share(index, header, sorted({b.node for b in self.buckets}), self._connections.send)
             return
         if header.msg_type != MsgType.PARAMS or self.on_params is None:
             raise RuntimeError(f"unexpected {header.msg_type.name} from node {self.nodes[index]}")
@@ -678,21 +669,6 @@ class OffloadSession:
         log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", self.rank, node, bucket_id, step)
         return True
 
-    def _on_norm_partial(self, index: int, header: Header) -> None:
-        """Rank 0: add the nodes' shares of the squared norm in node order and send the total to all.
-        A node that restarted after the total went out asks again: it gets the same total."""
-        nodes_with_buckets = sorted({b.node for b in self.buckets})
-        if self._last_clip is not None and self._last_clip[0] == header.step:
-            self._connections.send(index, Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": self._last_clip[1]}))
-            return
-        self._norm_partials[index] = float(header.meta["sum_of_squares"])
-        if len(self._norm_partials) == len(nodes_with_buckets):
-            total = sum(self._norm_partials[n] for n in nodes_with_buckets)  # node order: deterministic
-            self._norm_partials.clear()
-            self._last_clip = (header.step, total)
-            for node in nodes_with_buckets:
-                self._connections.send(node, Header(msg_type=MsgType.CLIP, rank=self.rank, step=header.step, meta={"sum_of_squares": total}))
-
     # ---------------------------------------------------------------- a node that went away
 
     def _reconnect(self, index: int, why: str | None = None) -> None:
@@ -719,44 +695,18 @@ class OffloadSession:
         meta = reply.header.meta
         address = self.nodes[index]
         mine = [b.bucket_id for b in self.buckets if b.node == index]
-        step = min(self.bucket_steps[b] for b in mine) if mine else 0
         node_step, contributed = int(meta["resume_step"]), {int(b) for b in meta["contributed"]}
-        if meta.get("needs_init"):
-            raise RuntimeError(
-                f"node {address} came back without the job's state (restarted without --resume?): its buckets need initial values again; "
-                "restart it with --resume from its checkpoints, then the workers"
-            )
-        # Layer-wise, a worker's step counts advance as it pushes: one step ahead of a node that never
-        # sent it values of that step means the node lost (or still holds) what it pushed, not that it went back.
-        at_step = [b for b in mine if self.bucket_steps[b] == step]
-        pushed_ahead = (
-            self.job.mode == "layerwise"
-            and node_step == step - 1
-            and self._seen_step.get(index, -1) < step
-            and all(self._advanced_at.get(b) == node_step for b in at_step)  # this process's pushes brought them there
+        progress = WorkerProgress(
+            self.rank,
+            self.job.mode == "layerwise",
+            mine,
+            self.bucket_steps,
+            self._seen_step.get(index, -1),
+            self._advanced_at,
+            self._pushed,
+            keeps_gradients=self._step_grads is not None,
         )
-        if node_step < step and pushed_ahead:
-            lost = [b for b in at_step if b not in contributed]
-            if lost:
-                raise RuntimeError(
-                    f"node {address} restarted in the middle of step {node_step} and lost this worker's gradients of {len(lost)} bucket(s), "
-                    f"which layer-wise workers do not keep: restart the worker (it redoes step {node_step})"
-                )
-        elif node_step < step:
-            raise RuntimeError(
-                f"node {address} came back at step {node_step}, but rank {self.rank} is at step {step} (the node resumed from an older checkpoint): "
-                f"continuing would mix steps. To roll the job back to step {node_step}, restart every worker (they resume at the nodes' step); "
-                f"otherwise restart the node from a checkpoint of step {step}"
-            )
-        if node_step > step + 1:
-            raise RuntimeError(f"node {address} is at step {node_step}, rank {self.rank} at step {step}: this worker is not part of that run")
-        # Pushed for the node's step (not an earlier one whose values are installed), and not held there.
-        lost = [b for b in mine if node_step == step and self._pushed.get(b) == node_step and b not in contributed]
-        if lost and self._step_grads is None:
-            raise RuntimeError(
-                f"node {address} restarted in the middle of step {step} and lost this worker's gradients of {len(lost)} bucket(s), which layer-wise "
-                f"workers do not keep: restart the worker (it redoes step {step})"
-            )
+        step, lost = gradients_lost(address, node_step, contributed, bool(meta.get("needs_init")), progress)
         log.warning("rank %d: node %s is back at step %d; pushing %d bucket(s) again", self.rank, address, node_step, len(lost))
         for bucket_id in lost:
             if self.bucket_steps[bucket_id] > step:  # installed from the node's previous life: it comes again
