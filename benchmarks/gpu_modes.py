@@ -66,7 +66,13 @@ def node_status(admins: list[str], *, settle_s: float = 0.0) -> list[dict]:
             statuses.append(
                 {
                     "update_path": status.update_path,
-                    "last_step_s": {"wall": last.wall_seconds, "reduce": last.reduce_seconds, "update": last.update_seconds, "send": last.send_seconds},
+                    "last_step_s": {
+                        "wall": last.wall_seconds,
+                        "tail": last.tail_seconds,  # after the last gradient: the node's share of the step's critical path
+                        "reduce": last.reduce_seconds,
+                        "update": last.update_seconds,
+                        "send": last.send_seconds,
+                    },
                     # of "update", inside the passes; each bucket's pass (a long tail: threads stalled at the pass's join)
                     "last_step_passes": {
                         "seconds": last.pass_seconds,

@@ -66,7 +66,14 @@ MACHINE_MEMCPY_NUMEL = 64 << 20
 
 def node_timings(stub: admin_pb2_grpc.OptimizerNodeAdminStub) -> dict[str, float]:
     last = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).last_step
-    return {"wall_s": last.wall_seconds, "reduce_s": last.reduce_seconds, "update_s": last.update_seconds, "send_s": last.send_seconds}
+    return {
+        "wall_s": last.wall_seconds,
+        "tail_s": last.tail_seconds,  # the last gradient in -> the last bucket out
+        "reduce_s": last.reduce_seconds,
+        "update_s": last.update_seconds,
+        "pass_s": last.pass_seconds,  # of update_s: inside the update passes
+        "send_s": last.send_seconds,
+    }
 
 
 def settled_update_path(stub: admin_pb2_grpc.OptimizerNodeAdminStub, timeout_s: float = 180.0) -> str:
@@ -80,16 +87,19 @@ def settled_update_path(stub: admin_pb2_grpc.OptimizerNodeAdminStub, timeout_s: 
         time.sleep(0.1)
 
 
-def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str = "float32") -> dict:
+def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str = "float32", node_args: tuple[str, ...] = ()) -> dict:
     """Median step time and phases of one worker training ``numel`` parameters in ``buckets`` buckets,
-    ``wire_dtype`` on the wire."""
+    ``wire_dtype`` on the wire; ``node_args``: flags for the node besides the benchmark's."""
     bucket_numel = -(-numel // buckets)
     job = JobSpec(
         world_size=1, num_nodes=1, bucket_numel=bucket_numel, wire_dtype=wire_dtype, max_grad_norm=None, params=(ParamSpec("w", (numel,), "float32", 0),)
     )
     param = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
-    with tempfile.TemporaryDirectory(prefix="netoptim-bench-step-") as workdir, NodeProcess(workdir, threads=1, extra_args=("--admin", "127.0.0.1:0")) as node:
+    with (
+        tempfile.TemporaryDirectory(prefix="netoptim-bench-step-") as workdir,
+        NodeProcess(workdir, threads=1, extra_args=("--admin", "127.0.0.1:0", *node_args)) as node,
+    ):
         session = OffloadSession([node.address], job, 0, [param], timeouts=WorkerTimeouts())
         channel = grpc.insecure_channel(node.admin_address)
         stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
@@ -131,7 +141,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     counts = sorted(set(args.buckets))
-    results = [measure(args.numel, count, args.steps, args.warmup, args.wire_dtype) for count in counts]
+    results = [measure(args.numel, count, args.steps, args.warmup, args.wire_dtype, tuple(args.node_arg)) for count in counts]
     fewest, most = results[0], results[-1]
     for result in results[1:]:
         extra = result["buckets"] - fewest["buckets"]
@@ -147,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
         "numel": args.numel,
         "threads": args.threads,
         "wire_dtype": args.wire_dtype,
+        "node_args": list(args.node_arg),
         "steps": args.steps,
         "memcpy_gbs": round(memcpy, 2),
         "machine_memcpy_gbs": round(machine_memcpy, 2),

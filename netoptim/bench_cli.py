@@ -130,6 +130,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default="float32",
         help="dtype of gradients and parameters on the wire (the node keeps fp32 master values either way) (default: %(default)s)",
     )
+    step.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for the node, as netoptim node takes it (repeat it for more; write it with '=': --node-arg=--pass-thread), to compare node settings",
+    )
     morph = which.add_parser(
         "morph", help="an elastic job shrinking from 4 workers to 2 and growing to 3: bitwise against torch AdamW at the same widths, and each morph's pause"
     )

@@ -99,6 +99,12 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="I/O threads moving the data plane's bytes; give the connections per node your workers open (default: %(default)s)",
     )
     node.add_argument(
+        "--pass-thread",
+        action="store_true",
+        help="run the update passes on a thread of their own, so the node receives gradients and sends new values while a pass runs "
+        "(give that thread a CPU: --threads one below the default); not with --state-dir (default: passes on the serve loop's thread)",
+    )
+    node.add_argument(
         "--threads",
         type=positive_int,
         default=None,
@@ -358,6 +364,7 @@ def node_config_from_args(args: argparse.Namespace):  # -> NodeConfig, imported 
         non_finite_check=args.non_finite_check,
         next_job=args.next_job,
         io_threads=args.io_threads,
+        pass_thread=args.pass_thread,
     )
     if args.chunk_bytes is not None:
         config.chunk_bytes = args.chunk_bytes

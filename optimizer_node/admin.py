@@ -95,6 +95,7 @@ def _timings(timings: StepTimings) -> admin_pb2.StepTimings:
         pass_p90_ms=1e3 * p90,
         pass_max_ms=1e3 * longest,
         buckets=len(timings.passes),
+        tail_seconds=timings.tail_s,
     )
 
 

@@ -13,16 +13,18 @@ out-of-core bucket's tensors go back to the store's pool once released.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optimizer_node.bucket_update import update_bucket
+from optimizer_node.bucket_update import Applied, update_bucket
 from transport.wire import WIRE_DTYPES
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from job.hyper import AdamWHyper
     from optimizer_node.config import NodeConfig
     from optimizer_node.control import StepClock
     from optimizer_node.job_state import ActiveJob, BucketStep
@@ -34,6 +36,25 @@ if TYPE_CHECKING:
 
     # the new values out, while the bucket is held: (job, state at its new step, its gradients, whether nothing changed)
     Deliver = Callable[[ActiveJob, BucketState, BucketStep, bool], None]
+
+
+@dataclass(slots=True, eq=False)
+class PendingUpdate:
+    """One bucket's update between :meth:`BucketApply.begin` and :meth:`BucketApply.finish`."""
+
+    job: ActiveJob
+    state: BucketState
+    in_flight: BucketStep
+    ledger: StepLedger
+    hyper: AdamWHyper  # with the operator's overrides
+    arguments: dict[str, Any]  # update_bucket's keyword arguments
+    board: torch.Tensor | None  # the bucket's slot on the parameter board the pass writes
+    wire: torch.Tensor | None  # where the pass writes the new values in the wire dtype (the board, or the wire copy)
+    previous: torch.Tensor | None  # where the pass copies the values it replaces, for a restarted rank
+    unchanged: bool  # no segment had a gradient on any rank
+    bookkeeping_s: float = 0.0
+    pass_s: float = 0.0
+    applied: Applied | None = None  # set by the pass
 
 
 class BucketApply:
@@ -73,13 +94,34 @@ class BucketApply:
 
     def apply(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, ledger: StepLedger, deliver: Deliver) -> None:
         """Update ``state`` with its complete gradients ``in_flight`` and ``deliver`` the new values
-        while the bucket is held. ``StorageError`` from the store leaves everything as it was."""
+        while the bucket is held, all on this thread. ``StorageError`` from the store leaves everything
+        as it was."""
+        pending = self.begin(job, state, in_flight, ledger)
+        error: BaseException | None = None
+        try:
+            self.run(pending)
+        except BaseException as exc:
+            error = exc
+        self.finish(pending, error, deliver)
+
+    def begin(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, ledger: StepLedger) -> PendingUpdate:
+        """Everything before the pass, on the loop's thread: the previous values out, the bucket held,
+        the values a restarted rank may need kept, the pass's arguments. ``StorageError`` from the
+        store leaves everything as it was. :meth:`run` the pass next (on any thread), then :meth:`finish`."""
         if self._replies.outbox.waits_for(state.bucket_id):  # the update overwrites the values the batch would send
             self._replies.flush()
         for handle in state.pending_sends:  # the previous step's values may still be on their way out
             handle.wait(self._config.send_timeout_s)
         state.pending_sends.clear()
         self._store.acquire(state)  # StorageError here leaves everything as it was
+        try:
+            return self._prepare(job, state, in_flight, ledger)
+        except BaseException:
+            self._store.release(state, dirty=False)
+            raise
+
+    def _prepare(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, ledger: StepLedger) -> PendingUpdate:
+        started = time.perf_counter()
         # the update pass writes the values onto the parameter board too (a 16-bit wire: its cast, which
         # it makes anyway), into the bucket's slot that does not hold this step's values: they stay there
         board = self._replies.board_slot(job, state)
@@ -94,19 +136,6 @@ class BucketApply:
                 previous = ledger.buffer_to_keep(state.bucket_id, state.step, state.numel, WIRE_DTYPES[job.spec.wire_dtype])
         if board is not None and state.wire_copy is not None:  # 16-bit: cast onto the board from now on, no copy of its own
             state.wire_copy, state.wire_step = None, -1
-        kept_step = state.step
-        try:
-            unchanged = self._update(job, state, in_flight, board, previous)
-            deliver(job, state, in_flight, unchanged)
-        finally:
-            self._store.release(state, dirty=True)
-        if previous is not None:
-            ledger.keep(state.bucket_id, kept_step, previous)
-
-    def _update(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, board: torch.Tensor | None, previous: torch.Tensor | None) -> bool:
-        """The pass, and the bucket at its next step; returns whether nothing changed (no segment had a
-        gradient on any rank: the workers hold these values already)."""
-        started = time.perf_counter()
         assert in_flight.reduction.complete, "only a complete reduction is applied"
         wire = board
         if board is None and job.spec.wire_dtype != "float32":  # the outgoing copy is cast in the same pass
@@ -124,11 +153,7 @@ class BucketApply:
             absent = frozenset(range(len(segments)))
         else:
             self._overrides.applied(job.owned[state.bucket_id].group, hyper)
-        updating = time.perf_counter()
-        applied = update_bucket(
-            state,
-            in_flight.reduction,
-            hyper,
+        arguments = dict(
             segments=segments,
             absent_everywhere=absent,
             rule=job.spec.rule,
@@ -139,14 +164,39 @@ class BucketApply:
             previous_out=previous,
             compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
         )
+        pending = PendingUpdate(job, state, in_flight, ledger, hyper, arguments, board, wire, previous, unchanged)
+        pending.bookkeeping_s = time.perf_counter() - started
+        return pending
+
+    @staticmethod
+    def run(pending: PendingUpdate) -> None:
+        """The pass itself: touches the bucket's state and the pass's outputs only, so it may run on a
+        thread of its own (:mod:`optimizer_node.pass_thread`) while the loop goes on."""
+        updating = time.perf_counter()
+        pending.applied = update_bucket(pending.state, pending.in_flight.reduction, pending.hyper, **pending.arguments)
+        pending.pass_s = time.perf_counter() - updating
+
+    def finish(self, pending: PendingUpdate, error: BaseException | None, deliver: Deliver) -> None:
+        """After the pass, on the loop's thread: its timings, the bucket at its next step, the new values
+        delivered, the bucket let go. ``error``: what the pass raised, raised here once the bucket is let go."""
+        state = pending.state
+        if error is not None or pending.applied is None:
+            self._store.release(state, dirty=True)  # the pass may have changed some of it
+            raise error if error is not None else AssertionError("a pass that did not run")
+        started = time.perf_counter()
         timings = self._clock.current
-        passed = time.perf_counter() - updating
-        timings.passes.append(passed)
-        if applied.changed:
-            self._update_paths.record(applied.compiled, state.numel, passed)
+        timings.passes.append(pending.pass_s)
+        if pending.applied.changed:
+            self._update_paths.record(pending.applied.compiled, state.numel, pending.pass_s)
+        kept_step = state.step
         state.step += 1
-        state.wire_step = state.step if wire is not None and board is None else -1
-        if board is not None:
+        state.wire_step = state.step if pending.wire is not None and pending.board is None else -1
+        if pending.board is not None:
             self._replies.board_written(state)
-        timings.update_s += time.perf_counter() - started
-        return unchanged
+        timings.update_s += pending.bookkeeping_s + pending.pass_s + time.perf_counter() - started
+        try:
+            deliver(pending.job, state, pending.in_flight, pending.unchanged)
+        finally:
+            self._store.release(state, dirty=True)
+        if pending.previous is not None:
+            pending.ledger.keep(state.bucket_id, kept_step, pending.previous)

@@ -117,6 +117,11 @@ class NodeConfig:
     io_threads: int = 1
     """I/O threads of the data plane's ZeroMQ context: raise it to the connections per node workers open."""
 
+    pass_thread: bool = False
+    """Run the update passes on a thread of their own, so the serve loop checks and takes pushes and
+    sends new values while they run (:mod:`optimizer_node.pass_thread`); in memory only (an
+    out-of-core node updates on its loop's thread)."""
+
     send_timeout_s: float = 60.0
     """How long an update waits for the previous step's sends of the same bucket to finish."""
 

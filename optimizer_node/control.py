@@ -32,6 +32,11 @@ class CommandQueue:
         self._pending.put((function, future))
         return future.result(timeout_s)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether something was submitted that has not run yet."""
+        return not self._pending.empty()
+
     def run_pending(self) -> None:
         """Called by the daemon thread: run everything submitted so far."""
         while True:
@@ -52,6 +57,7 @@ class StepTimings:
     """Where the time of one node step went."""
 
     wall_s: float = 0.0  # first gradient in -> last bucket sent
+    tail_s: float = 0.0  # last gradient in -> last bucket sent: the node's time after the workers' backward
     reduce_s: float = 0.0
     update_s: float = 0.0
     send_s: float = 0.0
@@ -79,15 +85,20 @@ class StepClock:
     current: StepTimings = field(default_factory=StepTimings)
     last: StepTimings = field(default_factory=StepTimings)
     started: float | None = None
+    last_gradient: float = 0.0  # when the current step's last gradient so far came in
     _subscribers: list[queue.SimpleQueue] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gradient_arrived(self) -> None:
+        self.last_gradient = now = time.perf_counter()
         if self.started is None:
-            self.started = time.perf_counter()
+            self.started = now
 
     def step_completed(self, step: int) -> None:
-        self.current.wall_s = time.perf_counter() - self.started if self.started is not None else 0.0
+        now = time.perf_counter()
+        if self.started is not None:
+            self.current.wall_s = now - self.started
+            self.current.tail_s = now - self.last_gradient
         self.last, self.current, self.started = self.current, StepTimings(), None
         event = StepEvent(step, time.time(), self.last)
         with self._lock:

@@ -30,7 +30,7 @@ import torch
 
 from job.spec import JobSpec
 from optimizer_node.admission import JobAdmission, job_fingerprint
-from optimizer_node.bucket_apply import BucketApply
+from optimizer_node.bucket_apply import BucketApply, PendingUpdate
 from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
@@ -46,6 +46,7 @@ from optimizer_node.non_finite import NonFiniteStats
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import NodeOperator
 from optimizer_node.overrides import OperatorOverrides
+from optimizer_node.pass_thread import PassThread
 from optimizer_node.persistence import Checkpoints
 from optimizer_node.registration import JobRegistrar, load_allow_list
 from optimizer_node.replies import ParameterReplies
@@ -68,6 +69,10 @@ STORAGE_RETRY_S = 1.0
 
 APPLY_BURST = 8
 """Ready updates applied in a row before the serve loop looks for messages again."""
+
+PASS_POLL_S = 0.001
+"""With passes on their own thread and an endpoint that cannot be woken by it: how often the serve
+loop looks for finished passes while it waits for messages."""
 
 
 class NodeDaemon:
@@ -127,6 +132,14 @@ class NodeDaemon:
             MsgType.LOAD_STATE: self._on_load_state,
             MsgType.BYE: self._on_bye,
         }
+        # --pass-thread: the update passes run on a thread of their own while this one receives and sends
+        self._passes: PassThread[PendingUpdate] | None = None
+        self._woken_by_passes = False
+        if config.pass_thread and out_of_core:
+            log.warning("--pass-thread is for a node that keeps its state in memory: with --state-dir the updates run on the serve loop's thread")
+        elif config.pass_thread:
+            self._passes = PassThread(BucketApply.run)
+            self._woken_by_passes = self._endpoint.wake_on(self._passes.wake_fd)
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
@@ -235,15 +248,28 @@ class NodeDaemon:
         self.write_ready_file()
         try:
             while not stop.is_set():
-                self.commands.run_pending()
+                passes = self._passes
+                if passes is not None and passes.busy:
+                    self._finish_passes(passes.collect())
+                if self.commands.waiting:
+                    self._settle_passes()  # an admin call sees (and may change) the node between passes
+                    self.commands.run_pending()
                 self._store.poll()
                 if self._store.last_error is not None:
                     self.storage_error, self._store.last_error = self._store.last_error, None
                 can_apply = bool(self._ready) and self.operator.pause_reason is None and time.monotonic() >= self._storage_retry_at
-                if self._replies.outbox and not can_apply:  # no more updates to add to them: the batches leave
+                passing = passes is not None and passes.busy
+                can_apply = can_apply and (passes is None or passes.has_room)
+                if self._replies.outbox and not can_apply and not passing:  # no more updates to add to them: the batches leave
                     self._flush_outbox()
+                if can_apply:
+                    timeout = 0.0
+                elif passing and not self._woken_by_passes:
+                    timeout = PASS_POLL_S
+                else:  # a pass that ends wakes the wait
+                    timeout = self.config.poll_interval_s
                 try:
-                    message = self._endpoint.recv(0.0 if can_apply else self.config.poll_interval_s)
+                    message = self._endpoint.recv(timeout)
                 except WireError as exc:
                     self._log_rejected(exc, exc.peer, "rejected a malformed message: %s", exc)
                     if exc.peer is not None:
@@ -251,11 +277,15 @@ class NodeDaemon:
                     continue
                 if message is not None:
                     self.handle(message)
-                elif can_apply:  # a few in a row: a look for messages costs a system call
+                    continue
+                if passes is not None:  # woken by a pass that ended, or by one taken back already: the wake-up drained
+                    self._finish_passes(passes.collect())
+                if can_apply:  # a few in a row: a look for messages costs a system call
                     for _ in range(APPLY_BURST):
                         if not self.apply_next():
                             break
         finally:
+            self._settle_passes()
             self._flush_outbox()
             self.commands.run_pending()
             self._checkpoints.on_exit()
@@ -264,6 +294,9 @@ class NodeDaemon:
         log.info("node %s stopped at step %s", self.node_id, self.step)
 
     def close(self) -> None:
+        if self._passes is not None:
+            self._settle_passes()
+            self._passes.close()
         self._endpoint.close()
         self._transport.close()
         self._store.close()
@@ -452,6 +485,14 @@ class NodeDaemon:
         header = message.header
         self.metrics.received(header.payload_bytes)
         batched = header.msg_type == MsgType.PUSH and "batch" in header.meta
+        if self._passes is not None and self._passes.busy:
+            # A message is handled as if no pass ran: one that names a bucket waits for that bucket's
+            # pass, any other (rare while gradients stream in) for every pass.
+            if header.msg_type in (MsgType.PUSH, MsgType.PULL) and not batched:
+                if self._passes.holds(header.bucket_id):
+                    self._settle_passes(header.bucket_id)
+            else:
+                self._settle_passes()
         handler = self._on_batched_push if batched else self._handlers.get(header.msg_type)
         try:
             if handler is None:
@@ -574,9 +615,13 @@ class NodeDaemon:
             for peer in self._ledger.connections():
                 self._send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
 
-    def apply_next(self) -> bool:
-        """Apply the ready update of the lowest bucket id; False if none is ready or updates are paused."""
+    def apply_next(self, *, here: bool = False) -> bool:
+        """Apply the ready update of the lowest bucket id (with ``--pass-thread``: hand its pass over,
+        unless ``here``); False if none is ready, updates are paused, or the pass thread has no room."""
         if not self._ready or self.operator.pause_reason is not None:
+            return False
+        passes = None if here else self._passes
+        if passes is not None and not passes.has_room:
             return False
         job = self._registrar.require_job()
         bucket_id = heapq.heappop(self._ready)
@@ -588,7 +633,10 @@ class NodeDaemon:
         state = self._store.get(bucket_id)
         assert state is not None, "a bucket with gradients has state"
         try:
-            self._bucket_apply.apply(job, state, self._intake.in_flight[bucket_id], self._ledger, self._deliver)
+            if passes is None:
+                self._bucket_apply.apply(job, state, self._intake.in_flight[bucket_id], self._ledger, self._deliver)
+            else:
+                passes.submit(bucket_id, self._bucket_apply.begin(job, state, self._intake.in_flight[bucket_id], self._ledger))
         except StorageError as exc:
             heapq.heappush(self._ready, bucket_id)  # nothing was applied: its gradients wait for the retry
             self.storage_error = str(exc)
@@ -599,12 +647,23 @@ class NodeDaemon:
         return True
 
     def apply_all_ready(self) -> int:
-        """Apply every ready update now, lowest bucket id first; returns how many."""
+        """Apply every ready update now, lowest bucket id first, on this thread; returns how many."""
+        self._settle_passes()
         applied = 0
-        while self.apply_next():
+        while self.apply_next(here=True):
             applied += 1
         self._flush_outbox()
         return applied
+
+    def _finish_passes(self, ended: list[tuple[PendingUpdate, BaseException | None]]) -> None:
+        """Finish the passes that ended on the pass thread, in order: their buckets' new values out."""
+        for pending, error in ended:
+            self._bucket_apply.finish(pending, error, self._deliver)
+
+    def _settle_passes(self, bucket_id: int | None = None) -> None:
+        """Wait for bucket ``bucket_id``'s pass (every pass: ``None``) and finish what ended."""
+        if self._passes is not None and self._passes.busy:
+            self._finish_passes(self._passes.wait(bucket_id))
 
     def _deliver(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, unchanged: bool) -> None:
         """The bucket reached its next step: its new values out (to every rank in full mode, to those

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepTimings(_message.Message):
-    __slots__ = ("wall_seconds", "reduce_seconds", "update_seconds", "send_seconds", "pass_seconds", "pass_median_ms", "pass_p90_ms", "pass_max_ms", "buckets")
+    __slots__ = ("wall_seconds", "reduce_seconds", "update_seconds", "send_seconds", "pass_seconds", "pass_median_ms", "pass_p90_ms", "pass_max_ms", "buckets", "tail_seconds")
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class StepTimings(_message.Message):
     PASS_P90_MS_FIELD_NUMBER: _ClassVar[int]
     PASS_MAX_MS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     wall_seconds: float
     reduce_seconds: float
     update_seconds: float
@@ -26,7 +27,8 @@ class StepTimings(_message.Message):
     pass_p90_ms: float
     pass_max_ms: float
     buckets: int
-    def __init__(self, wall_seconds: _Optional[float] = ..., reduce_seconds: _Optional[float] = ..., update_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., pass_seconds: _Optional[float] = ..., pass_median_ms: _Optional[float] = ..., pass_p90_ms: _Optional[float] = ..., pass_max_ms: _Optional[float] = ..., buckets: _Optional[int] = ...) -> None: ...
+    tail_seconds: float
+    def __init__(self, wall_seconds: _Optional[float] = ..., reduce_seconds: _Optional[float] = ..., update_seconds: _Optional[float] = ..., send_seconds: _Optional[float] = ..., pass_seconds: _Optional[float] = ..., pass_median_ms: _Optional[float] = ..., pass_p90_ms: _Optional[float] = ..., pass_max_ms: _Optional[float] = ..., buckets: _Optional[int] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("rank", "last_seen_unix")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -22,13 +23,18 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         check_mooncake()
 
 
+NODE_ARGS = tuple(os.environ.get("NETOPTIM_TEST_NODE_ARGS", "").split())
+"""Flags every node the fixtures start gets besides the test's own: the suite run again with, say,
+``NETOPTIM_TEST_NODE_ARGS=--pass-thread``, checks that mode against every test's expectations."""
+
+
 @pytest.fixture
 def start_node(tmp_path) -> Iterator[Callable[..., NodeProcess]]:
     """Start ``netoptim node`` processes; all are stopped (SIGTERM) at the end of the test."""
     started: list[NodeProcess] = []
 
     def start(name: str = "node0", listen: str = "tcp://127.0.0.1:0", extra_args: tuple[str, ...] = ()) -> NodeProcess:
-        node = NodeProcess(tmp_path, name=name, listen=listen, extra_args=extra_args, log_level="DEBUG")
+        node = NodeProcess(tmp_path, name=name, listen=listen, extra_args=(*extra_args, *NODE_ARGS), log_level="DEBUG")
         started.append(node.start())
         return node
 

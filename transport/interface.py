@@ -82,6 +82,12 @@ class ServerEndpoint(ABC):
     def close(self) -> None:
         """Release the endpoint; idempotent."""
 
+    def wake_on(self, fd: int) -> bool:
+        """Let :meth:`recv` return ``None`` early once ``fd`` is readable (the caller drains it): how
+        another thread of the caller wakes its wait for messages. Whether this backend does; by default
+        it does not (the caller waits in short steps instead)."""
+        return False
+
     def publish_board(self, nbytes: int, *, slots_per_key: int = 1) -> bool:
         """Make a parameter board of ``nbytes`` (replacing any) that same-host peers may read sent
         values from (:meth:`send_published`); whether this backend has one. By default: none. With

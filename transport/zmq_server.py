@@ -76,6 +76,7 @@ class ZmqServer(ServerEndpoint):
             if curve is None and same_host_window_bytes > 0
             else None
         )
+        self._wake_fd: int | None = None  # readable: recv returns None (wake_on)
         self._turn = 0  # which socket is read first when both have messages
         self._lanes: dict[bytes, int] = {}  # laned client id -> its lane count (only peers in _peers)
         self._peers: OrderedDict[bytes, float] = OrderedDict()  # every peer heard -> when, least recent first
@@ -109,6 +110,8 @@ class ZmqServer(ServerEndpoint):
                 if time.monotonic() >= deadline:
                     return None
                 continue
+            if self._wake_fd is not None and events.pop(self._wake_fd, 0):
+                return None  # the caller's other thread has news: its messages wait for the next call
             sockets = [socket for socket in self._listening if events.get(socket)]
             if not sockets:  # only a same-host worker's process exit
                 self._reap(events)
@@ -162,6 +165,12 @@ class ZmqServer(ServerEndpoint):
                 self._send_control(peer, [HANDSHAKE, answer])
             return None
         raise WireError(ErrorCode.MALFORMED, f"not a shared-memory frame set ({kind!r}, {len(frames)} frames)", peer=peer)
+
+    def wake_on(self, fd: int) -> bool:
+        assert self._wake_fd is None, "one wake-up descriptor"
+        self._poller.register(fd, zmq.POLLIN)
+        self._wake_fd = fd
+        return True
 
     def _reap(self, events: dict) -> None:
         """Forget the windows of same-host workers whose process exited."""
@@ -325,6 +334,9 @@ class ZmqServer(ServerEndpoint):
         return super().shared_memory() if self._shared is None else self._shared.snapshot()
 
     def close(self) -> None:
+        if self._wake_fd is not None:
+            self._poller.unregister(self._wake_fd)
+            self._wake_fd = None
         self._socket.close(linger=0)
         if self._ipc_socket is not None and self._ipc_socket is not self._socket:
             self._ipc_socket.close(linger=0)

@@ -159,3 +159,23 @@ def test_nodes_weighted_by_bandwidth_hold_shares_in_proportion_and_stay_bitwise(
     assert max_difference(params, reference_averaged(2, fused=True)[0]) == 0.0
     share = sum(owned[0]) / (sum(owned[0]) + sum(owned[1]))
     assert 0.65 <= share <= 0.85, share
+
+
+@pytest.mark.parametrize(
+    ("world_size", "num_nodes", "layerwise", "wire_dtype"),
+    [(2, 1, False, torch.float32), (4, 2, False, torch.float32), (2, 2, True, torch.float32), (2, 1, False, torch.bfloat16)],
+    ids=["2w-1n", "4w-2n", "2w-2n-layerwise", "2w-1n-bf16"],
+)
+def test_update_passes_on_their_own_thread_train_bitwise_as_on_the_loop(start_node, world_size, num_nodes, layerwise, wire_dtype):
+    """``--pass-thread``: the passes run on a thread of their own while the loop takes pushes and
+    pulls and sends values; the run is bitwise torch's fused AdamW (fp32), and bitwise the run with
+    the passes on the loop's thread (bf16 wire)."""
+    runs = []
+    for flags in (("--pass-thread",), ()) if wire_dtype != torch.float32 else (("--pass-thread",),):
+        nodes = [start_node(f"node{i}{'-pt' if flags else ''}", extra_args=flags).address for i in range(num_nodes)]
+        extra = {} if layerwise else {"push_during_backward": True}
+        runs.append(run_offloaded(RunConfig(world_size=world_size, nodes=nodes, wire_dtype=wire_dtype, layerwise=layerwise, extra=extra))[0])
+    if wire_dtype == torch.float32:
+        assert max_difference(runs[0], reference_averaged(world_size, fused=True)[0]) == 0.0
+    else:
+        assert max_difference(runs[0], runs[1]) == 0.0

@@ -85,8 +85,9 @@ def test_status_workers_and_step_stream(admin_node):
     last = status.last_step  # one bucket: its pass is the whole of the step's passes, within the update
     assert last.buckets == 1 and 0 < last.pass_seconds <= last.update_seconds
     assert last.pass_median_ms == last.pass_p90_ms == last.pass_max_ms == pytest.approx(1e3 * last.pass_seconds)
+    assert 0 < last.tail_seconds <= last.wall_seconds  # one bucket, one push: the tail starts with the first gradient too
     shown = _render_status(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
-    assert "in the passes of 1 buckets (a bucket's pass: median" in shown
+    assert "in the passes of 1 buckets (a bucket's pass: median" in shown and " after the last gradient)" in shown
     # the compiled loop is checked in the background from the node's start; torch ops meanwhile
     assert status.update_path in ("compiled", "torch-ops, checking the compiled loop", "torch-ops")
     deadline = time.monotonic() + 120

@@ -173,6 +173,8 @@ NODE_WIDE = {
     # bounded budgets for peers outside any job; the registrar, with the HELLOs waiting for a rank 0
     # (of this job or the next) and the keys allowed each rank
     "_echoes_in_flight", "_outsider_replies", "_registrar",
+    # the update passes' thread (--pass-thread), and whether it wakes the endpoint
+    "_passes", "_woken_by_passes",
     "jobs_let_go",
 }  # fmt: skip
 
