@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from launch.processes import NodeProcess
 from optimizer_node import compiled_update
+from tests.node_flags import NODE_ARGS
 from tests.transport.availability import check_mooncake
 
 
@@ -21,11 +21,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("mooncake") is not None:
         check_mooncake()
-
-
-NODE_ARGS = tuple(os.environ.get("NETOPTIM_TEST_NODE_ARGS", "").split())
-"""Flags every node the fixtures start gets besides the test's own: the suite run again with, say,
-``NETOPTIM_TEST_NODE_ARGS=--pass-thread``, checks that mode against every test's expectations."""
 
 
 @pytest.fixture
