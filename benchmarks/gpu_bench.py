@@ -116,18 +116,18 @@ class HostSplit:
         }
 
 
-def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int) -> HostSplit:
+def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int, *, pass_thread: bool = False) -> HostSplit:
     """The worker gets the first ``worker_cpus`` usable CPUs; pinned, each node gets a disjoint set of
     the rest (NUMA nodes kept whole where the counts allow) and :func:`update_threads` of them unless
-    ``node_threads`` says; unpinned, the nodes share the cores the worker leaves, as many threads
-    again. ValueError if the CPUs do not go round."""
+    ``node_threads`` says (``pass_thread``: the nodes run with ``--pass-thread``); unpinned, the nodes
+    share the cores the worker leaves, as many threads again. ValueError if the CPUs do not go round."""
     usable = usable_cpus()
     if not pin:
-        return HostSplit(node_threads or update_threads(max(1, (len(usable) - worker_cpus) // nodes)))
+        return HostSplit(node_threads or update_threads(max(1, (len(usable) - worker_cpus) // nodes), pass_thread=pass_thread))
     if len(usable) < worker_cpus + nodes:
         raise ValueError(f"--pin: {nodes} node(s) and --worker-cpus {worker_cpus} need {worker_cpus + nodes} CPUs; this process may use {len(usable)}")
     sets = tuple(split_cpus(usable[worker_cpus:], nodes, numa_nodes(usable=usable)))
-    return HostSplit(node_threads or update_threads(min(len(cpus) for cpus in sets)), sets, usable[:worker_cpus])
+    return HostSplit(node_threads or update_threads(min(len(cpus) for cpus in sets), pass_thread=pass_thread), sets, usable[:worker_cpus])
 
 
 def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, split: HostSplit) -> dict:
@@ -243,7 +243,7 @@ def _run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--seq {args.seq}: the {', '.join(too_long)} model(s) take at most {SIZES[too_long[0]].block_size} tokens per sequence")
     device = torch.device("cuda", 0)
     properties = torch.cuda.get_device_properties(device)
-    split = host_split(args.nodes, args.node_threads, args.pin, args.worker_cpus)
+    split = host_split(args.nodes, args.node_threads, args.pin, args.worker_cpus, pass_thread="--pass-thread" in args.node_arg)
     settings = ModeSettings(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, prefetch=args.prefetch, bucket_numel=args.bucket_numel)
     report |= {
         "gpu": properties.name,

@@ -154,21 +154,24 @@ SPARE_FROM_CPUS = 4
 """From this many CPUs up, a node's update threads leave one of them free (:func:`update_threads`)."""
 
 
-def update_threads(cpus: int) -> int:
+def update_threads(cpus: int, *, pass_thread: bool = False) -> int:
     """The update threads for a node on ``cpus`` CPUs: one per CPU but one from
     :data:`SPARE_FROM_CPUS` up. Each bucket's update pass ends when its slowest thread does; with a
     thread on every CPU, ZeroMQ's I/O thread and the node's own loop take a CPU from one of them at
     every message, and the pass waits for the thread they displaced (measured on a 16-core GPU host,
-    the node on 14: 13 threads ran each bucket's pass faster than 14, and sent its values sooner)."""
+    the node on 14: 13 threads ran each bucket's pass faster than 14, and sent its values sooner).
+    With ``pass_thread`` (``--pass-thread``) the loop runs beside the passes: two are left free."""
     if cpus < 1:
         raise ValueError(f"a node needs at least one CPU, not {cpus}")
-    return cpus - 1 if cpus >= SPARE_FROM_CPUS else cpus
+    if cpus < SPARE_FROM_CPUS:
+        return cpus
+    return cpus - 2 if pass_thread else cpus - 1
 
 
-def run_on(cpus: Sequence[int], threads: int | None = None) -> None:
+def run_on(cpus: Sequence[int], threads: int | None = None, *, pass_thread: bool = False) -> None:
     """Pin this process to ``cpus`` (:func:`pin_process`) with ``threads`` torch threads (default:
     :func:`update_threads`), before it starts its thread pools and writes its memory."""
     import torch
 
     pin_process(cpus)
-    torch.set_num_threads(threads or update_threads(len(cpus)))
+    torch.set_num_threads(threads or update_threads(len(cpus), pass_thread=pass_thread))

@@ -102,14 +102,14 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--pass-thread",
         action="store_true",
         help="run the update passes on a thread of their own, so the node receives gradients and sends new values while a pass runs "
-        "(give that thread a CPU: --threads one below the default); not with --state-dir (default: passes on the serve loop's thread)",
+        "(with --cpus/--numa-node, one more CPU is left to the serve loop); not with --state-dir (default: passes on the serve loop's thread)",
     )
     node.add_argument(
         "--threads",
         type=positive_int,
         default=None,
         help="CPU threads for the update kernels (default: one per CPU of --cpus/--numa-node, but one left for the node's "
-        "I/O from 4 CPUs up; otherwise torch's choice)",
+        "I/O from 4 CPUs up, two with --pass-thread; otherwise torch's choice)",
     )
     node.add_argument(
         "--cpus",
@@ -512,7 +512,7 @@ def run_node(args: argparse.Namespace) -> int:
         log.error("invalid node configuration: %s", exc)
         return 2
     if cpus is not None:  # before the daemon starts its threads and first writes its state
-        run_on(cpus, args.threads)
+        run_on(cpus, args.threads, pass_thread=args.pass_thread)
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(

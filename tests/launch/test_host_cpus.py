@@ -105,6 +105,8 @@ def cpus_of_every_thread(pid: int) -> set[str]:
 
 def test_a_node_leaves_one_of_four_or_more_cpus_to_its_io():
     assert [update_threads(cpus) for cpus in (1, 2, 3, 4, 14, 64)] == [1, 2, 3, 3, 13, 63]
+    # --pass-thread: the serve loop runs beside the passes, on a CPU of its own
+    assert [update_threads(cpus, pass_thread=True) for cpus in (1, 3, 4, 14)] == [1, 3, 2, 12]
     with pytest.raises(ValueError, match="at least one CPU"):
         update_threads(0)
 
