@@ -23,6 +23,7 @@ elements are left to torch's kernel, whose scalar tail rounds differently (see
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -72,6 +73,24 @@ def _kernels() -> SimpleNamespace:
         count_exponent_all_ones=_compiled_kernels.count_exponent_all_ones,
         count_exponent_all_ones_serial=_compiled_kernels.count_exponent_all_ones_serial,
     )
+
+
+_workqueue_lock = threading.Lock()
+_concurrent_ok: bool | None = None  # whether numba's threading layer takes parallel loops from two threads at once
+
+
+def _one_parallel_loop_at_a_time() -> contextlib.AbstractContextManager:
+    """A node with ``--pass-thread`` runs a pass's parallel loop on its pass thread while the serve
+    loop may count a push's NaN/inf on its own: numba's OpenMP and TBB layers take that, its
+    ``workqueue`` layer aborts the process. Under ``workqueue`` (or before the layer is known) they
+    take turns."""
+    global _concurrent_ok
+    if _concurrent_ok is None:
+        try:
+            _concurrent_ok = _kernels().numba.threading_layer() != "workqueue"
+        except ValueError:  # no parallel loop ran yet: the layer is chosen at the first
+            return _workqueue_lock
+    return contextlib.nullcontext() if _concurrent_ok else _workqueue_lock
 
 
 def loop_threads() -> int:
@@ -160,12 +179,13 @@ def update(
     prev = previous.numpy() if previous is not None else _NO_FP32
     if serial is None:
         serial = threads == 1 or len(blocks) == 1  # a thread pool's start costs more than one block
-    if frames[0].dtype == torch.float32:
-        terms = tuple(t.numpy() for t in ([head, *frames] if head is not None else frames))
-        (kernels.update_fp32_serial if serial else kernels.update_fp32)(p, m, v, terms, out, prev, blocks, *consts)
-    else:
-        first = head.numpy() if head is not None else _NO_FP32
-        (kernels.update_bf16_serial if serial else kernels.update_bf16)(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
+    with contextlib.nullcontext() if serial else _one_parallel_loop_at_a_time():
+        if frames[0].dtype == torch.float32:
+            terms = tuple(t.numpy() for t in ([head, *frames] if head is not None else frames))
+            (kernels.update_fp32_serial if serial else kernels.update_fp32)(p, m, v, terms, out, prev, blocks, *consts)
+        else:
+            first = head.numpy() if head is not None else _NO_FP32
+            (kernels.update_bf16_serial if serial else kernels.update_bf16)(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
 
 
 _EXPONENT_BITS = {  # the integer view of each float dtype, and its exponent's bits
@@ -190,7 +210,8 @@ def count_non_finite(view: torch.Tensor) -> int | None:
     raw = view.view(integer).numpy().view(unsigned)
     if _use_threads(kernels) == 1 or raw.shape[0] <= CHECK_CHUNK:
         return int(kernels.count_exponent_all_ones_serial(raw, mask, CHECK_CHUNK))
-    return int(kernels.count_exponent_all_ones(raw, mask, CHECK_CHUNK))
+    with _one_parallel_loop_at_a_time():
+        return int(kernels.count_exponent_all_ones(raw, mask, CHECK_CHUNK))
 
 
 def warm_up_count() -> None:
