@@ -19,14 +19,11 @@ import heapq
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
-
-import torch
 
 from job.spec import JobSpec
 from optimizer_node.admission import JobAdmission, job_fingerprint
@@ -45,6 +42,7 @@ from optimizer_node.morphing import MorphGate
 from optimizer_node.non_finite import NonFiniteStats
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import NodeOperator
+from optimizer_node.outgoing import Outgoing
 from optimizer_node.overrides import OperatorOverrides
 from optimizer_node.pass_thread import PassThread
 from optimizer_node.persistence import Checkpoints
@@ -59,7 +57,7 @@ from optimizer_node.waiting_hellos import WaitingHellos
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
-from transport.wire import ErrorCode, Header, MsgType, WireError, error_header, tensor_header
+from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +107,9 @@ class NodeDaemon:
         self._batch_params = not out_of_core
         # HELLO and INIT: registers a job, holds the HELLOs that came before their rank 0, says who may send what
         self._registrar = JobRegistrar(self, WaitingHellos(config.max_waiting_hellos, config.max_waiting_hello_bytes), allow_list)
-        self._outsider_replies = UnregisteredReplyBudget(config.max_unread_reply_bytes)  # answers to peers outside the job, not yet sent
         self.limit_log = RateLimitedLog(log)
+        # every message sent (in order after a peer's batched values; answers to outsiders bounded), and what rejections log
+        self._outgoing = Outgoing(self, self._endpoint, UnregisteredReplyBudget(config.max_unread_reply_bytes), self.limit_log)
         self._stop: threading.Event | None = None
         self._store: BucketStore = self._new_store()
         self._crash_points = CrashPoints(config.crash_at)
@@ -118,7 +117,7 @@ class NodeDaemon:
         self.clock = StepClock()  # node-wide: a step's timings, and who follows them
         self._reset_job_state()
         self._echoes = EchoReplies(
-            self._endpoint, self._send, lambda nbytes: self.metrics.sent(nbytes), max_bytes=config.max_echo_bytes, chunk_bytes=config.chunk_bytes
+            self._endpoint, self._outgoing.send, lambda nbytes: self.metrics.sent(nbytes), max_bytes=config.max_echo_bytes, chunk_bytes=config.chunk_bytes
         )
         self._handlers = {  # built once: handle() runs for every message
             MsgType.HELLO: self._registrar.on_hello,
@@ -182,7 +181,7 @@ class NodeDaemon:
             self.config,
             self._store,
             self._endpoint,
-            self._send,
+            self._outgoing.send,
             lambda nbytes: self.metrics.sent(nbytes),
             same_host_address=self.same_host_address,
             batch_params=self._batch_params,
@@ -271,9 +270,9 @@ class NodeDaemon:
                 try:
                     message = self._endpoint.recv(timeout)
                 except WireError as exc:
-                    self._log_rejected(exc, exc.peer, "rejected a malformed message: %s", exc)
+                    self._outgoing.log_rejected(exc, exc.peer, "rejected a malformed message: %s", exc)
                     if exc.peer is not None:
-                        self._send_error(exc.peer, exc.code, exc.message)
+                        self._outgoing.send_error(exc.peer, exc.code, exc.message)
                     continue
                 if message is not None:
                     self.handle(message)
@@ -392,12 +391,12 @@ class NodeDaemon:
 
     def reply(self, peer: bytes, header: Header) -> None:
         """A message without payload to ``peer``."""
-        self._send(peer, header)
+        self._outgoing.send(peer, header)
 
     def tell_workers(self, meta: dict, *, peers: Iterable[bytes] | None = None, rank: int = -1) -> None:
         """A NOTICE with ``meta`` to ``peers`` (every connection of the job's ranks: ``None``)."""
         for peer in self._ledger.connections() if peers is None else peers:
-            self._send(peer, Header(msg_type=MsgType.NOTICE, rank=rank, step=self.step, meta=meta))
+            self._outgoing.send(peer, Header(msg_type=MsgType.NOTICE, rank=rank, step=self.step, meta=meta))
 
     def release_held_updates(self) -> int:
         """After a pause: apply the updates held (or first ask for the global norm they wait for);
@@ -429,7 +428,7 @@ class NodeDaemon:
         """A rank closed its optimizer. When every rank has, between steps, the job is finished."""
         self._registrar.require_rank(message)
         self._ledger.mark_left(message.header.rank)
-        self._send(message.peer, Header(msg_type=MsgType.ACK, rank=message.header.rank, step=self.step, meta={"bye": True}))
+        self._outgoing.send(message.peer, Header(msg_type=MsgType.ACK, rank=message.header.rank, step=self.step, meta={"bye": True}))
         log.info("rank %d closed its optimizer at step %d", message.header.rank, self.step)
         self._maybe_finished()
 
@@ -501,15 +500,15 @@ class NodeDaemon:
                 self.admission.check_payload_size(header)
             handler(message)
         except WireError as exc:
-            self._log_rejected(
+            self._outgoing.log_rejected(
                 exc, message.peer, "rejected %s from rank %s (bucket %s, step %s): %s", header.msg_type.name, header.rank, header.bucket_id, header.step, exc
             )
-            self._send_error(message.peer, exc.code, exc.message, bucket_id=header.bucket_id, step=header.step)
+            self._outgoing.send_error(message.peer, exc.code, exc.message, bucket_id=header.bucket_id, step=header.step)
         except Exception as exc:  # a bug must not take the node and everyone's state down
             log.exception("internal error handling %s", header.msg_type.name)
             # The exception's text may quote the node's state: only a registered rank reads it.
             text = f"{type(exc).__name__}: {exc}" if self._registrar.is_registered(message) else "internal error; the node's log has the details"
-            self._send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
+            self._outgoing.send_error(message.peer, ErrorCode.INTERNAL, text, bucket_id=header.bucket_id, step=header.step)
 
     def _on_pull(self, message: Message) -> None:
         job = self._registrar.require_rank(message)
@@ -518,59 +517,6 @@ class NodeDaemon:
     def _flush_outbox(self, peer: bytes | None = None) -> None:
         """Send the batched new values waiting for ``peer`` (every peer: ``None``)."""
         self._replies.flush(peer)
-
-    def _send(self, peer: bytes, header: Header, payload: torch.Tensor | None = None, *, published: tuple[int, tuple[int, int]] | None = None) -> None:
-        """Reply to ``peer``. ``published``: the payload is a bucket's values of a version (its
-        revision and step) that every rank is sent; a rank on this host may read them from the
-        parameter board (a rank pushes the gradients computed from them before the bucket's next
-        version exists, so nobody reads a version the board no longer holds)."""
-        if self._replies.outbox.holds(peer):  # what was queued for the peer goes first: its messages keep their order
-            self._flush_outbox(peer)
-        outsider = not self._ledger.is_rank_connection(peer)
-        if outsider:  # a peer outside the job may not read its answers: what waits for it is bounded
-            nbytes = header.payload_bytes + len(header.meta.get("message", "")) + 64
-            if not self._outsider_replies.admits(peer, nbytes):
-                self.limit_log.log(
-                    "unread-replies",
-                    logging.WARNING,
-                    "dropped a %s to peer %s: peers outside the job have %d bytes of answers they have not read (--max-unread-reply-bytes %d)",
-                    header.msg_type.name,
-                    peer.hex()[:16],
-                    self._outsider_replies.held_bytes,
-                    self._outsider_replies.total_bytes,
-                )
-                return
-        try:
-            if published is not None and payload is not None and not outsider:
-                handle = self._endpoint.send_published(peer, header, payload, *published)
-            else:
-                handle = self._endpoint.send(peer, header, payload, track=outsider)
-        except ConnectionError as exc:
-            log.warning("could not reply %s: %s", header.msg_type.name, exc)
-            return
-        if outsider:
-            self._outsider_replies.queued(peer, handle, nbytes)
-        self.metrics.sent(header.payload_bytes)
-        if payload is not None and header.msg_type == MsgType.PARAMS:
-            state = self._store.get(header.bucket_id)
-            if state is not None:
-                state.pending_sends.append(handle)
-
-    def _log_rejected(self, exc: WireError, peer: bytes | None, text: str, *args: object) -> None:
-        """Warn of a rejected message. What any peer can run into as often as it likes is said at most
-        once every few seconds: a limit (LIMIT, TOO_LARGE), per limit (the flag its message names), and
-        every rejection of a peer outside the job, per error code; a rank's rejections each."""
-        if exc.code in (ErrorCode.LIMIT, ErrorCode.TOO_LARGE):
-            flag = re.search(r"--[a-z][a-z-]*", exc.message)
-            self.limit_log.log(f"{exc.code.name} {flag.group() if flag else ''}", logging.WARNING, text, *args)
-        elif peer is None or not self._ledger.is_rank_connection(peer):
-            self.limit_log.log(f"outsider {exc.code.name}", logging.WARNING, text, *args)
-        else:
-            log.warning(text, *args)
-
-    def _send_error(self, peer: bytes, code: ErrorCode, text: str, *, bucket_id: int = -1, step: int = -1) -> None:
-        self.metrics.rejected_message()
-        self._send(peer, error_header(code, text, bucket_id=bucket_id, step=step))
 
     # ---------------------------------------------------------------- gradients in (gradient_intake.py)
 
@@ -597,7 +543,7 @@ class NodeDaemon:
             self._send_norm_partial()
 
     def _send_norm_partial(self) -> None:
-        self._norm_round.resend(self._ledger.peer(0), self._send)
+        self._norm_round.resend(self._ledger.peer(0), self._outgoing.send)
 
     def _on_clip(self, message: Message) -> None:
         self._registrar.require_rank(message)
@@ -613,7 +559,7 @@ class NodeDaemon:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
         if job.spec.mode == "layerwise":
             for peer in self._ledger.connections():
-                self._send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
+                self._outgoing.send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
 
     def apply_next(self, *, here: bool = False) -> bool:
         """Apply the ready update of the lowest bucket id (with ``--pass-thread``: hand its pass over,
@@ -687,7 +633,7 @@ class NodeDaemon:
                 unchanged_meta = {**meta, "unchanged": True}
                 for peer in others:
                     if not self._replies.batched_to(peer, state, unchanged_meta, None):
-                        self._send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta=unchanged_meta))
+                        self._outgoing.send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta=unchanged_meta))
             else:
                 self._replies.send_params(state, job, others, meta, batched=True)
         else:
@@ -733,7 +679,7 @@ class NodeDaemon:
         if not self._registrar.is_registered(message):
             # All a worker that is not (or no longer) registered needs for its diagnosis: is there a
             # job, and is this connection part of it. The job's state is for its ranks only.
-            self._send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": self._job is not None, "rank_registered": False}))
+            self._outgoing.send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": self._job is not None, "rank_registered": False}))
             return
         missing = self._intake.missing()
         meta = {
@@ -747,7 +693,7 @@ class NodeDaemon:
             "paused": self.operator.pause_reason,
             "storage_error": self.storage_error,
         }
-        self._send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
+        self._outgoing.send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
 
     # ---------------------------------------------------------------- optimizer state in and out
 
@@ -763,7 +709,9 @@ class NodeDaemon:
         """STATE: one part of a bucket's state as it is now (fp32), with its segments' step counts."""
         job, state = self._state_of(message)
         values, meta = read_part(self._store, state, message.header.meta, len(job.segments[state.bucket_id]))
-        self._send(message.peer, tensor_header(MsgType.STATE, values, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta), values)
+        self._outgoing.send(
+            message.peer, tensor_header(MsgType.STATE, values, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta), values
+        )
 
     def _on_load_state(self, message: Message) -> None:
         """Rank 0 replaces one part of a bucket's state between steps (``load_state_dict``); ACK."""
@@ -781,4 +729,4 @@ class NodeDaemon:
             handle.wait(self.config.send_timeout_s)
         state.pending_sends.clear()
         load_part(self._store, state, message, len(job.segments[state.bucket_id]))
-        self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))
+        self._outgoing.send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))

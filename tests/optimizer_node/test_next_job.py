@@ -172,7 +172,7 @@ NODE_WIDE = {
     "admin_address", "metrics_address", "non_finite", "metrics", "started_at", "_crash_points", "limit_log", "_stop",
     # bounded budgets for peers outside any job; the registrar, with the HELLOs waiting for a rank 0
     # (of this job or the next) and the keys allowed each rank
-    "_echoes_in_flight", "_outsider_replies", "_registrar",
+    "_echoes_in_flight", "_outgoing", "_registrar",
     # the update passes' thread (--pass-thread), and whether it wakes the endpoint
     "_passes", "_woken_by_passes",
     "jobs_let_go",

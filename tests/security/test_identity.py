@@ -323,7 +323,7 @@ def test_echoes_a_peer_does_not_read_are_bounded():
     sends. Past --max-echo-bytes of echoes on their way back, ECHO is answered with LIMIT."""
     node = NodeDaemon(NodeConfig(same_host_ipc=False, max_echo_bytes=3 * 4096))
     real_endpoint, node._endpoint = node._endpoint, _SilentEndpoint()  # type: ignore[assignment]
-    node._echoes._endpoint = node._endpoint  # the echoes go out on it too
+    node._echoes._endpoint = node._outgoing._endpoint = node._endpoint  # the echoes and the errors go out on it too
     try:
         payload = torch.zeros(1024)  # 4 KiB
         frames = [memoryview(frame) for frame in encode_message(tensor_header(MsgType.ECHO, payload), payload)[1:]]
@@ -345,8 +345,9 @@ def test_answers_peers_outside_the_job_do_not_read_are_bounded(caplog):
     and another peer is still answered."""
     node = NodeDaemon(NodeConfig(same_host_ipc=False, max_unread_reply_bytes=16 * 1024))
     real_endpoint, node._endpoint = node._endpoint, _SilentEndpoint()  # type: ignore[assignment]
+    node._outgoing._endpoint = node._endpoint  # what the node sends goes out on it
     try:
-        with caplog.at_level(logging.WARNING, logger="optimizer_node.daemon"):
+        with caplog.at_level(logging.WARNING, logger="optimizer_node"):
             for _ in range(200):
                 node.handle(Message(peer=b"\x02reader0", header=Header(msg_type=MsgType.QUERY), tensors=[]))
                 node.handle(Message(peer=b"\x02reader0", header=Header(msg_type=MsgType.PULL, rank=3, bucket_id=0), tensors=[]))
@@ -355,8 +356,8 @@ def test_answers_peers_outside_the_job_do_not_read_are_bounded(caplog):
         to_first = endpoint.peers.count(b"\x02reader0")
         assert 0 < to_first < 100, to_first  # 1 KiB for this peer: a dozen answers, not 400
         assert endpoint.peers[-1] == b"\x02another"
-        assert node._outsider_replies.held_bytes <= 16 * 1024
-        assert node._outsider_replies.dropped == 400 - to_first
+        assert node._outgoing.outsider_budget.held_bytes <= 16 * 1024
+        assert node._outgoing.outsider_budget.dropped == 400 - to_first
         said = [record.getMessage() for record in caplog.records if "--max-unread-reply-bytes" in record.getMessage()]
         assert len(said) == 1, said  # rate-limited
     finally:
