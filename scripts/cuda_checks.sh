@@ -3,9 +3,11 @@
 # Usage: scripts/cuda_checks.sh OUT_DIR [bench gpu flags...]
 # Writes OUT_DIR/tests.log, OUT_DIR/bench.log and OUT_DIR/gpu.json (kept up to date after every mode).
 # TESTS_TIMEOUT_S and BENCH_TIMEOUT_S bound each part (default 240 and 600 seconds).
-# THEN_BENCH="flags" runs `netoptim bench gpu` a second time with those flags (a variant to compare,
-# e.g. "--sizes 1b --dtypes float32 --modes full,layerwise --pin --nodes 2"), into OUT_DIR/gpu-then.json
-# and OUT_DIR/bench-then.log, bounded by THEN_TIMEOUT_S (default 300 seconds).
+# THEN_BENCH="flags" runs `netoptim bench gpu` again with those flags (a variant to compare, e.g.
+# "--sizes 1b --dtypes float32 --modes full --no-limits --node-arg=--pass-thread"), into
+# OUT_DIR/gpu-then.json and OUT_DIR/bench-then.log, bounded by THEN_TIMEOUT_S (default 300 seconds).
+# Several variants: separate them with ';' (OUT_DIR/gpu-then-1.json, -2, ... in that order), each
+# bounded by THEN_TIMEOUT_S.
 set -u -o pipefail
 out=${1:?usage: scripts/cuda_checks.sh OUT_DIR [bench gpu flags...]}
 shift
@@ -23,7 +25,13 @@ echo "tests exit status: $?"
 timeout "${BENCH_TIMEOUT_S:-600}" python3 -m netoptim bench gpu --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" | grep -v -i warn | tail -60
 echo "bench exit status: $?"
 if [ -n "${THEN_BENCH:-}" ]; then
-    # shellcheck disable=SC2086  # the flags are words
-    timeout "${THEN_TIMEOUT_S:-300}" python3 -m netoptim bench gpu --out "$out/gpu-then.json" $THEN_BENCH 2>&1 | tee "$out/bench-then.log" | grep -v -i warn | tail -40
-    echo "second bench exit status: $?"
+    IFS=';' read -r -a variants <<< "$THEN_BENCH"
+    for index in "${!variants[@]}"; do
+        suffix=$([ "${#variants[@]}" -gt 1 ] && echo "-$((index + 1))" || true)
+        echo "variant${suffix}: ${variants[$index]}"
+        # shellcheck disable=SC2086  # the flags are words
+        timeout "${THEN_TIMEOUT_S:-300}" python3 -m netoptim bench gpu --out "$out/gpu-then${suffix}.json" ${variants[$index]} 2>&1 \
+            | tee "$out/bench-then${suffix}.log" | grep -v -i warn | tail -40
+        echo "variant${suffix} exit status: $?"
+    done
 fi
