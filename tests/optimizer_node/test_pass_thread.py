@@ -6,8 +6,14 @@ import threading
 import time
 
 import pytest
+import torch
 
+from job.placement import ParamSpec
+from job.spec import JobSpec
+from optimizer_node.adamw import adamw_update
 from optimizer_node.pass_thread import DEPTH, PassThread
+from tests.optimizer_node.raw_client import HYPER, RawWorker
+from transport.wire import Header, MsgType, tensor_header
 from transport.zmq_backend import ZmqTransport
 
 
@@ -68,4 +74,41 @@ def test_a_pass_that_ends_wakes_the_nodes_wait_for_messages() -> None:
     finally:
         passes.close()
         endpoint.close()
+        transport.close()
+
+
+@pytest.mark.parametrize("path", ["tcp", "same-host"])
+def test_a_pull_while_a_pass_runs_gets_whole_values_of_one_step(start_node, path) -> None:
+    """With ``--pass-thread`` a PULL of a bucket whose pass is running waits for the pass: the values
+    it gets are those of the step before the update or of the step after, never half of each."""
+    numel = 1 << 22  # a pass of tens of milliseconds here: the pull, sent right after the push, comes during it
+    job = JobSpec(world_size=1, num_nodes=1, bucket_numel=numel, wire_dtype="float32", max_grad_norm=None, params=(ParamSpec("w", (numel,), "float32", 0),))
+    node = start_node(extra_args=("--pass-thread",))
+    transport = ZmqTransport()
+    worker = RawWorker(transport, node.address if path == "tcp" else node.same_host_address, 0)
+    try:
+        assert worker.hello(job).meta["needs_init"] == [0]
+        generator = torch.Generator().manual_seed(3)
+        values = torch.randn(numel, generator=generator)
+        assert worker.request(tensor_header(MsgType.INIT, values, rank=0, bucket_id=0), values).msg_type == MsgType.ACK
+        if path == "same-host":  # the board is offered, mapped, and the node told
+            for _ in range(2):
+                worker.request(Header(msg_type=MsgType.QUERY, rank=0))
+        param, exp_avg, exp_avg_sq, step = values.clone(), torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+        during = 0
+        for at in range(3):
+            before = param.clone()
+            grad = torch.randn(numel, generator=generator) * 1e-2
+            worker.push(0, at, grad)
+            worker.client.send(Header(msg_type=MsgType.PULL, rank=0, bucket_id=0))  # now: the current values
+            adamw_update(param, grad.clone(), exp_avg, exp_avg_sq, step, HYPER, grad_divisor=torch.tensor(1.0))
+            replies = [worker.reply(30.0) for _ in range(2)]  # the update's PARAMS and the pull's answer
+            assert all(header.msg_type == MsgType.PARAMS for header, _ in replies)
+            assert any(header.step == at + 1 and torch.equal(got, param) for header, got in replies)
+            for header, got in replies:
+                assert torch.equal(got, param if header.step == at + 1 else before), f"step {header.step}: values of two steps mixed"
+            during += all(header.step == at + 1 for header, _ in replies)
+        assert during >= 1, "every pull was answered before its update: the test did not reach a running pass"
+    finally:
+        worker.client.close()
         transport.close()
