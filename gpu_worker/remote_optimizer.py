@@ -234,7 +234,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def leave_requested(self) -> str | None:
         """Why an operator asked this worker to leave the job (``netoptim admin morph --leave``), or ``None``;
         :meth:`gpu_worker.elastic.ElasticGroup.follow` acts on it."""
-        return self._session.leave_requested
+        return self._session.news.leave_requested
 
     def morph(self, rank: int, world_size: int, at_step: int) -> None:
         """Go on as ``rank`` of ``world_size`` workers from step ``at_step``, the step the job's workers
@@ -278,19 +278,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> float | None:
         """With ``max_grad_norm``: the global norm of the last averaged gradient, before clipping."""
-        return self._session.last_grad_norm
+        return self._session.news.last_grad_norm
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the nodes skipped the last step (``netoptim node --non-finite skip``: a gradient held
         NaN/inf, so nothing changed, as with GradScaler). Layer-wise mode: known once the next forward began."""
-        skipped = self._session.last_skipped_step
+        skipped = self._session.news.last_skipped_step
         return skipped is not None and skipped == self._session.step - 1
 
     @property
     def skipped_steps(self) -> int:
         """Steps the nodes skipped for a non-finite gradient since this optimizer was made."""
-        return self._session.skipped_steps
+        return self._session.news.skipped_steps
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -22,6 +22,7 @@ from gpu_worker.gradient_sender import GradientSender
 from gpu_worker.layout import gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
+from gpu_worker.node_news import NodeNews
 from gpu_worker.norm_totals import NormTotals
 from gpu_worker.push_pacing import PushPacer
 from gpu_worker.refusals import RefusedGradients
@@ -79,10 +80,9 @@ class OffloadSession:
         # and broadcast), the second copy even after the step that awaited them ended.
         self._reconnected: set[int] = set()
         self._said_hello = False  # registered with the nodes: close() says BYE
-        self.leave_requested: str | None = None  # an operator asked this worker to leave (elastic jobs), and why
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
-        self.last_grad_norm: float | None = None
+        self.news = NodeNews(rank)  # what the nodes told this worker: a leave request, the last norm, skipped steps
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
         self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
         # received values into the parameters (on a GPU on a side stream, staged through buffers of the largest bucket)
@@ -112,7 +112,6 @@ class OffloadSession:
         )
         self._sender = GradientSender(self._connections, self._wire_dtype, pin_memory=self._cuda, bucket_count=len(self.buckets))
         self._pushed: dict[int, int] = {}  # bucket -> the step its gradient was pushed for, in the step in progress
-        self._seen_step: dict[int, int] = {}  # node -> the newest step of values it sent this process
         self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
         self._batching_nodes: set[int] = set()  # nodes that take (and send) several small buckets per message
         # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
@@ -120,8 +119,6 @@ class OffloadSession:
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
         self._refusals = RefusedGradients()
         self._non_finite_policies: dict[int, str] = {}  # node index -> its --non-finite policy, as its HELLO_OK said
-        self.last_skipped_step: int | None = None  # the last step the nodes skipped (--non-finite skip)
-        self.skipped_steps = 0
 
     # ---------------------------------------------------------------- setup
 
@@ -278,6 +275,7 @@ class OffloadSession:
         self.rank = rank
         self._connections.set_job(self.job.to_wire(), rank=rank, morph_at=at_step)
         self._norm_totals.forget(rank)
+        self.news.rank = rank
         for index in range(len(self._connections)):
             self._connections.send_hello(index)
         resume = {index: self._registered(index, self.timeout_s) for index in range(len(self._connections))}
@@ -604,16 +602,8 @@ class OffloadSession:
                 error = NonFiniteGradientError(self.rank, error.refusals, self.describe_bucket, retry=False)
             raise error
         if header.msg_type == MsgType.NOTICE:
-            if isinstance(header.meta.get("leave"), str):  # an operator's preemption notice (netoptim admin morph --leave)
-                if self.leave_requested is None:
-                    log.warning("rank %d: node %s asks this worker to leave the job: %s", self.rank, self.nodes[index], header.meta["leave"])
-                self.leave_requested = header.meta["leave"]
+            if self.news.on_notice(self.nodes[index], header):
                 return
-            if isinstance(header.meta.get("job_dropped"), str):
-                raise RuntimeError(
-                    f"node {self.nodes[index]} let this job go: {header.meta['job_dropped']}. Rank {self.rank} stops; to go on, restart the node "
-                    "with --resume pointed at the archived checkpoints, then the workers"
-                )
             self._connections.log_notice(index, header)
             refused = header.meta.get("non_finite")
             if isinstance(refused, dict) and all(isinstance(refused.get(key), int) for key in ("bucket", "step", "rank")):
@@ -642,16 +632,7 @@ class OffloadSession:
 
     def _on_params(self, index: int, message: Message) -> None:
         header = message.header
-        if header.step > self._seen_step.get(index, -1):
-            self._seen_step[index] = header.step
-        if "grad_norm" in header.meta:
-            self.last_grad_norm = float(header.meta["grad_norm"])
-        if header.meta.get("skipped") and self.last_skipped_step != header.step - 1:
-            self.last_skipped_step = header.step - 1
-            self.skipped_steps += 1
-            log.warning(
-                "rank %d: the nodes skipped step %d (a gradient held NaN/inf; --non-finite skip): the parameters did not change", self.rank, header.step - 1
-            )
+        self.news.on_params(index, header)
         if self._requests.get(header.bucket_id) == header.step:
             del self._requests[header.bucket_id]
         if self.pacer is not None and self.pacer_ack == MsgType.PARAMS:
@@ -701,7 +682,7 @@ class OffloadSession:
             self.job.mode == "layerwise",
             mine,
             self.bucket_steps,
-            self._seen_step.get(index, -1),
+            self.news.seen_step(index),
             self._advanced_at,
             self._pushed,
             keeps_gradients=self._step_grads is not None,
