@@ -191,5 +191,9 @@ def test_every_netoptim_command_the_docs_show_uses_real_flags():
             child = next((children[token] for token in rest.split() if token in children), None)  # `admin --target T morph ...`
             named = (parser, child) if child is not None else tuple(_parsers(parser))  # `bench ... --plot`: a flag of any of its modes
             known = {o for p in named if p is not None for action in p._actions for o in action.option_strings} | common
-            wrong += [f"{path.name}: netoptim {name}{rest[:60]}: {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest) if flag not in known]
+            wrong += [f"{path.name}: netoptim {name}{rest[:60]}: {flag}" for flag in re.findall(r"(?<![\w=-])--[a-z][a-z0-9-]*", rest) if flag not in known]
+            node_flags = {o for action in parsers["node"]._actions for o in action.option_strings}
+            wrong += [
+                f"{path.name}: netoptim {name}{rest[:60]}: {flag}" for flag in re.findall(r"--node-arg=(--[a-z][a-z0-9-]*)", rest) if flag not in node_flags
+            ]
     assert not wrong, "\n".join(wrong)
