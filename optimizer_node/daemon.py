@@ -257,8 +257,13 @@ class NodeDaemon:
                 if self._store.last_error is not None:
                     self.storage_error, self._store.last_error = self._store.last_error, None
                 can_apply = bool(self._ready) and self.operator.pause_reason is None and time.monotonic() >= self._storage_retry_at
+                if passes is not None and can_apply:
+                    # Handed over before any message is read: the pass thread goes from one pass to the
+                    # next without waiting for the loop (which then has the messages to itself).
+                    while self.apply_next():
+                        pass
+                    can_apply = False
                 passing = passes is not None and passes.busy
-                can_apply = can_apply and (passes is None or passes.has_room)
                 if self._replies.outbox and not can_apply and not passing:  # no more updates to add to them: the batches leave
                     self._flush_outbox()
                 if can_apply:
