@@ -490,13 +490,7 @@ class NodeDaemon:
         self.metrics.received(header.payload_bytes)
         batched = header.msg_type == MsgType.PUSH and "batch" in header.meta
         if self._passes is not None and self._passes.busy:
-            # A message is handled as if no pass ran: one that names a bucket waits for that bucket's
-            # pass, any other (rare while gradients stream in) for every pass.
-            if header.msg_type in (MsgType.PUSH, MsgType.PULL) and not batched:
-                if self._passes.holds(header.bucket_id):
-                    self._settle_passes(header.bucket_id)
-            else:
-                self._settle_passes()
+            self._settle_passes_for(header, batched)
         handler = self._on_batched_push if batched else self._handlers.get(header.msg_type)
         try:
             if handler is None:
@@ -610,6 +604,25 @@ class NodeDaemon:
         """Finish the passes that ended on the pass thread, in order: their buckets' new values out."""
         for pending, error in ended:
             self._bucket_apply.finish(pending, error, self._deliver)
+
+    def _settle_passes_for(self, header: Header, batched: bool) -> None:
+        """A message is handled as if no pass ran: a PUSH or PULL waits for the passes of the buckets
+        it names (a batch: those it lists), any other message (rare while gradients stream in) for
+        every pass."""
+        assert self._passes is not None
+        if header.msg_type not in (MsgType.PUSH, MsgType.PULL):
+            self._settle_passes()
+        elif not batched:
+            if self._passes.holds(header.bucket_id):
+                self._settle_passes(header.bucket_id)
+        else:
+            entries = header.meta.get("batch")
+            if not isinstance(entries, list):  # malformed: refused once checked; nothing of it runs beside a pass
+                self._settle_passes()
+                return
+            for bucket_id in self._passes.held():  # at most two, against a batch of up to thousands
+                if any(isinstance(entry, list) and entry and entry[0] == bucket_id for entry in entries):
+                    self._settle_passes(bucket_id)
 
     def _settle_passes(self, bucket_id: int | None = None) -> None:
         """Wait for bucket ``bucket_id``'s pass (every pass: ``None``) and finish what ended."""

@@ -57,6 +57,10 @@ class PassThread(Generic[T]):
         """Whether bucket ``bucket_id``'s pass is submitted and not collected."""
         return bucket_id in self._outstanding
 
+    def held(self) -> list[int]:
+        """The buckets whose passes are submitted and not collected, in order."""
+        return list(self._outstanding)
+
     def submit(self, bucket_id: int, item: T) -> None:
         assert self.has_room and bucket_id not in self._outstanding, "one pass per bucket, at most DEPTH"
         self._outstanding[bucket_id] = item
