@@ -16,8 +16,7 @@ log = logging.getLogger(__name__)
 class NodeNews:
     """One worker's record of what its nodes told it."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self) -> None:
         self.leave_requested: str | None = None  # an operator asked this worker to leave (elastic jobs), and why
         self.last_grad_norm: float | None = None
         self.last_skipped_step: int | None = None  # the last step the nodes skipped (--non-finite skip)
@@ -28,25 +27,26 @@ class NodeNews:
         """The newest step of values node ``index`` sent this process; -1 before any."""
         return self._seen_step.get(index, -1)
 
-    def on_notice(self, address: str, header: Header) -> bool:
-        """A NOTICE from the node at ``address``: True where it was news for this record (a leave
+    def on_notice(self, address: str, header: Header, rank: int) -> bool:
+        """A NOTICE from the node at ``address`` to this worker (``rank``): True where it was news for this record (a leave
         request); ``RuntimeError`` where the node let the job go. Other notices are the caller's."""
         leave = header.meta.get("leave")
         if isinstance(leave, str):  # an operator's preemption notice (netoptim admin morph --leave)
             if self.leave_requested is None:
-                log.warning("rank %d: node %s asks this worker to leave the job: %s", self.rank, address, leave)
+                log.warning("rank %d: node %s asks this worker to leave the job: %s", rank, address, leave)
             self.leave_requested = leave
             return True
         dropped = header.meta.get("job_dropped")
         if isinstance(dropped, str):
             raise RuntimeError(
-                f"node {address} let this job go: {dropped}. Rank {self.rank} stops; to go on, restart the node "
+                f"node {address} let this job go: {dropped}. Rank {rank} stops; to go on, restart the node "
                 "with --resume pointed at the archived checkpoints, then the workers"
             )
         return False
 
-    def on_params(self, index: int, header: Header) -> None:
-        """A bucket's values from node ``index``: its step, and the norm or skip that came with them."""
+    def on_params(self, index: int, header: Header, rank: int) -> None:
+        """A bucket's values from node ``index`` to this worker (``rank``): its step, and the norm or
+        skip that came with them."""
         if header.step > self._seen_step.get(index, -1):
             self._seen_step[index] = header.step
         if "grad_norm" in header.meta:
@@ -54,6 +54,4 @@ class NodeNews:
         if header.meta.get("skipped") and self.last_skipped_step != header.step - 1:
             self.last_skipped_step = header.step - 1
             self.skipped_steps += 1
-            log.warning(
-                "rank %d: the nodes skipped step %d (a gradient held NaN/inf; --non-finite skip): the parameters did not change", self.rank, header.step - 1
-            )
+            log.warning("rank %d: the nodes skipped step %d (a gradient held NaN/inf; --non-finite skip): the parameters did not change", rank, header.step - 1)

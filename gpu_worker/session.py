@@ -75,14 +75,14 @@ class OffloadSession:
         self._requests: dict[int, int] = {}  # bucket -> step asked for with PULL, not arrived yet
         self._waiting: set[int] = set()  # full mode: buckets whose new values the step waits for
         self._step_grads: tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]] | None = None  # full mode: to push again
-        self._norm_totals = NormTotals(rank)  # rank 0: the nodes' shares of a clipped step's norm, and the total sent
+        self._norm_totals = NormTotals()  # rank 0: the nodes' shares of a clipped step's norm, and the total sent
         # Nodes this process reconnected to: a bucket's values may come twice from them (asked for again
         # and broadcast), the second copy even after the step that awaited them ended.
         self._reconnected: set[int] = set()
         self._said_hello = False  # registered with the nodes: close() says BYE
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
-        self.news = NodeNews(rank)  # what the nodes told this worker: a leave request, the last norm, skipped steps
+        self.news = NodeNews()  # what the nodes told this worker: a leave request, the last norm, skipped steps
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
         self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
         # received values into the parameters (on a GPU on a side stream, staged through buffers of the largest bucket)
@@ -274,8 +274,7 @@ class OffloadSession:
         self.job = dataclasses.replace(self.job, world_size=world_size)
         self.rank = rank
         self._connections.set_job(self.job.to_wire(), rank=rank, morph_at=at_step)
-        self._norm_totals.forget(rank)
-        self.news.rank = rank
+        self._norm_totals.forget()
         for index in range(len(self._connections)):
             self._connections.send_hello(index)
         resume = {index: self._registered(index, self.timeout_s) for index in range(len(self._connections))}
@@ -602,7 +601,7 @@ class OffloadSession:
                 error = NonFiniteGradientError(self.rank, error.refusals, self.describe_bucket, retry=False)
             raise error
         if header.msg_type == MsgType.NOTICE:
-            if self.news.on_notice(self.nodes[index], header):
+            if self.news.on_notice(self.nodes[index], header, self.rank):
                 return
             self._connections.log_notice(index, header)
             refused = header.meta.get("non_finite")
@@ -614,7 +613,7 @@ class OffloadSession:
                 self.pacer.returned(header.bucket_id)
             return
         if header.msg_type == MsgType.NORM_PARTIAL:
-            self._norm_totals.on_share(index, header, sorted({b.node for b in self.buckets}), self._connections.send)
+            self._norm_totals.on_share(index, header, sorted({b.node for b in self.buckets}), self._connections.send, self.rank)
             return
         if header.msg_type != MsgType.PARAMS or self.on_params is None:
             raise RuntimeError(f"unexpected {header.msg_type.name} from node {self.nodes[index]}")
@@ -632,7 +631,7 @@ class OffloadSession:
 
     def _on_params(self, index: int, message: Message) -> None:
         header = message.header
-        self.news.on_params(index, header)
+        self.news.on_params(index, header, self.rank)
         if self._requests.get(header.bucket_id) == header.step:
             del self._requests[header.bucket_id]
         if self.pacer is not None and self.pacer_ack == MsgType.PARAMS:

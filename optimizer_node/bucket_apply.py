@@ -180,9 +180,10 @@ class BucketApply:
         """After the pass, on the loop's thread: its timings, the bucket at its next step, the new values
         delivered, the bucket let go. ``error``: what the pass raised, raised here once the bucket is let go."""
         state = pending.state
-        if error is not None or pending.applied is None:
+        if error is not None:
             self._store.release(state, dirty=True)  # the pass may have changed some of it
-            raise error if error is not None else AssertionError("a pass that did not run")
+            raise error
+        assert pending.applied is not None, "finish follows the pass"
         started = time.perf_counter()
         timings = self._clock.current
         timings.passes.append(pending.pass_s)

@@ -76,6 +76,7 @@ def _kernels() -> SimpleNamespace:
 
 
 _workqueue_lock = threading.Lock()
+_NO_LOCK = contextlib.nullcontext()  # reusable: made once, not at every update
 _concurrent_ok: bool | None = None  # whether numba's threading layer takes parallel loops from two threads at once
 
 
@@ -90,7 +91,7 @@ def _one_parallel_loop_at_a_time() -> contextlib.AbstractContextManager:
             _concurrent_ok = _kernels().numba.threading_layer() != "workqueue"
         except ValueError:  # no parallel loop ran yet: the layer is chosen at the first
             return _workqueue_lock
-    return contextlib.nullcontext() if _concurrent_ok else _workqueue_lock
+    return _NO_LOCK if _concurrent_ok else _workqueue_lock
 
 
 def loop_threads() -> int:
@@ -179,7 +180,7 @@ def update(
     prev = previous.numpy() if previous is not None else _NO_FP32
     if serial is None:
         serial = threads == 1 or len(blocks) == 1  # a thread pool's start costs more than one block
-    with contextlib.nullcontext() if serial else _one_parallel_loop_at_a_time():
+    with _NO_LOCK if serial else _one_parallel_loop_at_a_time():
         if frames[0].dtype == torch.float32:
             terms = tuple(t.numpy() for t in ([head, *frames] if head is not None else frames))
             (kernels.update_fp32_serial if serial else kernels.update_fp32)(p, m, v, terms, out, prev, blocks, *consts)

@@ -119,8 +119,8 @@ class NodeConfig:
 
     pass_thread: bool = False
     """Run the update passes on a thread of their own, so the serve loop checks and takes pushes and
-    sends new values while they run (:mod:`optimizer_node.pass_thread`); in memory only (an
-    out-of-core node updates on its loop's thread)."""
+    sends new values while they run (:mod:`optimizer_node.pass_thread`); in memory only (refused
+    with ``state_dir``: an out-of-core node updates on its loop's thread)."""
 
     send_timeout_s: float = 60.0
     """How long an update waits for the previous step's sends of the same bucket to finish."""
@@ -272,6 +272,8 @@ class NodeConfig:
             raise ValueError("checkpoint_every and resume need checkpoint_dir")
         if bool(self.state_dir) != (self.memory_budget is not None):
             raise ValueError("state_dir and memory_budget go together (--state-dir DIR --memory-budget SIZE)")
+        if self.pass_thread and self.state_dir:
+            raise ValueError("pass_thread is for a node that keeps its state in memory: drop --pass-thread or --state-dir")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("memory_budget must be positive")
         if self.next_job not in ("take", "refuse"):

@@ -134,9 +134,7 @@ class NodeDaemon:
         # --pass-thread: the update passes run on a thread of their own while this one receives and sends
         self._passes: PassThread[PendingUpdate] | None = None
         self._woken_by_passes = False
-        if config.pass_thread and out_of_core:
-            log.warning("--pass-thread is for a node that keeps its state in memory: with --state-dir the updates run on the serve loop's thread")
-        elif config.pass_thread:
+        if config.pass_thread:  # in memory only (config.validate)
             self._passes = PassThread(BucketApply.run)
             self._woken_by_passes = self._endpoint.wake_on(self._passes.wake_fd)
         self.commands = CommandQueue()  # how the admin service reaches this thread
@@ -283,6 +281,7 @@ class NodeDaemon:
                     self.handle(message)
                     continue
                 if passes is not None:  # woken by a pass that ended, or by one taken back already: the wake-up drained
+                    passes.drain_wakeup()
                     self._finish_passes(passes.collect())
                 if can_apply:  # a few in a row: a look for messages costs a system call
                     for _ in range(APPLY_BURST):

@@ -66,12 +66,17 @@ class PassThread(Generic[T]):
         self._outstanding[bucket_id] = item
         self._jobs.put((bucket_id, item))
 
-    def collect(self) -> list[tuple[T, BaseException | None]]:
-        """The items whose pass ended since the last call, in order, each with the exception it raised."""
+    def drain_wakeup(self) -> None:
+        """Reset the wake-up descriptor, after a wait it woke (a pass taken back through :meth:`wait`
+        leaves it readable: undrained, every later wait would return at once)."""
         try:
             os.eventfd_read(self.wake_fd)
         except BlockingIOError:  # nothing ended since the last read
             pass
+
+    def collect(self) -> list[tuple[T, BaseException | None]]:
+        """The items whose pass ended since the last call, in order, each with the exception it raised
+        (no system call: the loop asks at every turn while passes run)."""
         ended: list[tuple[T, BaseException | None]] = []
         while self._done:
             bucket_id, item, error = self._done.popleft()

@@ -50,10 +50,10 @@ def test_a_layerwise_worker_cannot_push_lost_gradients_again() -> None:
 
 def test_norm_totals_add_in_node_order_and_answer_a_repeat_with_the_same_total() -> None:
     sent: list[tuple[int, Header]] = []
-    totals = NormTotals(rank=0)
+    totals = NormTotals()
 
     def share(index: int, value: float) -> None:
-        totals.on_share(index, Header(msg_type=MsgType.NORM_PARTIAL, step=4, meta={"sum_of_squares": value}), [0, 1], lambda i, h: sent.append((i, h)))
+        totals.on_share(index, Header(msg_type=MsgType.NORM_PARTIAL, step=4, meta={"sum_of_squares": value}), [0, 1], lambda i, h: sent.append((i, h)), 0)
 
     share(1, 2.0)
     assert not sent
@@ -61,6 +61,6 @@ def test_norm_totals_add_in_node_order_and_answer_a_repeat_with_the_same_total()
     assert [(i, h.msg_type, h.step, h.meta["sum_of_squares"]) for i, h in sent] == [(0, MsgType.CLIP, 4, 3.0), (1, MsgType.CLIP, 4, 3.0)]
     share(1, 9.0)  # a node that restarted asks again: the same total, to it alone
     assert [(i, h.meta["sum_of_squares"]) for i, h in sent[2:]] == [(1, 3.0)]
-    totals.forget(rank=2)
+    totals.forget()
     share(0, 1.0)
     assert len(sent) == 3

@@ -81,6 +81,7 @@ def test_help_runs_from_the_console():
         (["plan-memory", "--params", "lots", "--workers", "2"], "not a parameter count"),
         (["node", "--memory-budget", "0"], "must be positive"),
         (["node", "--state-dir", "/tmp/x"], "state_dir and memory_budget go together"),
+        (["node", "--pass-thread", "--state-dir", "/tmp/x", "--memory-budget", "1GiB"], "drop --pass-thread or --state-dir"),
         (["frobnicate"], "invalid choice"),
     ],
 )

@@ -67,6 +67,7 @@ def test_a_pass_that_ends_wakes_the_nodes_wait_for_messages() -> None:
         started = time.monotonic()
         assert endpoint.recv(5.0) is None
         assert time.monotonic() - started < 2.0, "the pass's end must wake the wait, not its timeout"
+        passes.drain_wakeup()
         assert [item for item, _ in passes.collect()] == [0.05]
         started = time.monotonic()
         assert endpoint.recv(0.2) is None  # drained: the next wait runs its course
