@@ -8,7 +8,7 @@ import pytest
 
 from launch.processes import NodeProcess
 from optimizer_node import compiled_update
-from tests.node_flags import NODE_ARGS
+from tests.node_flags import with_node_args
 from tests.transport.availability import check_mooncake
 
 
@@ -29,7 +29,7 @@ def start_node(tmp_path) -> Iterator[Callable[..., NodeProcess]]:
     started: list[NodeProcess] = []
 
     def start(name: str = "node0", listen: str = "tcp://127.0.0.1:0", extra_args: tuple[str, ...] = ()) -> NodeProcess:
-        node = NodeProcess(tmp_path, name=name, listen=listen, extra_args=(*extra_args, *NODE_ARGS), log_level="DEBUG")
+        node = NodeProcess(tmp_path, name=name, listen=listen, extra_args=with_node_args(tuple(extra_args)), log_level="DEBUG")
         started.append(node.start())
         return node
 

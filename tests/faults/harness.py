@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from launch.processes import NodeProcess
-from tests.node_flags import NODE_ARGS
+from tests.node_flags import with_node_args
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -45,7 +45,7 @@ class Job:
         return self.workdir / "final.pt"
 
     def start_node(self, name: str = "node", extra: tuple[str, ...] = (), listen: str = "tcp://127.0.0.1:0") -> NodeProcess:
-        self.node = NodeProcess(self.workdir, name=name, listen=listen, extra_args=(*self.node_args, *extra, *NODE_ARGS), log_level="INFO").start()
+        self.node = NodeProcess(self.workdir, name=name, listen=listen, extra_args=with_node_args((*self.node_args, *extra)), log_level="INFO").start()
         return self.node
 
     def restart_node(self, name: str = "resumed") -> NodeProcess:
