@@ -96,13 +96,18 @@ def _one_parallel_loop_at_a_time() -> contextlib.AbstractContextManager:
 
 def loop_threads() -> int:
     """The threads the loop runs on from this thread: torch's count, capped by numba's."""
-    return max(1, min(torch.get_num_threads(), _kernels().numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(torch.get_num_threads(), _numba_threads()))
+
+
+@functools.cache
+def _numba_threads() -> int:
+    return _kernels().numba.config.NUMBA_NUM_THREADS  # fixed once numba is imported
 
 
 def _use_threads(kernels: SimpleNamespace, threads: int | None = None) -> int:
     """Run numba's parallel loops from this thread on ``threads`` (default :func:`loop_threads`); the count."""
     threads = threads or loop_threads()
-    if getattr(_calling_thread, "threads", None) != threads:  # numba's count is per calling thread
+    if _calling_thread.__dict__.get("threads") != threads:  # numba's count is per calling thread
         kernels.numba.set_num_threads(threads)
         _calling_thread.threads = threads
     return threads
@@ -142,11 +147,15 @@ out of rank order with five or more workers) go through torch ops."""
 
 def supports(head: torch.Tensor | None, frames: Sequence[torch.Tensor]) -> bool:
     """Whether the loop takes these terms: fp32 or bf16 frames of one dtype (an fp32 head first), at most ``MAX_TERMS`` in all."""
-    if not frames or len({frame.dtype for frame in frames}) != 1 or frames[0].dtype not in (torch.float32, torch.bfloat16):
+    if not frames or len(frames) + (head is not None) > MAX_TERMS:
         return False
-    if len(frames) + (head is not None) > MAX_TERMS:
+    dtype = frames[0].dtype
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return False
-    return head is None or head.dtype == torch.float32
+    for frame in frames:  # a loop, not a set: once a bucket, and one or two frames
+        if frame.dtype is not dtype:
+            return False
+    return head is None or head.dtype is torch.float32
 
 
 def update(
@@ -172,21 +181,31 @@ def update(
     ``serial`` runs the blocks in this thread (default: with one thread or one block). ``arrays``:
     numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` the caller keeps (made here otherwise).
     ``threads``: :func:`loop_threads` as the caller found it for its plan (found here otherwise)."""
+    # Called once a bucket (thousands of times a step with small buckets): each line here is spelled
+    # for the interpreter's fast paths, the kernel's call itself being a few microseconds.
     kernels = _kernels()
     threads = _use_threads(kernels, threads)
     consts = constants(hyper, step, divisor)
     p, m, v = arrays if arrays is not None else (param.numpy(), exp_avg.numpy(), exp_avg_sq.numpy())
-    out = _array(wire) if wire is not None else _NO_BF16
+    out = _NO_BF16 if wire is None else wire.numpy() if wire.dtype is torch.float32 else _array(wire)
     prev = previous.numpy() if previous is not None else _NO_FP32
     if serial is None:
         serial = threads == 1 or len(blocks) == 1  # a thread pool's start costs more than one block
-    with _NO_LOCK if serial else _one_parallel_loop_at_a_time():
-        if frames[0].dtype == torch.float32:
-            terms = tuple(t.numpy() for t in ([head, *frames] if head is not None else frames))
-            (kernels.update_fp32_serial if serial else kernels.update_fp32)(p, m, v, terms, out, prev, blocks, *consts)
+    if frames[0].dtype is torch.float32:
+        terms = tuple([t.numpy() for t in frames] if head is None else [head.numpy(), *[t.numpy() for t in frames]])
+        if serial:
+            kernels.update_fp32_serial(p, m, v, terms, out, prev, blocks, *consts)
         else:
-            first = head.numpy() if head is not None else _NO_FP32
-            (kernels.update_bf16_serial if serial else kernels.update_bf16)(p, m, v, first, tuple(_array(t) for t in frames), out, prev, blocks, *consts)
+            with _one_parallel_loop_at_a_time():
+                kernels.update_fp32(p, m, v, terms, out, prev, blocks, *consts)
+    else:
+        first = head.numpy() if head is not None else _NO_FP32
+        bf16_terms = tuple([_array(t) for t in frames])
+        if serial:
+            kernels.update_bf16_serial(p, m, v, first, bf16_terms, out, prev, blocks, *consts)
+        else:
+            with _one_parallel_loop_at_a_time():
+                kernels.update_bf16(p, m, v, first, bf16_terms, out, prev, blocks, *consts)
 
 
 _EXPONENT_BITS = {  # the integer view of each float dtype, and its exponent's bits

@@ -286,7 +286,13 @@ def _compiled_pass(
     A gradient that came in several frames (the wire cuts a message into ``chunk_bytes`` pieces: a
     16 MiB bucket is four) is taken window by window, a window being a stretch where every term is
     one frame: the loop is elementwise, so where its blocks are cut changes no bit."""
-    windows = _frame_windows(pending, param.numel())
+    numel = param.numel()
+    whole = True  # every term one frame: the whole bucket in one call, nothing cut (a bucket's hot path)
+    for pieces in pending:
+        if len(pieces) != 1:
+            whole = False
+            break
+    windows = [(0, numel, [pieces[0][1] for pieces in pending])] if whole else _frame_windows(pending, numel)
     heads = [_head_of(views) for _lo, _hi, views in windows]
     for head, (_lo, _hi, views) in zip(heads, windows, strict=True):
         if not compiled_update.supports(head, views[1:] if head is not None else views):
@@ -297,26 +303,33 @@ def _compiled_pass(
     plan = plan_loop(segments, threads=threads)
     # the loop writes the outgoing copy: bf16 bits, or fp32 (a parameter board's slot) from fp32 frames
     loop_copy = None
-    if wire_out is not None and (wire_out.dtype == torch.bfloat16 or (wire_out.dtype == torch.float32 and windows[0][2][-1].dtype == torch.float32)):
+    if wire_out is not None and (wire_out.dtype is torch.bfloat16 or (wire_out.dtype is torch.float32 and windows[0][2][-1].dtype is torch.float32)):
         loop_copy = wire_out
-    whole = len(windows) == 1  # every term one frame: the whole bucket in one call, nothing cut (a bucket's hot path)
-    for head, (lo, hi, views) in zip(heads, windows, strict=True):
-        blocks = plan.blocks if whole else _blocks_within(plan.blocks, lo, hi)
+    step_value = float(arrays[3]) if arrays is not None else float(step)  # a numpy scalar reads faster than a tensor
+    divisor = float(grad_divisor)
+    if whole:
+        head, views = heads[0], windows[0][2]
+        compiled_update.update(
+            param, exp_avg, exp_avg_sq, head, views[1:] if head is not None else views, loop_copy, plan.blocks, hyper, step_value, divisor, previous_out,
+            arrays=arrays and arrays[:3], threads=threads,
+        )  # fmt: skip
+    for head, (lo, hi, views) in zip(heads, windows if not whole else (), strict=False):
+        blocks = _blocks_within(plan.blocks, lo, hi)
         if not len(blocks):
             continue
         compiled_update.update(
-            _cut(param, lo, hi, whole),
-            _cut(exp_avg, lo, hi, whole),
-            _cut(exp_avg_sq, lo, hi, whole),
+            param[lo:hi],
+            exp_avg[lo:hi],
+            exp_avg_sq[lo:hi],
             head,
             views[1:] if head is not None else views,
-            _cut(loop_copy, lo, hi, whole),
+            _cut(loop_copy, lo, hi),
             blocks,
             hyper,
-            float(step),
-            float(grad_divisor),
-            _cut(previous_out, lo, hi, whole),
-            arrays=arrays and (arrays[:3] if whole else tuple(array[lo:hi] for array in arrays[:3])),
+            step_value,
+            divisor,
+            _cut(previous_out, lo, hi),
+            arrays=arrays and tuple(array[lo:hi] for array in arrays[:3]),
             threads=threads,
         )
     if plan.tails:
@@ -336,9 +349,9 @@ def _compiled_pass(
 _T = TypeVar("_T", torch.Tensor, np.ndarray)
 
 
-def _cut(values: _T | None, lo: int, hi: int, whole: bool) -> _T | None:
-    """``values[lo:hi]``, or ``values`` itself (or ``None``) when the window is the whole bucket."""
-    return values if whole or values is None else values[lo:hi]
+def _cut(values: _T | None, lo: int, hi: int) -> _T | None:
+    """``values[lo:hi]``, or ``None``."""
+    return None if values is None else values[lo:hi]
 
 
 def _head_of(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
