@@ -15,7 +15,6 @@ workers that asked for that bucket at that step (PULL with ``at_step``), in the 
 from __future__ import annotations
 
 import gc
-import heapq
 import json
 import logging
 import os
@@ -51,8 +50,9 @@ from optimizer_node.replies import ParameterReplies
 from optimizer_node.reply_budget import UnregisteredReplyBudget
 from optimizer_node.state_transfer import load_part, read_part
 from optimizer_node.step_ledger import StepLedger
-from optimizer_node.storage import BucketState, BucketStore, InMemoryStore, StorageError
+from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
 from optimizer_node.update_path_choice import UpdatePathChoice
+from optimizer_node.update_queue import UpdateQueue
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import create_transport
 from transport.interface import Message
@@ -60,10 +60,6 @@ from transport.security import CurveServerConfig
 from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 
 log = logging.getLogger(__name__)
-
-STORAGE_RETRY_S = 1.0
-"""After the store failed (disk full, a damaged state file), updates are retried this often."""
-
 
 APPLY_BURST = 8
 """Ready updates applied in a row before the serve loop looks for messages again."""
@@ -115,6 +111,12 @@ class NodeDaemon:
         self._crash_points = CrashPoints(config.crash_at)
         self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
         self.clock = StepClock()  # node-wide: a step's timings, and who follows them
+        # --pass-thread: the update passes run on a thread of their own while this one receives and sends
+        self._passes: PassThread[PendingUpdate] | None = None
+        self._woken_by_passes = False
+        if config.pass_thread:  # in memory only (config.validate)
+            self._passes = PassThread(BucketApply.run)
+            self._woken_by_passes = self._endpoint.wake_on(self._passes.wake_fd)
         self._reset_job_state()
         self._echoes = EchoReplies(
             self._endpoint, self._outgoing.send, lambda nbytes: self.metrics.sent(nbytes), max_bytes=config.max_echo_bytes, chunk_bytes=config.chunk_bytes
@@ -131,12 +133,6 @@ class NodeDaemon:
             MsgType.LOAD_STATE: self._on_load_state,
             MsgType.BYE: self._on_bye,
         }
-        # --pass-thread: the update passes run on a thread of their own while this one receives and sends
-        self._passes: PassThread[PendingUpdate] | None = None
-        self._woken_by_passes = False
-        if config.pass_thread:  # in memory only (config.validate)
-            self._passes = PassThread(BucketApply.run)
-            self._woken_by_passes = self._endpoint.wake_on(self._passes.wake_fd)
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
@@ -186,9 +182,6 @@ class NodeDaemon:
         )
         self.admission = JobAdmission(self.config, self.node_id, self._endpoint, self.limit_log)  # what the job and its messages are checked against
         self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
-        self._ready: list[int] = []  # heap of bucket ids whose gradients are complete, lowest (first in forward) first
-        self.storage_error: str | None = None  # the last failure of the bucket store, until an update succeeds
-        self._storage_retry_at = 0.0
         overrides = OperatorOverrides()  # hyperparameter overrides and the clipping threshold an operator set, with their origins
         self._checkpoints = Checkpoints(self.config, self._crash_points, self._store, overrides, self)  # asked for, drain, the last one
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
@@ -209,6 +202,8 @@ class NodeDaemon:
                 self._crash_points,
             ),
         )
+        # the ready updates, lowest bucket id first, run here or on the pass thread; held while paused or the store fails
+        self._updates = UpdateQueue(self, self._store, self._bucket_apply, self._intake.in_flight, self._deliver, self._flush_outbox, self._passes)
         # what an operator set for this job (the pause, the overrides) and can see
         self.operator = NodeOperator(self, overrides, store=self._store, checkpoints=self._checkpoints, morphs=self._morphs, update_paths=update_paths)
 
@@ -245,23 +240,22 @@ class NodeDaemon:
         self.write_ready_file()
         try:
             while not stop.is_set():
-                passes = self._passes
-                if passes is not None and passes.busy:
-                    self._finish_passes(passes.collect())
+                updates = self._updates  # a new queue when a job is let go
+                updates.finish_ended()
                 if self.commands.waiting:
-                    self._settle_passes()  # an admin call sees (and may change) the node between passes
+                    updates.settle()  # an admin call sees (and may change) the node between passes
                     self.commands.run_pending()
+                    updates = self._updates
                 self._store.poll()
                 if self._store.last_error is not None:
-                    self.storage_error, self._store.last_error = self._store.last_error, None
-                can_apply = bool(self._ready) and self.operator.pause_reason is None and time.monotonic() >= self._storage_retry_at
-                if passes is not None and can_apply:
+                    updates.storage_error, self._store.last_error = self._store.last_error, None
+                can_apply = updates.can_apply()
+                if self._passes is not None and can_apply:
                     # Handed over before any message is read: the pass thread goes from one pass to the
                     # next without waiting for the loop (which then has the messages to itself).
-                    while self.apply_next():
-                        pass
+                    updates.hand_over()
                     can_apply = False
-                passing = passes is not None and passes.busy
+                passing = updates.passing
                 if self._replies.outbox and not can_apply and not passing:  # no more updates to add to them: the batches leave
                     self._flush_outbox()
                 if can_apply:
@@ -280,15 +274,13 @@ class NodeDaemon:
                 if message is not None:
                     self.handle(message)
                     continue
-                if passes is not None:  # woken by a pass that ended, or by one taken back already: the wake-up drained
-                    passes.drain_wakeup()
-                    self._finish_passes(passes.collect())
+                updates.woken()  # by a pass that ended, or by one taken back already: the wake-up drained
                 if can_apply:  # a few in a row: a look for messages costs a system call
                     for _ in range(APPLY_BURST):
-                        if not self.apply_next():
+                        if not updates.apply_next():
                             break
         finally:
-            self._settle_passes()
+            self._updates.settle()
             self._flush_outbox()
             self.commands.run_pending()
             self._checkpoints.on_exit()
@@ -298,7 +290,7 @@ class NodeDaemon:
 
     def close(self) -> None:
         if self._passes is not None:
-            self._settle_passes()
+            self._updates.settle()
             self._passes.close()
         self._endpoint.close()
         self._transport.close()
@@ -372,7 +364,7 @@ class NodeDaemon:
         assert job is not None
         self._flush_outbox()
         dropped = self._intake.drop_all()
-        self._ready.clear()
+        self._updates.clear()
         self._replies.forget_ranks()
         self._norm_round.reset()
         self._buckets_done.clear()
@@ -408,9 +400,9 @@ class NodeDaemon:
         job = self._job
         if job is None:
             return 0
-        if self._global_round and not self._ready:
+        if self._global_round and not self._updates.ready:
             self._maybe_request_norm(job)
-        return self.apply_all_ready()
+        return self._updates.apply_all_ready()
 
     # ---------------------------------------------------------------- checkpoints (the admin service's calls)
 
@@ -488,8 +480,7 @@ class NodeDaemon:
         header = message.header
         self.metrics.received(header.payload_bytes)
         batched = header.msg_type == MsgType.PUSH and "batch" in header.meta
-        if self._passes is not None and self._passes.busy:
-            self._settle_passes_for(header, batched)
+        self._updates.settle_for(header, batched)
         handler = self._on_batched_push if batched else self._handlers.get(header.msg_type)
         try:
             if handler is None:
@@ -531,7 +522,7 @@ class NodeDaemon:
             self._tell_consumed(job, bucket_id, step)  # the round holds every sum until the norm is known
             self._maybe_request_norm(job)
         else:
-            heapq.heappush(self._ready, bucket_id)
+            self._updates.push(bucket_id)
 
     def _maybe_request_norm(self, job: ActiveJob) -> None:
         """Once every owned bucket's gradient is summed, send this node's share of the norm to rank 0."""
@@ -545,7 +536,7 @@ class NodeDaemon:
 
     def _on_clip(self, message: Message) -> None:
         self._registrar.require_rank(message)
-        self._norm_round.on_clip(message.header, self._intake.in_flight, self._ready, self.operator.max_grad_norm)
+        self._norm_round.on_clip(message.header, self._intake.in_flight, self._updates.ready, self.operator.max_grad_norm)
 
     @property
     def _global_round(self) -> bool:
@@ -558,75 +549,6 @@ class NodeDaemon:
         if job.spec.mode == "layerwise":
             for peer in self._ledger.connections():
                 self._outgoing.send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
-
-    def apply_next(self, *, here: bool = False) -> bool:
-        """Apply the ready update of the lowest bucket id (with ``--pass-thread``: hand its pass over,
-        unless ``here``); False if none is ready, updates are paused, or the pass thread has no room."""
-        if not self._ready or self.operator.pause_reason is not None:
-            return False
-        passes = None if here else self._passes
-        if passes is not None and not passes.has_room:
-            return False
-        job = self._registrar.require_job()
-        bucket_id = heapq.heappop(self._ready)
-        if self._store.reads_ahead:
-            # Out of core: read the next two while this one updates. They are the heap's root and the
-            # smaller of its children (nsmallest would scan the whole heap: O(buckets) per update).
-            for upcoming in self._ready[:1] + sorted(self._ready[1:3])[:1]:
-                self._store.prefetch(upcoming)
-        state = self._store.get(bucket_id)
-        assert state is not None, "a bucket with gradients has state"
-        try:
-            if passes is None:
-                self._bucket_apply.apply(job, state, self._intake.in_flight[bucket_id], self._ledger, self._deliver)
-            else:
-                passes.submit(bucket_id, self._bucket_apply.begin(job, state, self._intake.in_flight[bucket_id], self._ledger))
-        except StorageError as exc:
-            heapq.heappush(self._ready, bucket_id)  # nothing was applied: its gradients wait for the retry
-            self.storage_error = str(exc)
-            self._storage_retry_at = time.monotonic() + STORAGE_RETRY_S
-            log.error("bucket %d not updated, retrying in %.0f s: %s", bucket_id, STORAGE_RETRY_S, exc)
-            return False
-        self.storage_error = None
-        return True
-
-    def apply_all_ready(self) -> int:
-        """Apply every ready update now, lowest bucket id first, on this thread; returns how many."""
-        self._settle_passes()
-        applied = 0
-        while self.apply_next(here=True):
-            applied += 1
-        self._flush_outbox()
-        return applied
-
-    def _finish_passes(self, ended: list[tuple[PendingUpdate, BaseException | None]]) -> None:
-        """Finish the passes that ended on the pass thread, in order: their buckets' new values out."""
-        for pending, error in ended:
-            self._bucket_apply.finish(pending, error, self._deliver)
-
-    def _settle_passes_for(self, header: Header, batched: bool) -> None:
-        """A message is handled as if no pass ran: a PUSH or PULL waits for the passes of the buckets
-        it names (a batch: those it lists), any other message (rare while gradients stream in) for
-        every pass."""
-        assert self._passes is not None
-        if header.msg_type not in (MsgType.PUSH, MsgType.PULL):
-            self._settle_passes()
-        elif not batched:
-            if self._passes.holds(header.bucket_id):
-                self._settle_passes(header.bucket_id)
-        else:
-            entries = header.meta.get("batch")
-            if not isinstance(entries, list):  # malformed: refused once checked; nothing of it runs beside a pass
-                self._settle_passes()
-                return
-            for bucket_id in self._passes.held():  # at most two, against a batch of up to thousands
-                if any(isinstance(entry, list) and entry and entry[0] == bucket_id for entry in entries):
-                    self._settle_passes(bucket_id)
-
-    def _settle_passes(self, bucket_id: int | None = None) -> None:
-        """Wait for bucket ``bucket_id``'s pass (every pass: ``None``) and finish what ended."""
-        if self._passes is not None and self._passes.busy:
-            self._finish_passes(self._passes.wait(bucket_id))
 
     def _deliver(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, unchanged: bool) -> None:
         """The bucket reached its next step: its new values out (to every rank in full mode, to those
@@ -708,7 +630,7 @@ class NodeDaemon:
             "awaiting_clip": self._norm_round.awaiting,
             "uninitialized": sorted(b for b in (self._job.owned if self._job else {}) if self._store.get(b) is None),
             "paused": self.operator.pause_reason,
-            "storage_error": self.storage_error,
+            "storage_error": self._updates.storage_error,
         }
         self._outgoing.send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
 
