@@ -31,10 +31,11 @@ from optimizer_node.checkpoint import archive_checkpoints
 from optimizer_node.clipping import GlobalNormRound
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
+from optimizer_node.delivery import BucketDelivery
 from optimizer_node.echoes import EchoReplies
 from optimizer_node.faults import CrashPoints
 from optimizer_node.gradient_intake import GradientIntake, IntakeParts
-from optimizer_node.job_state import ActiveJob, BucketStep
+from optimizer_node.job_state import ActiveJob
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.metrics import NodeMetrics
 from optimizer_node.morphing import MorphGate
@@ -48,16 +49,16 @@ from optimizer_node.persistence import Checkpoints
 from optimizer_node.registration import JobRegistrar, load_allow_list
 from optimizer_node.replies import ParameterReplies
 from optimizer_node.reply_budget import UnregisteredReplyBudget
-from optimizer_node.state_transfer import load_part, read_part
+from optimizer_node.state_transfer import StateRequests
 from optimizer_node.step_ledger import StepLedger
-from optimizer_node.storage import BucketState, BucketStore, InMemoryStore
+from optimizer_node.storage import BucketStore, InMemoryStore
 from optimizer_node.update_path_choice import UpdatePathChoice
 from optimizer_node.update_queue import UpdateQueue
 from optimizer_node.waiting_hellos import WaitingHellos
 from transport import create_transport
 from transport.interface import Message
 from transport.security import CurveServerConfig
-from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
+from transport.wire import ErrorCode, Header, MsgType, WireError
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,14 @@ class NodeDaemon:
         self._crash_points = CrashPoints(config.crash_at)
         self.non_finite = NonFiniteStats(config.non_finite)  # node-wide: the counts outlive a job
         self.clock = StepClock()  # node-wide: a step's timings, and who follows them
+        self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
+            self.non_finite,
+            workers_last_seen=lambda: [record.last_seen for record in self._ledger.present()],
+            paused=lambda: self.operator.pause_reason is not None,
+            draining=lambda: self._checkpoints.drain_step is not None,
+            last_checkpoint_unix=lambda: (self._checkpoints.last or {}).get("created_unix"),
+            shared_memory=self._endpoint.shared_memory,
+        )
         # --pass-thread: the update passes run on a thread of their own while this one receives and sends
         self._passes: PassThread[PendingUpdate] | None = None
         self._woken_by_passes = False
@@ -129,21 +138,13 @@ class NodeDaemon:
             MsgType.CLIP: self._on_clip,
             MsgType.QUERY: self._on_query,
             MsgType.ECHO: self._echoes.on_echo,
-            MsgType.READ_STATE: self._on_read_state,
-            MsgType.LOAD_STATE: self._on_load_state,
+            MsgType.READ_STATE: lambda message: self._state_requests.on_read_state(message),  # the job's, made anew for each job
+            MsgType.LOAD_STATE: lambda message: self._state_requests.on_load_state(message),
             MsgType.BYE: self._on_bye,
         }
         self.commands = CommandQueue()  # how the admin service reaches this thread
         self.admin_address: str | None = None
         self.metrics_address: str | None = None
-        self.metrics = NodeMetrics(  # the callables run at scrape time, on the metrics thread: plain attribute reads
-            self.non_finite,
-            workers_last_seen=lambda: [record.last_seen for record in self._ledger.present()],
-            paused=lambda: self.operator.pause_reason is not None,
-            draining=lambda: self._checkpoints.drain_step is not None,
-            last_checkpoint_unix=lambda: (self._checkpoints.last or {}).get("created_unix"),
-            shared_memory=self._endpoint.shared_memory,
-        )
         self.started_at = time.time()
         self.jobs_let_go = 0  # jobs this node finished or was reset from, and let go (a node takes the next job)
         if config.resume:
@@ -181,7 +182,6 @@ class NodeDaemon:
             batch_params=self._batch_params,
         )
         self.admission = JobAdmission(self.config, self.node_id, self._endpoint, self.limit_log)  # what the job and its messages are checked against
-        self._buckets_done: dict[int, int] = {}  # step -> owned buckets that reached it
         overrides = OperatorOverrides()  # hyperparameter overrides and the clipping threshold an operator set, with their origins
         self._checkpoints = Checkpoints(self.config, self._crash_points, self._store, overrides, self)  # asked for, drain, the last one
         self._finished_step: int | None = None  # every rank said BYE between steps: the job is over at this step
@@ -202,8 +202,15 @@ class NodeDaemon:
                 self._crash_points,
             ),
         )
+        # an updated bucket's values out, and the step's end once every owned bucket reached it
+        self._delivery = BucketDelivery(
+            self, self._intake.in_flight, self._replies, self._outgoing, self._checkpoints, self.clock, self.metrics, self._crash_points
+        )
+        # a rank reads a bucket's optimizer state, rank 0 loads one between steps (state_dict, load_state_dict)
+        self._state_requests = StateRequests(self.config, self._registrar, self.admission, self._store, self._replies, self._outgoing, self._intake.in_flight)
         # the ready updates, lowest bucket id first, run here or on the pass thread; held while paused or the store fails
-        self._updates = UpdateQueue(self, self._store, self._bucket_apply, self._intake.in_flight, self._deliver, self._flush_outbox, self._passes)
+        deliver = self._delivery.deliver
+        self._updates = UpdateQueue(self, self._store, self._bucket_apply, self._intake.in_flight, deliver, self._flush_outbox, self._passes)
         # what an operator set for this job (the pause, the overrides) and can see
         self.operator = NodeOperator(self, overrides, store=self._store, checkpoints=self._checkpoints, morphs=self._morphs, update_paths=update_paths)
 
@@ -367,7 +374,7 @@ class NodeDaemon:
         self._updates.clear()
         self._replies.forget_ranks()
         self._norm_round.reset()
-        self._buckets_done.clear()
+        self._delivery.clear()
         self._ledger = StepLedger()  # the old width's ranks are not part of the job any more
         self._job = ActiveJob.create(spec, job.node_index, base_step=job.base_step)  # the same buckets: the plan does not depend on the width
         self._morphs.morphed(at, job.spec.world_size, spec.world_size, dropped)
@@ -519,7 +526,7 @@ class NodeDaemon:
         """Every rank's gradient of ``bucket_id`` at ``step`` is in: its update is ready, or waits for
         the step's global round."""
         if self._global_round:
-            self._tell_consumed(job, bucket_id, step)  # the round holds every sum until the norm is known
+            self._delivery.tell_consumed(job, bucket_id, step)  # the round holds every sum until the norm is known
             self._maybe_request_norm(job)
         else:
             self._updates.push(bucket_id)
@@ -544,56 +551,8 @@ class NodeDaemon:
         gradient norm (clipping), or for the agreement to skip a step with a non-finite gradient."""
         return self.operator.max_grad_norm is not None or self.config.non_finite == "skip"
 
-    def _tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
-        """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
-        if job.spec.mode == "layerwise":
-            for peer in self._ledger.connections():
-                self._outgoing.send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))
-
-    def _deliver(self, job: ActiveJob, state: BucketState, in_flight: BucketStep, unchanged: bool) -> None:
-        """The bucket reached its next step: its new values out (to every rank in full mode, to those
-        that asked in layer-wise mode), the step's end when it was the last owned bucket."""
-        del self._intake.in_flight[state.bucket_id]
-        sending = time.perf_counter()
-        done = self._buckets_done.get(state.step, 0) + 1
-        ends_step = done == len(job.owned)
-        checkpointed_first = ends_step and self._checkpoints.due(state.step)
-        if checkpointed_first:
-            # Checkpointed before the values that end the step go out: a node killed in between comes
-            # back at the step its workers are still in, never behind them.
-            self._finish_step(state.step)
-        meta: dict = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
-        if in_flight.skip:
-            meta["skipped"] = True
-        if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
-            answered = self._replies.answer_deferred(state, job, meta)
-            others = [peer for peer in self._ledger.connections() if peer not in answered]
-            if unchanged:  # the workers hold these values already: only the step goes out
-                unchanged_meta = {**meta, "unchanged": True}
-                for peer in others:
-                    if not self._replies.batched_to(peer, state, unchanged_meta, None):
-                        self._outgoing.send(peer, Header(msg_type=MsgType.PARAMS, step=state.step, bucket_id=state.bucket_id, meta=unchanged_meta))
-            else:
-                self._replies.send_params(state, job, others, meta, batched=True)
-        else:
-            if not in_flight.agreed:  # after a global round, CONSUMED went out when the bucket's gradients were complete
-                self._tell_consumed(job, state.bucket_id, in_flight.step)
-            self._replies.answer_deferred(state, job, meta)
-        self.clock.current.send_s += time.perf_counter() - sending
-        self.metrics.bucket_updated(time.perf_counter() - in_flight.first_arrival, ends_step=ends_step)
-        if not ends_step:
-            self._buckets_done[state.step] = done
-            self._crash_points.passed("update")
-        elif not checkpointed_first:
-            self._finish_step(state.step)
-        if log.isEnabledFor(logging.DEBUG):  # a bucket's hot path: not even the arguments otherwise
-            log.debug(
-                "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, state.step, 1e3 * (time.perf_counter() - in_flight.first_arrival)
-            )
-
-    def _finish_step(self, step: int) -> None:
+    def finish_step(self, step: int) -> None:
         """Every owned bucket reached ``step``: the step's timings, and its checkpoint if one is due."""
-        self._buckets_done.pop(step, None)
         if not self._gc_frozen:  # the job's long-lived objects (states, plan, tensors): out of the collector's scans
             gc.freeze()
             self._gc_frozen = True
@@ -633,39 +592,3 @@ class NodeDaemon:
             "storage_error": self._updates.storage_error,
         }
         self._outgoing.send(message.peer, Header(msg_type=MsgType.STATUS, step=self.step, meta=meta))
-
-    # ---------------------------------------------------------------- optimizer state in and out
-
-    def _state_of(self, message: Message) -> tuple[ActiveJob, BucketState]:
-        job = self._registrar.require_rank(message)
-        bucket = self.admission.owned_bucket(job, message.header)
-        state = self._store.get(bucket.bucket_id)
-        if state is None:
-            raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
-        return job, state
-
-    def _on_read_state(self, message: Message) -> None:
-        """STATE: one part of a bucket's state as it is now (fp32), with its segments' step counts."""
-        job, state = self._state_of(message)
-        values, meta = read_part(self._store, state, message.header.meta, len(job.segments[state.bucket_id]))
-        self._outgoing.send(
-            message.peer, tensor_header(MsgType.STATE, values, self.config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta), values
-        )
-
-    def _on_load_state(self, message: Message) -> None:
-        """Rank 0 replaces one part of a bucket's state between steps (``load_state_dict``); ACK."""
-        job, state = self._state_of(message)
-        header = message.header
-        if header.rank != 0:
-            raise WireError(ErrorCode.BAD_REQUEST, "only rank 0 loads optimizer state")
-        self.admission.check_payload(header, job.owned[state.bucket_id], "float32")
-        in_flight = self._intake.in_flight.get(state.bucket_id)
-        if in_flight is not None and 0 in in_flight.reduction.received:
-            raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")
-        if self._replies.outbox.waits_for(state.bucket_id):  # values waiting in a batch are read from them too
-            self._flush_outbox()
-        for handle in state.pending_sends:  # values on their way out are read from the tensors replaced here
-            handle.wait(self.config.send_timeout_s)
-        state.pending_sends.clear()
-        load_part(self._store, state, message, len(job.segments[state.bucket_id]))
-        self._outgoing.send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))

@@ -8,12 +8,21 @@ they travel as fp32, whatever the job's wire dtype, so nothing is rounded on the
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from optimizer_node.storage import BucketState, BucketStore
 from transport.interface import Message
-from transport.wire import ErrorCode, WireError
+from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
+
+if TYPE_CHECKING:
+    from optimizer_node.admission import JobAdmission
+    from optimizer_node.config import NodeConfig
+    from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.outgoing import Outgoing
+    from optimizer_node.registration import JobRegistrar
+    from optimizer_node.replies import ParameterReplies
 
 PARTS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -58,3 +67,59 @@ def load_part(store: BucketStore, state: BucketState, message: Message, segments
             state.set_segment_step_counts([float(s) for s in steps])
     finally:
         store.release(state, dirty=True)
+
+
+class StateRequests:
+    """One job's READ_STATE and LOAD_STATE messages: a rank reads a part of a bucket's state as it is
+    now; rank 0 replaces one between steps. ``in_flight``: the job's steps in flight by bucket."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        registrar: JobRegistrar,
+        admission: JobAdmission,
+        store: BucketStore,
+        replies: ParameterReplies,
+        outgoing: Outgoing,
+        in_flight: dict[int, BucketStep],
+    ) -> None:
+        self._config = config
+        self._registrar = registrar
+        self._admission = admission
+        self._store = store
+        self._replies = replies
+        self._outgoing = outgoing
+        self._in_flight = in_flight
+
+    def on_read_state(self, message: Message) -> None:
+        """STATE: one part of a bucket's state as it is now (fp32), with its segments' step counts."""
+        job, state = self._state_of(message)
+        values, meta = read_part(self._store, state, message.header.meta, len(job.segments[state.bucket_id]))
+        header = tensor_header(MsgType.STATE, values, self._config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta)
+        self._outgoing.send(message.peer, header, values)
+
+    def on_load_state(self, message: Message) -> None:
+        """Rank 0 replaces one part of a bucket's state between steps (``load_state_dict``); ACK."""
+        job, state = self._state_of(message)
+        header = message.header
+        if header.rank != 0:
+            raise WireError(ErrorCode.BAD_REQUEST, "only rank 0 loads optimizer state")
+        self._admission.check_payload(header, job.owned[state.bucket_id], "float32")
+        in_flight = self._in_flight.get(state.bucket_id)
+        if in_flight is not None and 0 in in_flight.reduction.received:
+            raise WireError(ErrorCode.BAD_REQUEST, f"rank 0 already pushed bucket {state.bucket_id} for step {in_flight.step}: load state between steps")
+        if self._replies.outbox.waits_for(state.bucket_id):  # values waiting in a batch are read from them too
+            self._replies.flush()
+        for handle in state.pending_sends:  # values on their way out are read from the tensors replaced here
+            handle.wait(self._config.send_timeout_s)
+        state.pending_sends.clear()
+        load_part(self._store, state, message, len(job.segments[state.bucket_id]))
+        self._outgoing.send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))
+
+    def _state_of(self, message: Message) -> tuple[ActiveJob, BucketState]:
+        job = self._registrar.require_rank(message)
+        bucket = self._admission.owned_bucket(job, message.header)
+        state = self._store.get(bucket.bucket_id)
+        if state is None:
+            raise WireError(ErrorCode.NOT_REGISTERED, f"bucket {bucket.bucket_id} has no initial values yet")
+        return job, state
