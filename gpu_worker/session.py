@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.gradient_sender import GradientSender
+from gpu_worker.gradient_pushes import GradientPushes
 from gpu_worker.layout import gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
@@ -32,7 +32,7 @@ from gpu_worker.value_installer import ValueInstaller
 from job.hyper import AdamWHyper
 from job.placement import BucketSpec
 from job.spec import JobSpec
-from transport.batches import BATCH_BYTES, split_batch
+from transport.batches import split_batch
 from transport.interface import Message
 from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, Header, MsgType, WireError, tensor_header
@@ -98,8 +98,6 @@ class OffloadSession:
         # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
         self.incarnation = secrets.randbits(63) | 1
         self.resume_step = 0  # the step this worker (re)does first, set at HELLO
-        self._contributed: set[int] = set()  # buckets of resume_step that already hold this rank's gradient
-        self._skipped: set[int] = set()  # pushes of this step left out because the node has them
         self._connections = NodeConnections(
             self.nodes,
             rank,
@@ -110,10 +108,9 @@ class OffloadSession:
             same_host=same_host,
             connections_per_node=connections_per_node,
         )
-        self._sender = GradientSender(self._connections, self._wire_dtype, pin_memory=self._cuda, bucket_count=len(self.buckets))
-        self._pushed: dict[int, int] = {}  # bucket -> the step its gradient was pushed for, in the step in progress
+        # what this rank pushed of the step in progress (and what the nodes hold already after a restart), and the pushes
+        self.pushes = GradientPushes(self, self._connections, self._wire_dtype, pin_memory=self._cuda)
         self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
-        self._batching_nodes: set[int] = set()  # nodes that take (and send) several small buckets per message
         # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
@@ -153,7 +150,7 @@ class OffloadSession:
         (``params``: every layout parameter, the new ones last). Registers it with every node (rank 0
         first, with the new buckets' values; the others wait for it), then pulls the new buckets, so
         every rank starts them from rank 0's values. Returns the new bucket ids."""
-        if self._pushed or self._refusals.step_open:
+        if self.pushes.pushed or self._refusals.step_open:
             raise RuntimeError("a param group can only be added between steps (after step(), before the next backward)")
         if not self.job.extended_by(job):
             raise ValueError("the added param group must only add parameters after the existing ones")
@@ -163,7 +160,7 @@ class OffloadSession:
         self.job, self.params = job, list(params)
         self.buckets = job.plan()
         self.bucket_steps = self.bucket_steps + [step] * (len(self.buckets) - old)
-        self._sender.set_bucket_count(len(self.buckets))
+        self.pushes.sender.set_bucket_count(len(self.buckets))
         self._connections.set_job(job.to_wire())
         try:
             needs_init = self.hello()
@@ -211,9 +208,9 @@ class OffloadSession:
         if reply.header.meta.get("owned") != owned:
             raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
         if reply.header.meta.get("batches") is True and self._connections.asks_for_batches:
-            self._batching_nodes.add(index)
+            self.pushes.batching_nodes.add(index)
         else:
-            self._batching_nodes.discard(index)
+            self.pushes.batching_nodes.discard(index)
         policy = reply.header.meta.get("non_finite")
         if isinstance(policy, str):
             self._non_finite_policies[index] = policy
@@ -233,7 +230,7 @@ class OffloadSession:
         step, contributed = resume_point(resume, [b.node for b in self.buckets], self.rank)
         self.resume_step = step
         self.bucket_steps = [step] * len(self.buckets)
-        self._contributed = set(contributed)  # each leaves once its step is pushed again
+        self.pushes.contributed = set(contributed)  # each leaves once its step is pushed again
         if contributed:
             log.warning(
                 "rank %d resumes in the middle of step %d: the nodes already hold its gradient of %d of %d buckets (from the process it replaces); it pushes the other %d",
@@ -248,7 +245,7 @@ class OffloadSession:
     def shared_memory_bytes(self) -> dict[str, int]:
         """Payload bytes that went through same-host shared windows, ``sent`` and ``received``, and
         ``sent_in_place``: of those sent, the gradients gathered straight into a window."""
-        return self._connections.shared_memory_bytes() | {"sent_in_place": self._sender.in_place_bytes}
+        return self._connections.shared_memory_bytes() | {"sent_in_place": self.pushes.sender.in_place_bytes}
 
     @property
     def connection_addresses(self) -> list[str]:
@@ -267,7 +264,7 @@ class OffloadSession:
             raise ValueError("a layer-wise job cannot change its width: morphing is for full-model jobs")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        if self._pushed or self._refusals.step_open:
+        if self.pushes.pushed or self._refusals.step_open:
             raise RuntimeError(f"rank {self.rank} has pushed gradients of step {self.step}: a worker morphs between steps")
         if self.step != at_step:
             raise RuntimeError(f"rank {self.rank} is at step {self.step}, the morph is at step {at_step}: the agreement and this worker disagree")
@@ -332,65 +329,28 @@ class OffloadSession:
         ``hypers[g]`` are the hyperparameters of param group ``g`` for this step. Buckets not pushed
         before :meth:`finish_step` are pushed there.
         """
-        if bucket_id in self._pushed:
-            raise RuntimeError(f"bucket {bucket_id} was already pushed for step {self.bucket_steps[bucket_id]}")
-        bucket = self.buckets[bucket_id]
-        if self._node_has_gradient(bucket_id):
-            self._contributed.discard(bucket_id)  # the node has this rank's gradient of this step already
-            self._skipped.add(bucket_id)
-            self._pushed[bucket_id] = self.bucket_steps[bucket_id]
-            return
-        if self.pacer is not None:
-            nbytes = bucket.numel * self._wire_dtype.itemsize if any(grads[seg.param_index] is not None for seg in bucket.segments) else 0
-            self._wait_for_room(self.pacer, nbytes, grads, hypers)
-            self.pacer.pushed(bucket_id, nbytes)
-        meta: dict = {"hyper": self._sender.hyper_meta(bucket.group, hypers)}
-        # Parameters without a gradient on this rank: zeros in the sum, as with DDP; not stepped if no rank has one.
-        absent = [index for index, seg in enumerate(bucket.segments) if grads[seg.param_index] is None]
-        if absent:
-            meta["absent"] = absent
-        step = self.bucket_steps[bucket_id]
-        if len(absent) == len(bucket.segments):  # no gradient for any of its parameters (a frozen layer): no payload
-            sending = time.perf_counter()
-            self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=self.rank, step=step, bucket_id=bucket_id, meta=meta))
-        else:
-            started = time.perf_counter()
-            gathered = self._sender.push((bucket,), grads, rank=self.rank, step=step, meta=meta)
-            self.timings.gather_s += gathered
-            sending = started + gathered
-        self._pushed[bucket_id] = step
-        self.timings.send_s += elapsed(sending)
-        self.timings.pushes += 1
+        self.pushes.push_bucket(bucket_id, grads, hypers)
 
     def stage_bucket(self, bucket_id: int, grads: Sequence[torch.Tensor | None]) -> bool:
         """A bucket's gradients are final (a hook on autograd's device thread, during backward): start
         copying them out of the device now, for :meth:`push_bucket` to send from there in ``step()``.
         Buckets that go in a batch with their neighbours, or that hold a parameter without a gradient,
         are gathered in ``step()`` as before. True where the bucket was staged."""
-        bucket = self.buckets[bucket_id]
-        if self._small_for_batches(bucket):
-            return False
-        if bucket_id in self._pushed or self._node_has_gradient(bucket_id):
-            return False
-        if any(grads[seg.param_index] is None for seg in bucket.segments):
-            return False
-        self._sender.stage(bucket, grads)
-        return True
+        return self.pushes.stage_bucket(bucket_id, grads)
 
     def staged_landed(self, bucket_id: int) -> bool:
         """Whether the bucket's staged copy out of the device is done (True if none is staged)."""
-        return self._sender.staged_landed(bucket_id)
+        return self.pushes.sender.staged_landed(bucket_id)
 
     def wait_staged(self, bucket_id: int) -> None:
         """Block until the bucket's staged copy out of the device landed (nothing if none is staged)."""
-        self._sender.wait_staged(bucket_id)
+        self.pushes.sender.wait_staged(bucket_id)
 
     def push_staged(self, bucket_id: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push a staged bucket now, unless it went already (the courier thread, during backward)."""
-        if bucket_id not in self._pushed and self._sender.is_staged(bucket_id):
-            self.push_bucket(bucket_id, grads, hypers)
+        self.pushes.push_staged(bucket_id, grads, hypers)
 
-    def _wait_for_room(self, pacer: PushPacer, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+    def wait_for_room(self, pacer: PushPacer, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Wait until ``nbytes`` more fit the push window. Values that come while nothing awaits them
         (a full-model worker pushing during backward) are kept for ``finish_step``; a node that restarts
         meanwhile gets this step's full-model pushes again from ``grads`` (final for every bucket pushed
@@ -413,60 +373,9 @@ class OffloadSession:
             if holding:
                 self._step_grads = None
 
-    def _push_remaining(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
-        """Push every bucket not pushed yet: runs of small ones for one node (same param group, every
-        parameter with a gradient) as batches, the rest one by one."""
-        run: list[BucketSpec] = []
-        run_bytes = 0
-        for bucket in self.buckets:
-            if bucket.bucket_id in self._pushed:
-                continue
-            nbytes = bucket.numel * self._wire_dtype.itemsize
-            batchable = (
-                self._small_for_batches(bucket)
-                and (self.pacer is None or self.pacer_ack == MsgType.PARAMS)
-                and not self._node_has_gradient(bucket.bucket_id)
-                and all(grads[seg.param_index] is not None for seg in bucket.segments)
-            )
-            if run and (not batchable or bucket.node != run[0].node or bucket.group != run[0].group or run_bytes >= BATCH_BYTES):
-                self._push_run(run, grads, hypers)
-                run, run_bytes = [], 0
-            if batchable:
-                run.append(bucket)
-                run_bytes += nbytes
-            else:
-                self.push_bucket(bucket.bucket_id, grads, hypers)
-        if run:
-            self._push_run(run, grads, hypers)
-
-    def _node_has_gradient(self, bucket_id: int) -> bool:
-        """Whether the node holds this rank's gradient of the bucket for the step being redone already
-        (pushed by the process this one replaces): it is not pushed again."""
-        return bucket_id in self._contributed and self.bucket_steps[bucket_id] == self.resume_step
-
-    def _small_for_batches(self, bucket: BucketSpec) -> bool:
-        """Whether the bucket is small enough to go in a batch, to a node that takes batches."""
-        return bucket.node in self._batching_nodes and bucket.numel * self._wire_dtype.itemsize < BATCH_BYTES
-
-    def _push_run(self, run: Sequence[BucketSpec], grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
-        """Push buckets of one node and param group, all at one step, in one message (one alone as it is)."""
-        if len(run) == 1:
-            self.push_bucket(run[0].bucket_id, grads, hypers)
-            return
-        started = time.perf_counter()
-        first = run[0]
-        step = self.bucket_steps[first.bucket_id]
-        meta = {"hyper": self._sender.hyper_meta(first.group, hypers), "batch": [[bucket.bucket_id, bucket.numel] for bucket in run]}
-        gathered = self._sender.push(run, grads, rank=self.rank, step=step, meta=meta)
-        self.timings.gather_s += gathered
-        sending = started + gathered
-        self._pushed.update((bucket.bucket_id, step) for bucket in run)
-        self.timings.send_s += elapsed(sending)
-        self.timings.pushes += len(run)
-
     def release_send_buffers(self) -> None:
         """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""
-        self._sender.release()
+        self.pushes.sender.release()
 
     def advance(self, bucket_ids: Sequence[int]) -> None:
         """Layer-wise: the pushed buckets' step is over for this worker (their values come on request)."""
@@ -474,8 +383,8 @@ class OffloadSession:
             self._advanced_at[bucket_id] = self.bucket_steps[bucket_id]
             self.bucket_steps[bucket_id] += 1
         for bucket_id in bucket_ids:
-            self._pushed.pop(bucket_id, None)
-        self._skipped.difference_update(bucket_ids)
+            self.pushes.pushed.pop(bucket_id, None)
+        self.pushes.skipped.difference_update(bucket_ids)
 
     def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet, then install each bucket's new values as it comes back.
@@ -490,10 +399,10 @@ class OffloadSession:
             self._waiting = set(range(len(self.buckets)))
             self._refusals.new_step()
         self._step_grads = (grads, hypers)  # a node that restarts mid-step gets them again
-        self._push_remaining(grads, hypers)
-        for bucket_id in sorted(self._skipped):  # their new values went to the process this one replaces
+        self.pushes.push_remaining(grads, hypers)
+        for bucket_id in sorted(self.pushes.skipped):  # their new values went to the process this one replaces
             self.request(bucket_id, self.bucket_steps[bucket_id] + 1)
-        self._skipped.clear()
+        self.pushes.skipped.clear()
         waiting = self._waiting
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
         self._refusals.collecting = True
@@ -513,11 +422,11 @@ class OffloadSession:
             self.on_params = None
             self._refusals.collecting = False
             self._installer.settle()
-            self._sender.drop_staged()  # what was staged and not sent (a retried step stages again)
+            self.pushes.sender.drop_staged()  # what was staged and not sent (a retried step stages again)
             if not self._refusals.step_open:
                 if self.pacer is not None:
                     self.pacer.clear()
-                self._pushed.clear()
+                self.pushes.pushed.clear()
                 self._step_grads = None
                 self._waiting = set()
                 self._refusals.clear()
@@ -528,7 +437,7 @@ class OffloadSession:
 
     def has_pushed(self, bucket_id: int) -> bool:
         """Whether the nodes hold (or are being sent) this rank's gradient of the bucket for the step in progress."""
-        return bucket_id in self._pushed
+        return bucket_id in self.pushes.pushed
 
     def describe_bucket(self, bucket_id: int) -> str:
         """The parameters a bucket holds, for messages (``w[0:128], b``)."""
@@ -542,7 +451,7 @@ class OffloadSession:
     @property
     def send_buffers_allocated(self) -> int:
         """Push buffers made so far (after warm-up, a step should make none)."""
-        return self._sender.buffers_allocated
+        return self.pushes.sender.buffers_allocated
 
     def take_timings(self) -> WorkerStepTimings:
         """The phases' times since the last call (a step's, when called once a step), starting anew."""
@@ -552,7 +461,7 @@ class OffloadSession:
     @property
     def pushed(self) -> frozenset[int]:
         """Buckets already pushed for the step in progress."""
-        return frozenset(self._pushed)
+        return frozenset(self.pushes.pushed)
 
     def receive_until(self, done: Callable[[], bool], missing: Callable[[], str]) -> None:
         """Handle what the nodes send until ``done()``; ``TimeoutError`` (with ``missing()`` and each
@@ -618,7 +527,7 @@ class OffloadSession:
         if header.msg_type != MsgType.PARAMS or self.on_params is None:
             raise RuntimeError(f"unexpected {header.msg_type.name} from node {self.nodes[index]}")
         if "batch" in header.meta:
-            if index not in self._batching_nodes:
+            if index not in self.pushes.batching_nodes:
                 raise RuntimeError(f"node {self.nodes[index]} sent a batch of buckets, which this worker did not ask it for")
             try:
                 parts = split_batch(message)
@@ -645,7 +554,7 @@ class OffloadSession:
         if not self._refusals.collecting or error.rank != self.rank or bucket_id not in self._waiting or step != self.bucket_steps[bucket_id]:
             return False
         self._refusals.record(bucket_id, error.refusals[0], self.rank)
-        self._pushed.pop(bucket_id, None)  # the node does not hold it: the retry pushes it again
+        self.pushes.pushed.pop(bucket_id, None)  # the node does not hold it: the retry pushes it again
         log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", self.rank, node, bucket_id, step)
         return True
 
@@ -658,7 +567,7 @@ class OffloadSession:
         silent = self._connections.liveness.silent_for(index)
         why = why or f"it has not answered for {silent:.0f} s"
         log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", self.rank, address, why, self.timeouts.reconnect_s)
-        self._sender.forget(index)
+        self.pushes.sender.forget(index)
         self._connections.reopen(index)
         self._connections.send_hello(index)
         try:
@@ -683,7 +592,7 @@ class OffloadSession:
             self.bucket_steps,
             self.news.seen_step(index),
             self._advanced_at,
-            self._pushed,
+            self.pushes.pushed,
             keeps_gradients=self._step_grads is not None,
         )
         step, lost = gradients_lost(address, node_step, contributed, bool(meta.get("needs_init")), progress)
@@ -702,7 +611,7 @@ class OffloadSession:
         if lost:
             grads, hypers = self._step_grads  # type: ignore[misc]
             for bucket_id in lost:
-                self._pushed.pop(bucket_id, None)
+                self.pushes.pushed.pop(bucket_id, None)
                 self.push_bucket(bucket_id, grads, hypers)
 
     def _install(self, node_index: int, message: Message, waiting: set[int], expect_next_step: bool) -> None:

@@ -21,6 +21,7 @@ import signal
 import torch
 
 from gpu_worker import RemoteAdamW, offload
+from gpu_worker.gradient_pushes import GradientPushes
 from gpu_worker.models import GPT, GPTConfig
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer
@@ -71,22 +72,22 @@ def install(plan: DeathPlan, model: GPT) -> None:
     for param in model.parameters():
         if param.requires_grad:
             param.register_hook(lambda grad: (plan.event("backward"), grad)[1])
-    push = OffloadSession.push_bucket
+    push = GradientPushes.push_bucket
 
-    def push_bucket(session, *args, **kwargs):
+    def push_bucket(pushes, *args, **kwargs):
         plan.event("push")
-        return push(session, *args, **kwargs)
+        return push(pushes, *args, **kwargs)
 
-    OffloadSession.push_bucket = push_bucket
-    push_run = OffloadSession._push_run
+    GradientPushes.push_bucket = push_bucket
+    push_run = GradientPushes.push_run
 
-    def push_batch(session, run, *args, **kwargs):
+    def push_batch(pushes, run, *args, **kwargs):
         if len(run) > 1:  # one push event per bucket of a batch (a run of one goes through push_bucket)
             for _bucket in run:
                 plan.event("push")
-        return push_run(session, run, *args, **kwargs)
+        return push_run(pushes, run, *args, **kwargs)
 
-    OffloadSession._push_run = push_batch
+    GradientPushes.push_run = push_batch
     install_full = OffloadSession._install
 
     def installed(session, *args, **kwargs):

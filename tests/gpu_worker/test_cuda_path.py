@@ -76,10 +76,10 @@ def train_offloaded(
                 for name, param in model.named_parameters():
                     assert param.device.type == "cuda", f"{name} left the GPU"
             if push_during_backward:  # autograd's device thread staged the large buckets' copies
-                assert opt._session._sender.staged_pushes >= STEPS
-                assert opt._session._sender.vouched_pushes >= STEPS  # summed on the device: the nodes read nothing
+                assert opt._session.pushes.sender.staged_pushes >= STEPS
+                assert opt._session.pushes.sender.vouched_pushes >= STEPS  # summed on the device: the nodes read nothing
             if layerwise and bucket_numel is not None and bucket_numel * 4 >= 1 << 20:  # staged in backward, sent once landed
-                assert opt._session._sender.staged_pushes >= STEPS and opt._session._sender.vouched_pushes >= STEPS
+                assert opt._session.pushes.sender.staged_pushes >= STEPS and opt._session.pushes.sender.vouched_pushes >= STEPS
             # the nodes are on this host: gradients were copied off the GPU straight into their windows
             assert opt.shared_memory_bytes["sent_in_place"] > 0, opt.shared_memory_bytes
             results[rank] = {name: value.cpu() for name, value in opt.gather_parameters().items()}
@@ -154,13 +154,13 @@ def test_a_nan_gradient_on_the_gpu_goes_without_the_workers_word_and_is_refused(
     loss.backward()
     opt.step()
     opt.zero_grad()
-    vouched = opt._session._sender.vouched_pushes
+    vouched = opt._session.pushes.sender.vouched_pushes
     assert vouched > 0
     _logits, loss = model(*tokens(1, 0))
     (loss * float("nan")).backward()
     with pytest.raises(NonFiniteGradientError, match="NaN"):
         opt.step()
-    assert opt._session._sender.vouched_pushes == vouched
+    assert opt._session.pushes.sender.vouched_pushes == vouched
     opt.close()
 
 

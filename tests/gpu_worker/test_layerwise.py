@@ -249,7 +249,7 @@ def test_large_buckets_go_out_as_their_copies_land_bitwise_as_adamw(start_node):
         F.mse_loss(reference(x), y).backward()
         torch_opt.step()
         torch_opt.zero_grad()
-    assert opt._session._sender.staged_pushes >= 3 * 2  # each Linear(512, 512) weight fills a bucket
+    assert opt._session.pushes.sender.staged_pushes >= 3 * 2  # each Linear(512, 512) weight fills a bucket
     values = opt.gather_parameters()
     opt.close()
     for name, want in reference.named_parameters():

@@ -174,7 +174,7 @@ def test_gradients_final_on_another_thread_are_staged_there_and_sent_by_step(sta
     node = start_node("staged")
     opt = RemoteAdamW(model.parameters(), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=300_000, push_during_backward=True)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    sender = opt._session._sender
+    sender = opt._session.pushes.sender
     large_ids = frozenset(bucket.bucket_id for bucket in opt._session.buckets if bucket.numel * 4 >= 1 << 20)
     large = len(large_ids)
     assert large >= 1 and large < len(opt._session.buckets)  # some are staged, the small last one is batched or sent as usual
