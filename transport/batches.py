@@ -37,7 +37,11 @@ frames this small anyway."""
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _bad_entry(entry: object, params: bool) -> str:
+    return f"a batch entry is [bucket_id, {'step, numel, meta' if params else 'numel'}], got {entry!r}"[:300]
 
 
 def slice_views(tensors: Sequence[tuple[int, torch.Tensor]], start: int, numel: int, first: int = 0) -> tuple[list[tuple[int, torch.Tensor]], int]:
@@ -73,17 +77,29 @@ def split_batch(message: Message) -> list[Message]:
     parts = []
     start = 0
     frame = 0
+    previous_id = -1
+    tensors = message.tensors
+    whole = tensors[0][1] if len(tensors) == 1 and tensors[0][0] == 0 and tensors[0][1].numel() == header.numel else None
+    push_meta = None if params else {"hyper": header.meta.get("hyper")}
     for entry in entries:
-        if not isinstance(entry, list) or len(entry) != width or not all(_is_int(value) for value in entry[: width - 1 if params else width]):
-            raise WireError(ErrorCode.BAD_REQUEST, f"a batch entry is [bucket_id, {'step, numel, meta' if params else 'numel'}], got {entry!r}"[:300])
+        # once a bucket, on both sides of every small-bucket step: the entry unpacked and its integers
+        # checked by type first (msgpack makes plain ints), without a generator per entry
+        if not isinstance(entry, list) or len(entry) != width:
+            raise WireError(ErrorCode.BAD_REQUEST, _bad_entry(entry, params))
         if params:
             bucket_id, step, numel, meta = entry
+            if not (_is_int(bucket_id) and _is_int(step) and _is_int(numel)):
+                raise WireError(ErrorCode.BAD_REQUEST, _bad_entry(entry, params))
             if not isinstance(meta, dict):
                 raise WireError(ErrorCode.BAD_REQUEST, "a PARAMS batch entry's meta must be a map")
         else:
-            (bucket_id, numel), step, meta = entry, header.step, {"hyper": header.meta.get("hyper")}
-            if parts and bucket_id <= parts[-1].header.bucket_id:  # so no bucket comes twice
+            bucket_id, numel = entry
+            if not (_is_int(bucket_id) and _is_int(numel)):
+                raise WireError(ErrorCode.BAD_REQUEST, _bad_entry(entry, params))
+            step, meta = header.step, dict(push_meta)  # type: ignore[arg-type]
+            if bucket_id <= previous_id:  # so no bucket comes twice
                 raise WireError(ErrorCode.BAD_REQUEST, "a PUSH batch lists its buckets in ascending order")
+            previous_id = bucket_id
         if numel < 0 or start + numel > header.numel:
             raise WireError(ErrorCode.BAD_REQUEST, f"batch entries hold more than the {header.numel} elements the header declares")
         part = Header(
@@ -95,7 +111,10 @@ def split_batch(message: Message) -> list[Message]:
             numel=numel,
             meta=meta,
         )
-        views, frame = slice_views(message.tensors, start, numel, frame)
+        if whole is not None:  # the batch in one frame (small buckets are coalesced): a slice of it
+            views = [(0, whole[start : start + numel])] if numel else []
+        else:
+            views, frame = slice_views(message.tensors, start, numel, frame)
         parts.append(Message(peer=message.peer, header=part, tensors=views, user_id=message.user_id))
         start += numel
     if start != header.numel:
