@@ -36,8 +36,9 @@ def test_a_bad_size_is_refused_naming_the_sizes():
 PINNABLE = len(os.sched_getaffinity(0)) >= 2
 
 
-# layer-wise: a slow case (13 s); the full model's case covers the benchmark's netoptim path
-@pytest.mark.parametrize("mode", ["compute", "torch", "full", pytest.param("layerwise", marks=pytest.mark.slow)])
+# layer-wise (13 s) and torch alone (10 s): slow cases; the full model's case covers the benchmark's netoptim path,
+# the compute case its processes and batches
+@pytest.mark.parametrize("mode", ["compute", pytest.param("torch", marks=pytest.mark.slow), "full", pytest.param("layerwise", marks=pytest.mark.slow)])
 def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
     """The full model runs pinned (``--pin``) where there are two CPUs: the worker on one, its node on the others."""
     # the full model's node keeps payloads on the socket (--node-arg): nothing goes through shared memory
