@@ -36,6 +36,7 @@ def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
         assert report["rule"] == rule and report["ratio"] > 0 and baseline in report["baseline"]
 
 
+@pytest.mark.slow  # ~12 s: four transfers with CURVE and same-host windows; tests/transport covers each path
 def test_transport_bench_reports_a_ratio():
     report = bench("transport", "--bytes", "8MiB", "--bucket-bytes", "1MiB", "--repeats", "1", "--curve")
     assert report["benchmark"] == "transport" and report["bytes"] == 8 << 20
