@@ -487,7 +487,8 @@ class NodeDaemon:
         header = message.header
         self.metrics.received(header.payload_bytes)
         batched = header.msg_type == MsgType.PUSH and "batch" in header.meta
-        self._updates.settle_for(header, batched)
+        if self._passes is not None:  # a message is handled as if no pass ran (update_queue.py)
+            self._updates.settle_for(header, batched)
         handler = self._on_batched_push if batched else self._handlers.get(header.msg_type)
         try:
             if handler is None:

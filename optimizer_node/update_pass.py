@@ -313,7 +313,7 @@ def _compiled_pass(
             param, exp_avg, exp_avg_sq, head, views[1:] if head is not None else views, loop_copy, plan.blocks, hyper, step_value, divisor, previous_out,
             arrays=arrays and arrays[:3], threads=threads,
         )  # fmt: skip
-    for head, (lo, hi, views) in zip(heads, windows if not whole else (), strict=False):
+    for head, (lo, hi, views) in zip(heads, windows, strict=True) if not whole else ():
         blocks = _blocks_within(plan.blocks, lo, hi)
         if not len(blocks):
             continue
