@@ -534,9 +534,12 @@ def run_node(args: argparse.Namespace) -> int:
         return 1
     servers.start(daemon)
     stop = threading.Event()
+    received: list[int] = []
 
     def request_stop(signum: int, _frame: object) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
+        # Nothing is logged here: the handler runs between two bytecodes of the main thread, which may
+        # be inside a write to the log's stream, and a second write into it raises ("reentrant call").
+        received.append(signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, request_stop)
@@ -544,5 +547,7 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         daemon.serve(stop)
     finally:
+        if received:
+            log.info("stopped on %s", signal.Signals(received[0]).name)
         servers.stop()
     return 0

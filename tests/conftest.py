@@ -6,9 +6,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from launch.processes import NodeProcess
+from launch.processes import NodeProcess, use_node_launcher
 from optimizer_node import compiled_update
 from tests.node_flags import with_node_args
+from tests.preloaded_nodes import PreloadedNodeLauncher
 from tests.transport.availability import check_mooncake
 
 
@@ -16,6 +17,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the nodes' update loop once, before any node starts (numba caches it on disk): the
     daemons the tests start then load it instead of each waiting for a compile of its own."""
     compiled_update.usable()  # fills numba's cache (in a child process) and checks the loop
+    use_node_launcher(PreloadedNodeLauncher())  # nodes forked with their imports done (tests/preloaded_nodes.py)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
