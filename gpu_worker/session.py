@@ -25,6 +25,7 @@ from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGra
 from gpu_worker.node_news import NodeNews
 from gpu_worker.norm_totals import NormTotals
 from gpu_worker.push_pacing import PushPacer
+from gpu_worker.receive_loop import ReceiveLoop
 from gpu_worker.refusals import RefusedGradients
 from gpu_worker.resume import WorkerProgress, gradients_lost, resume_point
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
@@ -116,6 +117,7 @@ class OffloadSession:
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
         self._refusals = RefusedGradients()
         self._non_finite_policies: dict[int, str] = {}  # node index -> its --non-finite policy, as its HELLO_OK said
+        self._receiver = ReceiveLoop(self._connections, timeouts, dispatch=self._dispatch, reconnect=self._reconnect, diagnose=self._diagnose_timeout)
 
     # ---------------------------------------------------------------- setup
 
@@ -470,35 +472,7 @@ class OffloadSession:
         PARAMS go to ``on_params``; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
         clipped step here, whatever it was waiting for; an ERROR raises :class:`NodeError`. Silent
         nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.liveness`)."""
-        self._connections.liveness.start_waiting()
-        deadline = time.monotonic() + self.timeout_s
-        check_at = time.monotonic() + self.timeouts.heartbeat_s  # silence is looked at once a heartbeat, not per message
-        while not done():
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(self._diagnose_timeout(missing()))
-            if now >= check_at:
-                check_at = now + self.timeouts.heartbeat_s / 2
-                if self.timeouts.reconnects:
-                    for index in self._connections.dropped():
-                        self._reconnect(index, "its connection dropped")
-                        deadline = time.monotonic() + self.timeout_s
-                        self._connections.liveness.start_waiting()  # the time spent reconnecting is not the other nodes' silence
-                    for index in self._connections.liveness.gone():
-                        self._reconnect(index)
-                        deadline = time.monotonic() + self.timeout_s
-                        self._connections.liveness.start_waiting()
-                self._connections.ping(self._connections.liveness.to_ping())
-            waiting = time.perf_counter()
-            ready = self._connections.wait_readable(max(min(deadline - now, self.timeouts.heartbeat_s), 0.0))
-            self.timings.wait_s += elapsed(waiting)
-            for index in ready:
-                message = self._connections.take(index)
-                if message is None:
-                    continue
-                if message.header.msg_type != MsgType.STATUS:  # a STATUS answers a ping: alive, not progress
-                    deadline = time.monotonic() + self.timeout_s
-                    self._dispatch(index, message)
+        self._receiver.run_until(done, missing, self.timings)
 
     def _dispatch(self, index: int, message: Message) -> None:
         header = message.header
