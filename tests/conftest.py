@@ -12,17 +12,20 @@ from tests.node_flags import with_node_args
 from tests.preloaded_nodes import PreloadedNodeLauncher
 from tests.transport.availability import check_mooncake
 
+NODE_LAUNCHER = PreloadedNodeLauncher()
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the nodes' update loop once, before any node starts (numba caches it on disk): the
     daemons the tests start then load it instead of each waiting for a compile of its own."""
     compiled_update.usable()  # fills numba's cache (in a child process) and checks the loop
-    use_node_launcher(PreloadedNodeLauncher())  # nodes forked with their imports done (tests/preloaded_nodes.py)
+    use_node_launcher(NODE_LAUNCHER)  # nodes forked with their imports done (tests/preloaded_nodes.py)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("mooncake") is not None:
         check_mooncake()
+    NODE_LAUNCHER.fresh = item.get_closest_marker("fresh_nodes") is not None  # before the test's fixtures start nodes
 
 
 @pytest.fixture

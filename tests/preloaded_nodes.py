@@ -61,14 +61,17 @@ class ForkedNode:
 
 
 class PreloadedNodeLauncher:
-    """Forks ``python -m netoptim ...`` commands from a preloaded fork server; anything else (or every
-    command, with ``NETOPTIM_TEST_FRESH_NODES=1``) gets a fresh interpreter."""
+    """Forks ``python -m netoptim ...`` commands from a preloaded fork server; anything else gets a
+    fresh interpreter, and so does every command while ``fresh`` is set (tests that measure a node's
+    resident memory: a forked child faults in again the code pages its server had, and counts them as
+    growth) or with ``NETOPTIM_TEST_FRESH_NODES=1``."""
 
     def __init__(self) -> None:
         self._context: multiprocessing.context.BaseContext | None = None
+        self.fresh = False
 
     def __call__(self, command: Sequence[str], log_file: Path) -> ChildProcess:
-        if list(command[:3]) != [sys.executable, "-m", "netoptim"] or os.environ.get("NETOPTIM_TEST_FRESH_NODES") == "1":
+        if self.fresh or list(command[:3]) != [sys.executable, "-m", "netoptim"] or os.environ.get("NETOPTIM_TEST_FRESH_NODES") == "1":
             return popen_launcher(command, log_file)
         if self._context is None:
             context = multiprocessing.get_context("forkserver")

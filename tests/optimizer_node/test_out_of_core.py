@@ -22,6 +22,7 @@ def rss_bytes(pid: int, field: str) -> int:
     raise AssertionError(field)
 
 
+@pytest.mark.fresh_nodes
 def test_node_memory_stays_within_its_budget(start_node, tmp_path):
     """96 MiB of state through a 24 MiB budget; the node's peak RSS above its idle size is measured."""
     budget = 24 << 20

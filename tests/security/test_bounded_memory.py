@@ -39,6 +39,8 @@ from transport.security import generate_keypair, load_keypair
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
 from transport.zmq_backend import ZmqClient, ZmqTransport
 
+pytestmark = pytest.mark.fresh_nodes  # the nodes' resident memory is measured
+
 RSS_BOUND_MIB = 64
 STEPS = 3
 BASE = {"world_size": 2, "num_nodes": 1, "bucket_numel": 128, "wire_dtype": "float32", "max_grad_norm": None}

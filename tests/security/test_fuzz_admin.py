@@ -49,6 +49,8 @@ from tests.security.fuzzing import WatchedNode, fuzz_seconds, fuzz_seed, seed_na
 from tests.security.wire_fuzz import JobModel, Line, Reply, WireFuzzer, await_params, frames_of, send_accepted
 from transport.wire import Header, MsgType, tensor_header
 
+pytestmark = pytest.mark.fresh_nodes  # the nodes' resident memory is measured
+
 TOKEN = "fuzz-" + "t" * 24
 GOOD = [("authorization", f"Bearer {TOKEN}")]
 BAD_METADATA = (

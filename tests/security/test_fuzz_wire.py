@@ -67,6 +67,8 @@ from transport.wire import (
     tensor_header,
 )
 
+pytestmark = pytest.mark.fresh_nodes  # the nodes' resident memory is measured
+
 MAX_MESSAGE_BYTES = 1 << 20
 NODE_ARGS = ("--max-message-bytes", str(MAX_MESSAGE_BYTES), "--max-header-bytes", str(MAX_HEADER_BYTES), "--next-job", "refuse")
 """Headers as large as the protocol allows (the node's default is smaller): the decoder's own bounds
