@@ -84,7 +84,7 @@ def test_a_node_that_does_not_come_back_is_named_within_the_deadline(start_node)
     assert any(isinstance(e, ConnectionError) and f"node {node.address} stopped answering" in str(e) and "--resume" in str(e) for e in errors), errors
 
 
-@pytest.mark.parametrize("crash_at", [pytest.param("push:7", marks=pytest.mark.slow), "update:5"])
+@pytest.mark.parametrize("crash_at", ["push:7", "update:5"])
 def test_one_of_two_clipping_nodes_restarted_continues_bitwise(start_node, tmp_path, crash_at):
     """Global-norm clipping over two nodes: every step waits for both nodes' norm partials, so the
     restarted node must rebuild its part of the round (gradients pushed again, partial sent again)

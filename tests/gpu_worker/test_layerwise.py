@@ -77,7 +77,7 @@ def train(nodes: list[str], *, layerwise: bool, kind: str = "plain", world_size:
     return results[0], stats
 
 
-@pytest.mark.parametrize("kind", ["plain", pytest.param("checkpointed", marks=pytest.mark.slow), "tied"])
+@pytest.mark.parametrize("kind", ["plain", "checkpointed", "tied"])
 def test_layerwise_equals_full_model_bitwise(start_node, kind):
     full = train([start_node("full").address], layerwise=False, kind=kind)[0]
     streamed, stats = train([start_node("a").address, start_node("b").address], layerwise=True, kind=kind)
