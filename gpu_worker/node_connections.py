@@ -160,17 +160,18 @@ class NodeConnections:
         meta = {"job": self._job_wire, "incarnation": self.incarnation, "node_index": index, "batches": self.asks_for_batches, **self._hello_extra}
         self._clients[index].send(Header(msg_type=MsgType.HELLO, rank=self.rank, meta=meta))
 
-    def registered(self, index: int, first_answer_s: float) -> Message:
+    def registered(self, index: int, first_answer_s: float, *, fail_on_drop: bool = False) -> Message:
         """The node's HELLO_OK to the HELLO just sent (moving to its same-host socket if it has one
         here). The node must answer within ``first_answer_s`` (a NOTICE that it waits for rank 0
-        counts); its HELLO_OK may then take up to ``timeout_s``."""
+        counts); its HELLO_OK may then take up to ``timeout_s``. ``fail_on_drop``: ``ConnectionError`` as
+        soon as the connection drops before the answer (see :meth:`expect`)."""
         hint = (
             "is this worker's public key in the node's --curve-allow directory, and curve_server_key the node's key?"
             if self._curve
             else "if the node uses CURVE, give this worker its keys."
         )
         what = f"registration (is a node running at that address and reachable from this host? {hint})"
-        reply = self.expect(index, MsgType.HELLO_OK, what, first_answer_s=first_answer_s)
+        reply = self.expect(index, MsgType.HELLO_OK, what, first_answer_s=first_answer_s, fail_on_drop=fail_on_drop)
         same_host = reply.header.meta.get("same_host")
         if self._same_host and isinstance(same_host, str) and self._clients[index].address != same_host and reachable_here(same_host):
             reply = self._switch_to_same_host(index, same_host, what)
