@@ -203,6 +203,22 @@ class NodeConnections:
         self._clients[index].close()
         self._clients[index] = self._transport.connect(self.nodes[index])
 
+    def reconnect(self, index: int, within_s: float) -> Message:
+        """A new connection to node ``index`` (:meth:`reopen`), a HELLO, and the node's HELLO_OK within
+        ``within_s`` (``TimeoutError`` otherwise). A connection that drops before the answer took the
+        HELLO with it (it reached a node in its last moments, which a service manager restarts within a
+        second, or a link that reset): another connection and the HELLO again, while there is time."""
+        deadline = time.monotonic() + within_s
+        while True:
+            self.reopen(index)
+            self.send_hello(index)
+            try:
+                return self.registered(index, max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
+            except ConnectionError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer a HELLO within {within_s:.0f} s") from None
+                log.info("rank %d: node %s: the connection dropped before it answered; saying HELLO again", self.rank, self.nodes[index])
+
     # ---------------------------------------------------------------- answers
 
     def expect(self, index: int, msg_type: MsgType, what: str, *, first_answer_s: float | None = None, fail_on_drop: bool = False) -> Message:

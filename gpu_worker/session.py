@@ -203,10 +203,12 @@ class OffloadSession:
         self._said_hello = True
         return sorted(needs_init)
 
-    def _registered(self, index: int, first_answer_s: float, *, fail_on_drop: bool = False) -> Message:
-        """The node's HELLO_OK to the HELLO just sent, checked against the plan (``ConnectionError``
-        with ``fail_on_drop`` as soon as the connection drops: the HELLO may be lost with it)."""
-        reply = self._connections.registered(index, first_answer_s, fail_on_drop=fail_on_drop)
+    def _registered(self, index: int, first_answer_s: float) -> Message:
+        """The node's HELLO_OK to the HELLO just sent, checked against the plan."""
+        return self._checked_registration(index, self._connections.registered(index, first_answer_s))
+
+    def _checked_registration(self, index: int, reply: Message) -> Message:
+        """Node ``index``'s HELLO_OK, checked against the plan and the other nodes' policies."""
         owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
         if reply.header.meta.get("owned") != owned:
             raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
@@ -542,22 +544,10 @@ class OffloadSession:
         silent = self._connections.liveness.silent_for(index)
         why = why or f"it has not answered for {silent:.0f} s"
         log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", self.rank, address, why, self.timeouts.reconnect_s)
-        deadline = time.monotonic() + self.timeouts.reconnect_s
-        while True:
-            self.pushes.sender.forget(index)
-            self._connections.reopen(index)
-            self._connections.send_hello(index)
-            try:
-                reply = self._registered(index, max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
-                break
-            except ConnectionError:
-                # The new connection reached the node's last moments (or a link that reset): the HELLO
-                # went down with it. A new connection, and the HELLO again, while there is time.
-                if time.monotonic() < deadline:
-                    log.info("rank %d: node %s: the connection dropped before it answered; saying HELLO again", self.rank, address)
-                    continue
-            except TimeoutError:
-                pass
+        self.pushes.sender.forget(index)
+        try:
+            reply = self._checked_registration(index, self._connections.reconnect(index, self.timeouts.reconnect_s))
+        except TimeoutError:
             raise ConnectionError(
                 f"rank {self.rank}, step {self.step}: node {address} stopped answering ({why}) and did not come back within "
                 f"{self.timeouts.reconnect_s:.0f} s: restart it with the same flags plus --resume (the workers reconnect by themselves), or check the network"
