@@ -51,6 +51,12 @@ def interleaved_seconds(runs: dict[str, Callable[[], float | None]], repeats: in
     return times
 
 
+def bucket_sizes(numel: int, bucket_numel: int) -> list[int]:
+    """The buckets of ``numel`` parameters in ``bucket_numel``-element buckets: the whole ones, then the rest."""
+    whole, rest = divmod(numel, bucket_numel)
+    return [bucket_numel] * whole + ([rest] if rest else [])
+
+
 def median_ratio(baseline: list[float], measured: list[float]) -> float:
     """Median over rounds of ``baseline / measured`` time: how many times faster ``measured`` ran."""
     return statistics.median(base / seconds for base, seconds in zip(baseline, measured, strict=True))

@@ -130,13 +130,13 @@ def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int
     return HostSplit(node_threads or update_threads(min(len(cpus) for cpus in sets), pass_thread=pass_thread), sets, usable[:worker_cpus])
 
 
-def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, split: HostSplit) -> dict:
+def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, split: HostSplit, bucket_numel: int) -> dict:
     """The box's limits (see :mod:`benchmarks.gpu_limits`), in this process: the node's update pass
-    last, on the first node's CPUs where the nodes are pinned."""
+    last, in the job's buckets, on the first node's CPUs where the nodes are pinned."""
     limits = copy_bandwidth_gbs(device, copy_bytes) | cpu_adamw_mparams(adam_numel)
     if split.node_cpus:
         pin_process(split.node_cpus[0])
-    return limits | node_update_mparams(split.node_threads, adam_numel)
+    return limits | node_update_mparams(split.node_threads, adam_numel, bucket_numel)
 
 
 def run_mode(mode: str, size: str, dtype_name: str, settings: ModeSettings, device: torch.device, args: argparse.Namespace, split: HostSplit) -> dict:
@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace) -> dict:
     except ImportError:
         report["deepspeed"] = None
     if args.limits:
-        limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, split), args.timeout_s)
+        limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, split, args.bucket_numel), args.timeout_s)
         report["limits"] = limits.get("ok", {"status": limits.get("error")})
     else:
         report["limits"] = {"status": "not measured (--no-limits)"}

@@ -55,23 +55,27 @@ def cpu_adamw_mparams(numel: int = 1 << 26, threads: int | None = None, repeats:
     return {"cpu_adamw_mparams_per_s": numel / 1e6 / seconds, "cpu_adamw_threads": threads}
 
 
-def node_update_mparams(threads: int, numel: int = 1 << 26) -> dict[str, float]:
-    """The node's update pass (one gradient term, 1 Mi-element buckets) on ``threads`` threads, Mparam/s:
-    its compiled loop and torch ops, the two paths a node can take (which is faster depends on the cores)."""
+def node_update_mparams(threads: int, numel: int = 1 << 26, bucket_numel: int = 1 << 20) -> dict[str, float]:
+    """The node's update pass (one gradient term, ``bucket_numel``-element buckets, at most ``numel``) on
+    ``threads`` threads, Mparam/s: its compiled loop and torch ops, the two paths a node can take (which
+    is faster depends on the cores)."""
     from optimizer_node.update_profile import update_pass_seconds_per_param
 
+    bucket_numel = min(bucket_numel, numel)
     rates = {
-        f"node_update_{path}_mparams_per_s": 1e-6 / update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, compiled=path == "compiled")
+        f"node_update_{path}_mparams_per_s": 1e-6
+        / update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, compiled=path == "compiled", bucket_numel=bucket_numel)
         for path in ("compiled", "torch_ops")
     }
     # as an fp32 job's node runs it with same-host workers: the new values onto the parameter board in
     # the same pass (one more stream of 4 bytes a parameter), and with each push checked for NaN/inf first
-    board = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True)
-    checked = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, check=True)
+    board = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, bucket_numel=bucket_numel)
+    checked = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, check=True, bucket_numel=bucket_numel)
     return rates | {
         "node_update_compiled_board_mparams_per_s": 1e-6 / board,
         "node_update_compiled_checked_board_mparams_per_s": 1e-6 / checked,
         "node_update_threads": threads,
+        "node_update_bucket_numel": bucket_numel,
     }
 
 

@@ -38,14 +38,13 @@ import time
 
 import torch
 
-from benchmarks.common import interleaved_seconds, median_ratio, memory_bandwidth_gbs
+from benchmarks.common import bucket_sizes, interleaved_seconds, median_ratio, memory_bandwidth_gbs
 from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.non_finite import count_non_finite
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.update_pass import reduce_and_update
 
-BUCKET_NUMEL = 1 << 20
 FUSED_ADAMW_BYTES_PER_PARAM = 4 * 7
 """torch's fused AdamW reads the parameter, both moments and the gradient, and writes the first three."""
 
@@ -62,9 +61,8 @@ def node_bytes_per_param(workers: int, wire_bytes: int, *, frames_in_cache: bool
 
 def run(args: argparse.Namespace) -> dict:
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.wire_dtype]
-    num_buckets = max(1, args.numel // BUCKET_NUMEL)
-    sizes = [BUCKET_NUMEL] * num_buckets
-    numel = sum(sizes)
+    sizes = bucket_sizes(args.numel, args.bucket_numel)
+    num_buckets, numel = len(sizes), args.numel
     generator = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=generator) for n in sizes]
     exp_avgs = [torch.zeros(n) for n in sizes]
@@ -77,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
     divisor = torch.tensor(float(args.workers))
 
-    landing = [torch.empty(BUCKET_NUMEL, dtype=wire_dtype) for _ in range(args.workers)]  # where the transport writes each rank's frame
+    landing = [torch.empty(max(sizes), dtype=wire_dtype) for _ in range(args.workers)]  # where the transport writes each rank's frame
 
     def node_update(keep_copy: bool = False, check: bool = True, landed: bool = True) -> float:
         """The node's work on every bucket; returns its own time (a frame's landing is not the node's)."""
@@ -132,6 +130,8 @@ def run(args: argparse.Namespace) -> dict:
         "finite_check_cost": round(median_ratio(times["node"], times["node_unchecked"]) - 1, 3),
         "finite_check_cost_cold": round(median_ratio(times["node_cold"], times["node_cold_unchecked"]) - 1, 3),
         "numel": numel,
+        "bucket_numel": args.bucket_numel,
+        "buckets": num_buckets,
         "workers": args.workers,
         "wire_dtype": args.wire_dtype,
         "threads": torch.get_num_threads(),

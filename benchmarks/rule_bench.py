@@ -16,13 +16,11 @@ import statistics
 
 import torch
 
-from benchmarks.common import interleaved_seconds, median_ratio
+from benchmarks.common import bucket_sizes, interleaved_seconds, median_ratio
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.non_finite import count_non_finite
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.update_pass import reduce_and_update_segments
-
-BUCKET_NUMEL = 1 << 20
 
 HYPERS = {
     "adam": AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01),
@@ -47,22 +45,22 @@ def run(args: argparse.Namespace) -> dict:
     if rule not in HYPERS:
         raise ValueError(f"--rule {rule!r}: this benchmark measures {sorted(HYPERS)} (AdamW is the default benchmark)")
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.wire_dtype]
-    num_buckets = max(1, args.numel // BUCKET_NUMEL)
-    numel = num_buckets * BUCKET_NUMEL
+    sizes = bucket_sizes(args.numel, args.bucket_numel)
+    num_buckets, numel = len(sizes), args.numel
     generator = torch.Generator().manual_seed(0)
-    params = [torch.randn(BUCKET_NUMEL, generator=generator) for _ in range(num_buckets)]
-    exp_avgs = [torch.zeros(BUCKET_NUMEL) for _ in range(num_buckets)]
-    exp_avg_sqs = [torch.zeros(BUCKET_NUMEL) for _ in range(num_buckets)]
-    steps = [torch.zeros(()) for _ in range(num_buckets)]
-    scratch = [torch.empty(BUCKET_NUMEL) for _ in range(num_buckets)]
-    wire_out = [torch.empty(BUCKET_NUMEL, dtype=wire_dtype) for _ in range(num_buckets)] if wire_dtype != torch.float32 else None
-    frames = [[torch.randn(BUCKET_NUMEL, generator=generator).to(wire_dtype) for _ in range(args.workers)] for _ in range(num_buckets)]
+    params = [torch.randn(n, generator=generator) for n in sizes]
+    exp_avgs = [torch.zeros(n) for n in sizes]
+    exp_avg_sqs = [torch.zeros(n) for n in sizes]
+    steps = [torch.zeros(()) for _ in sizes]
+    scratch = [torch.empty(n) for n in sizes]
+    wire_out = [torch.empty(n, dtype=wire_dtype) for n in sizes] if wire_dtype != torch.float32 else None
+    frames = [[torch.randn(n, generator=generator).to(wire_dtype) for _ in range(args.workers)] for n in sizes]
     divisor = torch.tensor(float(args.workers))
     hyper = HYPERS[rule]
 
     def node_update() -> None:
         for index in range(num_buckets):
-            reduction = OrderedReduction(BUCKET_NUMEL, args.workers, lambda index=index: scratch[index], defer=True)
+            reduction = OrderedReduction(sizes[index], args.workers, lambda index=index: scratch[index], defer=True)
             for rank in reversed(range(args.workers)):
                 pieces = [(0, frames[index][rank])]
                 if count_non_finite(pieces):  # every push is checked, as the daemon does
@@ -75,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
                 exp_avg_sqs[index],
                 [steps[index]],
                 hyper,
-                segments=[(0, BUCKET_NUMEL)],
+                segments=[(0, sizes[index])],
                 stepped=[True],
                 rule=rule,
                 grad_divisor=divisor,
@@ -94,6 +92,8 @@ def run(args: argparse.Namespace) -> dict:
         "ratio": round(median_ratio(times["baseline"], times["node"]), 3),
         "baseline": name,
         "numel": numel,
+        "bucket_numel": args.bucket_numel,
+        "buckets": num_buckets,
         "workers": args.workers,
         "wire_dtype": args.wire_dtype,
         "threads": torch.get_num_threads(),

@@ -10,6 +10,8 @@ from netoptim.plan_cli import add_model_flags
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
+
     bench = subparsers.add_parser(
         "bench",
         help="measure netoptim against a baseline in the same run; prints JSON",
@@ -31,6 +33,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["adamw", "adam", "sgd", "sgd-nesterov", "lion"],
         default="adamw",
         help="update rule: adamw (the compiled fast path, against torch's fused AdamW) or another rule's per-piece path against torch's fused optimizer of that rule (Lion: against fused AdamW) (default: %(default)s)",
+    )
+    optimizer.add_argument(
+        "--bucket-numel",
+        type=positive_int,
+        default=DEFAULT_BUCKET_NUMEL,
+        help="elements per bucket: the node updates one bucket a pass, torch's fused AdamW one tensor a bucket (default: RemoteAdamW's, %(default)s)",
     )
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
     transport.add_argument("--bytes", type=size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
@@ -227,7 +235,7 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         "--adam-numel",
         type=positive_int,
         default=1 << 26,
-        help="parameters when measuring CPU AdamW at all cores and the node's update pass (compiled loop and torch ops) at --node-threads (default: %(default)s)",
+        help="parameters when measuring CPU AdamW at all cores and the node's update pass (compiled loop and torch ops) at --node-threads, in --bucket-numel buckets (default: %(default)s)",
     )
     gpu.add_argument("--timeout-s", type=positive_int, default=900, help="give up on a mode after this long (default: %(default)s)")
     gpu.add_argument("--out", default="", metavar="FILE.json", help="also write the report there after every mode, so a run cut short keeps what it measured")

@@ -19,30 +19,41 @@ BUCKET_NUMEL = 1 << 20
 
 
 def update_pass_seconds_per_param(
-    terms: int, threads: int, *, numel: int = 8 << 20, repeats: int = 5, compiled: bool = True, board: bool = False, check: bool = False
+    terms: int,
+    threads: int,
+    *,
+    numel: int = 8 << 20,
+    repeats: int = 5,
+    compiled: bool = True,
+    board: bool = False,
+    check: bool = False,
+    bucket_numel: int = BUCKET_NUMEL,
 ) -> float:
     """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
-    1 Mi-element buckets, ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
+    ``bucket_numel``-element buckets (the whole ones that fit), ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
     ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
     ``board``: the pass also writes the new values out (as onto the parameter board in an fp32 job);
     ``check``: each gradient is checked for NaN/inf first, as a node checks every push it receives."""
-    if terms < 1 or threads < 1 or numel < BUCKET_NUMEL or repeats < 1:
-        raise ValueError(f"terms, threads and repeats must be >= 1 and numel >= {BUCKET_NUMEL}, got {terms}, {threads}, {repeats}, {numel}")
-    buckets = numel // BUCKET_NUMEL
+    if terms < 1 or threads < 1 or bucket_numel < 1 or numel < bucket_numel or repeats < 1:
+        raise ValueError(
+            f"terms, threads, bucket_numel and repeats must be >= 1 and numel >= bucket_numel, got {terms}, {threads}, {bucket_numel}, {repeats}, {numel}"
+        )
+    buckets = numel // bucket_numel
+    numel = buckets * bucket_numel
     generator = torch.Generator().manual_seed(0)
-    params = [torch.randn(BUCKET_NUMEL, generator=generator) for _ in range(buckets)]
-    moments = [(torch.zeros(BUCKET_NUMEL), torch.zeros(BUCKET_NUMEL)) for _ in range(buckets)]
+    params = [torch.randn(bucket_numel, generator=generator) for _ in range(buckets)]
+    moments = [(torch.zeros(bucket_numel), torch.zeros(bucket_numel)) for _ in range(buckets)]
     steps = [torch.zeros(()) for _ in range(buckets)]
-    frames = [[torch.randn(BUCKET_NUMEL, generator=generator) for _ in range(terms)] for _ in range(buckets)]
-    scratch = torch.empty(BUCKET_NUMEL)
+    frames = [[torch.randn(bucket_numel, generator=generator) for _ in range(terms)] for _ in range(buckets)]
+    scratch = torch.empty(bucket_numel)
     hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
     divisor = torch.tensor(float(terms))
-    wire_out = [torch.empty(BUCKET_NUMEL) for _ in range(buckets)] if board else [None] * buckets
+    wire_out = [torch.empty(bucket_numel) for _ in range(buckets)] if board else [None] * buckets
 
     def one_pass() -> float:
         started = time.perf_counter()
         for index in range(buckets):
-            reduction = OrderedReduction(BUCKET_NUMEL, terms, lambda: scratch, defer=True)
+            reduction = OrderedReduction(bucket_numel, terms, lambda: scratch, defer=True)
             for rank in range(terms):
                 if check and count_non_finite([(0, frames[index][rank])]):
                     raise AssertionError("the profile's gradients are finite")

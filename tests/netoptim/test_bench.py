@@ -18,8 +18,8 @@ def bench(*args: str) -> dict:
 
 
 def test_optimizer_bench_reports_a_ratio():
-    report = bench("optimizer", "--numel", str(2 << 20), "--repeats", "1", "--wire-dtype", "bfloat16")
-    assert report["benchmark"] == "optimizer" and report["numel"] == 2 << 20
+    report = bench("optimizer", "--numel", str(3 << 19), "--bucket-numel", str(1 << 20), "--repeats", "1", "--wire-dtype", "bfloat16")
+    assert report["benchmark"] == "optimizer" and report["numel"] == 3 << 19 and report["buckets"] == 2  # a whole bucket, then the rest
     assert report["ratio"] > 0 and report["node_mparams_per_s"] > 0 and report["torch_fused_adamw_mparams_per_s"] > 0
     assert report["node_bytes_per_param"] == 4 * 6 + 2  # the frames just landed: read from the cache
     assert report["node_bytes_per_param_cold_frames"] == 2 * 2 + 4 * 6 + 2
@@ -32,8 +32,9 @@ def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
     from benchmarks.rule_bench import run
 
     for rule, baseline in (("sgd-nesterov", "SGD"), ("lion", "AdamW")):
-        report = run(argparse.Namespace(rule=rule, numel=1 << 20, workers=2, wire_dtype="bfloat16", repeats=1))
+        report = run(argparse.Namespace(rule=rule, numel=3 << 19, bucket_numel=1 << 20, workers=2, wire_dtype="bfloat16", repeats=1))
         assert report["rule"] == rule and report["ratio"] > 0 and baseline in report["baseline"]
+        assert report["numel"] == 3 << 19 and report["buckets"] == 2
 
 
 @pytest.mark.slow  # ~12 s: four transfers with CURVE and same-host windows; tests/transport covers each path

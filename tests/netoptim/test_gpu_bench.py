@@ -114,8 +114,9 @@ def test_torch_alone_is_skipped_where_it_cannot_fit_the_gpu():
 
 
 def test_the_limits_include_both_update_paths_of_the_node():
-    figures = gpu_bench.measure_limits(torch.device("cpu"), 1 << 20, 1 << 20, gpu_bench.HostSplit(node_threads=1))
+    figures = gpu_bench.measure_limits(torch.device("cpu"), 1 << 20, 1 << 20, gpu_bench.HostSplit(node_threads=1), 1 << 18)
     assert figures["node_update_compiled_mparams_per_s"] > 0 and figures["node_update_torch_ops_mparams_per_s"] > 0
+    assert figures["node_update_bucket_numel"] == 1 << 18  # the pass measured in the job's buckets
     assert figures["node_update_threads"] == 1 and figures["cpu_adamw_threads"] >= 1
 
 
