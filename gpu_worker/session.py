@@ -27,6 +27,7 @@ from gpu_worker.norm_totals import NormTotals
 from gpu_worker.push_pacing import PushPacer
 from gpu_worker.receive_loop import ReceiveLoop
 from gpu_worker.refusals import RefusedGradients
+from gpu_worker.registration import NodeRegistration, resume_account
 from gpu_worker.resume import WorkerProgress, gradients_lost, resume_point
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
 from gpu_worker.value_installer import ValueInstaller
@@ -80,7 +81,6 @@ class OffloadSession:
         # Nodes this process reconnected to: a bucket's values may come twice from them (asked for again
         # and broadcast), the second copy even after the step that awaited them ended.
         self._reconnected: set[int] = set()
-        self._said_hello = False  # registered with the nodes: close() says BYE
         self.buckets: list[BucketSpec] = job.plan()
         self.bucket_steps = [0] * len(self.buckets)
         self.news = NodeNews()  # what the nodes told this worker: a leave request, the last norm, skipped steps
@@ -116,7 +116,7 @@ class OffloadSession:
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
         self._refusals = RefusedGradients()
-        self._non_finite_policies: dict[int, str] = {}  # node index -> its --non-finite policy, as its HELLO_OK said
+        self._registration = NodeRegistration(self._connections, self.nodes, self.pushes.batching_nodes)
         self._receiver = ReceiveLoop(self._connections, timeouts, dispatch=self._dispatch, reconnect=self._reconnect, diagnose=self._diagnose_timeout)
 
     # ---------------------------------------------------------------- setup
@@ -190,43 +190,9 @@ class OffloadSession:
     def hello(self) -> list[int]:
         """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
         that still need initial values (only rank 0 sends them, with :meth:`send_initial`)."""
-        for index in range(len(self._connections)):
-            self._connections.send_hello(index)
-        needs_init: list[int] = []
-        resume: dict[int, tuple[int, list[int]]] = {}
-        for index in range(len(self._connections)):
-            reply = self._registered(index, self.timeouts.first_answer_s)
-            needs_init += reply.header.meta.get("needs_init", [])
-            resume[index] = (int(reply.header.meta["resume_step"]), [int(b) for b in reply.header.meta["contributed"]])
-        self._resume_at(resume)
-        self._connections.morphed()  # a joiner's morph_at: said once
-        self._said_hello = True
-        return sorted(needs_init)
-
-    def _registered(self, index: int, first_answer_s: float) -> Message:
-        """The node's HELLO_OK to the HELLO just sent, checked against the plan."""
-        return self._checked_registration(index, self._connections.registered(index, first_answer_s))
-
-    def _checked_registration(self, index: int, reply: Message) -> Message:
-        """Node ``index``'s HELLO_OK, checked against the plan and the other nodes' policies."""
-        owned = sorted(b.bucket_id for b in self.buckets if b.node == index)
-        if reply.header.meta.get("owned") != owned:
-            raise RuntimeError(f"node {self.nodes[index]} owns buckets {reply.header.meta.get('owned')}, the plan says {owned}")
-        if reply.header.meta.get("batches") is True and self._connections.asks_for_batches:
-            self.pushes.batching_nodes.add(index)
-        else:
-            self.pushes.batching_nodes.discard(index)
-        policy = reply.header.meta.get("non_finite")
-        if isinstance(policy, str):
-            self._non_finite_policies[index] = policy
-            other = next((i for i, theirs in self._non_finite_policies.items() if theirs != policy), None)
-            if other is not None:
-                raise RuntimeError(
-                    f"node {self.nodes[index]} runs with --non-finite {policy}, node {self.nodes[other]} with --non-finite "
-                    f"{self._non_finite_policies[other]}: the nodes of a job must agree (a skipped step must be skipped on every node); "
-                    "restart them with the same --non-finite"
-                )
-        return reply
+        registered = self._registration.hello(self.buckets, self.timeouts.first_answer_s)
+        self._resume_at(registered.resume)
+        return registered.needs_init
 
     def _resume_at(self, resume: dict[int, tuple[int, list[int]]]) -> None:
         """Take the step this rank (re)does from the nodes' accounts: the lowest of them. A node already
@@ -277,11 +243,7 @@ class OffloadSession:
         self.rank = rank
         self._connections.set_job(self.job.to_wire(), rank=rank, morph_at=at_step)
         self._norm_totals.forget()
-        for index in range(len(self._connections)):
-            self._connections.send_hello(index)
-        resume = {index: self._registered(index, self.timeout_s) for index in range(len(self._connections))}
-        self._connections.morphed()
-        self._resume_at({index: (int(r.header.meta["resume_step"]), [int(b) for b in r.header.meta["contributed"]]) for index, r in resume.items()})
+        self._resume_at(self._registration.hello(self.buckets, self.timeout_s).resume)
         if self.resume_step != at_step:
             raise RuntimeError(f"the nodes resumed rank {rank} at step {self.resume_step} after the morph at step {at_step}")
         log.info("rank %d of %d from step %d (the job changed its width)", rank, world_size, at_step)
@@ -546,7 +508,7 @@ class OffloadSession:
         log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", self.rank, address, why, self.timeouts.reconnect_s)
         self.pushes.sender.forget(index)
         try:
-            reply = self._checked_registration(index, self._connections.reconnect(index, self.timeouts.reconnect_s))
+            reply = self._registration.reconnect(index, self.timeouts.reconnect_s, self.buckets)
         except TimeoutError:
             raise ConnectionError(
                 f"rank {self.rank}, step {self.step}: node {address} stopped answering ({why}) and did not come back within "
@@ -559,7 +521,8 @@ class OffloadSession:
         meta = reply.header.meta
         address = self.nodes[index]
         mine = [b.bucket_id for b in self.buckets if b.node == index]
-        node_step, contributed = int(meta["resume_step"]), {int(b) for b in meta["contributed"]}
+        node_step, held = resume_account(reply)
+        contributed = set(held)
         progress = WorkerProgress(
             self.rank,
             self.job.mode == "layerwise",
@@ -634,12 +597,5 @@ class OffloadSession:
     def close(self) -> None:
         """Tell every node this rank is done (once every rank has, between steps, a node knows its job
         is finished and can take the next), then close the connections."""
-        if self._said_hello:
-            self._said_hello = False
-            try:
-                silent = self._connections.say_bye(min(self.timeout_s, BYE_WAIT_S))
-                if silent:
-                    log.debug("rank %d: no answer to BYE from node(s) %s", self.rank, [self.nodes[i] for i in silent])
-            except Exception as exc:  # a node already gone: nothing to tell it
-                log.debug("rank %d: BYE not sent: %s", self.rank, exc)
+        self._registration.say_bye(min(self.timeout_s, BYE_WAIT_S), self.rank)
         self._connections.close()

@@ -253,3 +253,10 @@ def test_push_during_backward_with_frozen_and_later_unfrozen_layers(node):
             o.zero_grad()
     opt.close()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_nodes_with_different_non_finite_policies_are_refused_at_registration(start_node):
+    refusing, skipping = start_node("refusing"), start_node("skipping", extra_args=("--non-finite", "skip"))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with pytest.raises(RuntimeError, match=r"runs with --non-finite skip, node .* with --non-finite refuse: the nodes of a job must agree"):
+        RemoteAdamW(model.parameters(), nodes=[refusing.address, skipping.address], rank=0, world_size=1, bucket_numel=4096)
