@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -128,23 +128,8 @@ class OffloadSession:
 
     def connect(self) -> None:
         """Full mode: register (rank 0) or check (other ranks) the layout, then pull the current parameters."""
-        needs_init = self.hello()
-        if needs_init and self.rank == 0:
-            log.info("registering initial values of %d buckets", len(needs_init))
-            initial = torch.empty(max(self.buckets[b].numel for b in needs_init), dtype=torch.float32)
-            for bucket_id in needs_init:
-                values = initial[: self.buckets[bucket_id].numel]
-                gather_bucket(self.buckets[bucket_id], self.params, values)
-                self.send_initial(bucket_id, values)
-        for bucket in self.buckets:
-            self.request(bucket.bucket_id, self.resume_step)
-        waiting = set(range(len(self.buckets)))
-        self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=False)
-        try:
-            self.receive_until(lambda: not waiting, lambda: f"no parameters for {len(waiting)} bucket(s)")
-        finally:
-            self.on_params = None
-        self._installer.settle()
+        self._initialize(self.hello())
+        self._pull(range(len(self.buckets)), self.resume_step, "")
         log.info("rank %d connected to %d node(s); the job is at step %d", self.rank, len(self.nodes), self.step)
 
     def extend(self, job: JobSpec, params: Sequence[torch.Tensor]) -> list[int]:
@@ -171,21 +156,33 @@ class OffloadSession:
             self._connections.set_job(self.job.to_wire())
             raise
         added = list(range(old, len(self.buckets)))
-        if self.rank == 0:
-            for bucket_id in needs_init:
-                values = torch.empty(self.buckets[bucket_id].numel, dtype=torch.float32)
-                gather_bucket(self.buckets[bucket_id], self.params, values)
-                self.send_initial(bucket_id, values)
-        for bucket_id in added:
-            self.request(bucket_id, step)
-        waiting = set(added)
+        self._initialize(needs_init)
+        self._pull(added, step, " of the added param group")
+        return added
+
+    def _initialize(self, needs_init: Sequence[int]) -> None:
+        """Rank 0: give the buckets in ``needs_init`` their initial values, gathered from the parameters."""
+        if self.rank != 0 or not needs_init:
+            return
+        log.info("registering initial values of %d buckets", len(needs_init))
+        initial = torch.empty(max(self.buckets[b].numel for b in needs_init), dtype=torch.float32)
+        for bucket_id in needs_init:
+            values = initial[: self.buckets[bucket_id].numel]
+            gather_bucket(self.buckets[bucket_id], self.params, values)
+            self.send_initial(bucket_id, values)
+
+    def _pull(self, bucket_ids: Iterable[int], at_step: int, which: str) -> None:
+        """Ask for the values of ``bucket_ids`` at ``at_step`` and install them as they come (``which``
+        says what they are in the timeout's message)."""
+        waiting = set(bucket_ids)
+        for bucket_id in sorted(waiting):
+            self.request(bucket_id, at_step)
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=False)
         try:
-            self.receive_until(lambda: not waiting, lambda: f"no values for {len(waiting)} bucket(s) of the added param group")
+            self.receive_until(lambda: not waiting, lambda: f"no values for {len(waiting)} bucket(s){which}")
         finally:
             self.on_params = None
         self._installer.settle()
-        return added
 
     def hello(self) -> list[int]:
         """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
