@@ -44,7 +44,7 @@ from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.operator import NodeOperator
 from optimizer_node.outgoing import Outgoing
 from optimizer_node.overrides import OperatorOverrides
-from optimizer_node.pass_thread import PassThread
+from optimizer_node.pass_thread import PassThread, shorten_switch_interval
 from optimizer_node.persistence import Checkpoints
 from optimizer_node.registration import JobRegistrar, load_allow_list
 from optimizer_node.replies import ParameterReplies
@@ -124,6 +124,7 @@ class NodeDaemon:
         self._passes: PassThread[PendingUpdate] | None = None
         self._woken_by_passes = False
         if config.pass_thread:  # in memory only (config.validate)
+            shorten_switch_interval()
             self._passes = PassThread(BucketApply.run)
             self._woken_by_passes = self._endpoint.wake_on(self._passes.wake_fd)
         self._reset_job_state()

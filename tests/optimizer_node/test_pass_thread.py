@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 from job.placement import ParamSpec
 from job.spec import JobSpec
 from optimizer_node.adamw import adamw_update
-from optimizer_node.pass_thread import DEPTH, PassThread
+from optimizer_node.pass_thread import DEPTH, PassThread, shorten_switch_interval
 from tests.optimizer_node.raw_client import HYPER, RawWorker
 from transport.wire import Header, MsgType, tensor_header
 from transport.zmq_backend import ZmqTransport
@@ -40,6 +41,17 @@ def test_passes_end_in_order_and_wait_returns_what_ended_up_to_a_bucket() -> Non
     finally:
         passes.close()
         passes.close()  # idempotent
+
+
+def test_the_switch_interval_is_shortened_never_lengthened() -> None:
+    before = sys.getswitchinterval()
+    try:
+        assert shorten_switch_interval(before / 10) == before
+        assert sys.getswitchinterval() == pytest.approx(before / 10)
+        assert shorten_switch_interval(before) == pytest.approx(before / 10)  # a longer one is not taken
+        assert sys.getswitchinterval() == pytest.approx(before / 10)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_a_pass_that_raises_hands_its_error_to_the_loop() -> None:
@@ -110,6 +122,7 @@ def test_a_pull_while_a_pass_runs_gets_whole_values_of_one_step(start_node, path
                 assert torch.equal(got, param if header.step == at + 1 else before), f"step {header.step}: values of two steps mixed"
             during += all(header.step == at + 1 for header, _ in replies)
         assert during >= 1, "every pull was answered before its update: the test did not reach a running pass"
+        assert "interpreter switch interval 0.2 ms" in node.log_text()  # the loop hands the lock to the pass thread soon
     finally:
         worker.client.close()
         transport.close()
