@@ -52,7 +52,8 @@ class RemoteAdamW(RemoteOptimizer):
             master copy on the nodes is always fp32.
         max_grad_norm: clip the averaged gradient to this global L2 norm, with the semantics of
             ``torch.nn.utils.clip_grad_norm_``; ``last_grad_norm`` then holds the norm before clipping.
-        bucket_numel: elements per transfer/update unit.
+        bucket_numel: elements per transfer/update unit. Default: 4M (16 MiB of fp32), halved down to
+            1M while a node would get fewer than 16 buckets (``default_bucket_numel``).
         timeout_s: how long a wait for the nodes may go without progress (the nodes alive, the step
             not moving: a missing rank, a paused node) before a ``TimeoutError`` that names what is
             missing.

@@ -37,9 +37,27 @@ from transport.wire import MsgType, dtype_name
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_NUMEL = 1 << 22
-"""Elements per bucket: 16 MiB of fp32 (torch DDP's default buckets hold 25 MB). On a GPU host a 1.0B
-model trained 1.15-1.45x faster in these than in 1M-element buckets (docs/performance.md): a quarter
-of the per-bucket work on the worker and the node, for a little less overlap at the end of backward."""
+"""Elements per bucket of a large model: 16 MiB of fp32 (torch DDP's default buckets hold 25 MB). On a
+GPU host a 1.0B model trained 1.15-1.45x faster in these than in 1M-element buckets
+(docs/performance.md): a quarter of the per-bucket work on the worker and the node, for a little less
+overlap at the end of backward."""
+
+SMALLEST_DEFAULT_BUCKET_NUMEL = 1 << 20
+MIN_BUCKETS_PER_NODE = 16
+"""The default bucket is halved (down to 1M elements) until each node gets this many: with fewer, the
+greedy placement leaves the nodes' shares uneven (one bucket more is 1/16 more work) and a node's
+updates overlap backward less."""
+
+
+def default_bucket_numel(total_numel: int, num_nodes: int) -> int:
+    """``bucket_numel`` when none is given, for ``total_numel`` parameters over ``num_nodes`` nodes:
+    :data:`DEFAULT_BUCKET_NUMEL`, halved while the nodes would get fewer than
+    :data:`MIN_BUCKETS_PER_NODE` buckets each, but never below 1M elements. Every rank derives the
+    same from the same model and node list."""
+    numel = DEFAULT_BUCKET_NUMEL
+    while numel > SMALLEST_DEFAULT_BUCKET_NUMEL and total_numel < numel * MIN_BUCKETS_PER_NODE * max(1, num_nodes):
+        numel //= 2
+    return numel
 
 
 def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -93,7 +111,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         world_size: int | None = None,
         wire_dtype: torch.dtype = torch.float32,
         max_grad_norm: float | None = None,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        bucket_numel: int | None = None,
         timeout_s: float = 300.0,
         connect_timeout_s: float = 30.0,
         heartbeat_s: float = 2.0,
@@ -127,6 +145,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if units is not None:  # layer-wise: the layout is ordered by unit, each unit in buckets of its own
             order, unit_starts = units.order(tensors)
             specs, tensors = [specs[i] for i in order], [tensors[i] for i in order]
+        if bucket_numel is None:
+            bucket_numel = default_bucket_numel(sum(spec.numel for spec in specs), len(nodes))
         job = JobSpec(
             world_size=world_size,
             num_nodes=len(nodes),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
+from gpu_worker.remote_optimizer import default_bucket_numel
 from gpu_worker.session import BYE_WAIT_S
 from tests.gpu_worker.harness import run_threads
 
@@ -260,3 +261,20 @@ def test_nodes_with_different_non_finite_policies_are_refused_at_registration(st
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     with pytest.raises(RuntimeError, match=r"runs with --non-finite skip, node .* with --non-finite refuse: the nodes of a job must agree"):
         RemoteAdamW(model.parameters(), nodes=[refusing.address, skipping.address], rank=0, world_size=1, bucket_numel=4096)
+
+
+def test_default_bucket_is_4m_elements_halved_until_each_node_has_16():
+    assert default_bucket_numel(1_008_349_184, 1) == 1 << 22  # a 1.0B model on one node: 241 buckets
+    assert default_bucket_numel(64 << 20, 1) == 1 << 22 and default_bucket_numel((64 << 20) - 1, 1) == 1 << 21
+    assert default_bucket_numel(100_000_000, 4) == 1 << 20  # 4M would give the 4 nodes 6 buckets each
+    assert default_bucket_numel(1000, 8) == 1 << 20  # never below 1M
+
+
+def test_the_optimizer_takes_the_default_bucket_for_its_model_and_nodes(start_node):
+    nodes = [start_node(f"n{i}").address for i in range(2)]
+    model = torch.nn.Linear(2048, 2048)  # 4.2M parameters over 2 nodes: 1M-element buckets
+    opt = RemoteAdamW(model.parameters(), nodes=nodes, rank=0, world_size=1)
+    try:
+        assert opt._session.job.bucket_numel == 1 << 20 and len(opt._session.buckets) == 5
+    finally:
+        opt.close()
