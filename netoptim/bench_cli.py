@@ -38,7 +38,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--bucket-numel",
         type=positive_int,
         default=DEFAULT_BUCKET_NUMEL,
-        help="elements per bucket: the node updates one bucket a pass, torch's fused AdamW one tensor a bucket (default: RemoteAdamW's, %(default)s)",
+        help="elements per bucket: the node updates one bucket a pass, torch's fused AdamW one tensor a bucket (default: %(default)s, RemoteAdamW's for a model of 64M parameters a node or more)",
     )
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
     transport.add_argument("--bytes", type=size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
@@ -196,7 +196,10 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
     gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
     gpu.add_argument(
-        "--bucket-numel", type=positive_int, default=DEFAULT_BUCKET_NUMEL, help="netoptim: elements per bucket (default: RemoteAdamW's, %(default)s)"
+        "--bucket-numel",
+        type=positive_int,
+        default=DEFAULT_BUCKET_NUMEL,
+        help="netoptim: elements per bucket (default: %(default)s, RemoteAdamW's for a model of 64M parameters a node or more)",
     )
     gpu.add_argument("--nodes", type=positive_int, default=1, help="local optimizer nodes for the netoptim modes (default: %(default)s)")
     gpu.add_argument(
