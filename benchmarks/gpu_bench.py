@@ -28,6 +28,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import threading
 import traceback
@@ -39,6 +40,7 @@ import torch
 
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
+from benchmarks.gpu_table import table
 from benchmarks.train_bench import param_count
 from gpu_worker.models import GPTConfig
 from launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, update_threads, usable_cpus
@@ -224,7 +226,10 @@ def sigterm_unwinds() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> dict:
     with sigterm_unwinds():
-        return _run(args)
+        report = _run(args)
+    if report.get("sizes"):  # for people, on stderr: stdout is the JSON
+        print(table(report), file=sys.stderr)
+    return report
 
 
 def _run(args: argparse.Namespace) -> dict:

@@ -169,3 +169,20 @@ def test_sigterm_stops_the_mode_running_in_its_child():
         assert not any(_alive(pid) for pid in children), "a child of the run outlived it"
     finally:
         bench.kill()
+
+
+def test_the_table_for_people_gives_each_mode_its_ratios_and_the_nodes_last_step():
+    from benchmarks.gpu_table import table
+
+    node = {"last_step_passes": {"seconds": 0.45, "median_ms": 1.79}, "last_step_s": {"tail": 0.37}}
+    entry = {
+        "zero2": {"tokens_per_s": 1261.0, "step_s": 0.812, "peak_gpu_mb": 10473.0},
+        "full": {"tokens_per_s": 1581.0, "step_s": 0.647, "peak_gpu_mb": 7869.0, "nodes": [node]},
+        "torch": {"status": "skipped: needs about 104 GiB"},
+    }
+    gpu_bench.summarize(entry, 1_008_349_184, "float32", {})
+    lines = table({"sizes": {"1b": {"params": 1_008_349_184, "float32": entry}}}).splitlines()
+    assert len(lines) == 4 and lines[0].split()[:4] == ["size", "dtype", "mode", "tokens/s"]
+    full = next(line for line in lines if " full " in line)
+    assert "1,581" in full and "1.25x" in full and "passes 0.45 s (1.79 ms a bucket), tail 0.37 s" in full
+    assert any("torch" in line and "skipped: needs about 104 GiB" in line for line in lines)

@@ -1,0 +1,47 @@
+"""``bench gpu``'s report as a table for people (the JSON on stdout stays the record)."""
+
+from __future__ import annotations
+
+OURS = ("full", "layerwise")
+
+
+def _ratio(entry: dict, mode: str, baseline: str) -> str:
+    value = entry.get(f"{mode}_over_{baseline}_tokens")
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def _node(result: dict) -> str:
+    """The first node's last step: the time in its passes (median bucket) and after the last gradient."""
+    nodes = result.get("nodes") or []
+    if not nodes:
+        return "-"
+    passes, phases = nodes[0].get("last_step_passes") or {}, nodes[0].get("last_step_s") or {}
+    if "seconds" not in passes:
+        return "-"
+    tail = f", tail {phases['tail']:.2f} s" if "tail" in phases else ""
+    return f"passes {passes['seconds']:.2f} s ({passes.get('median_ms', 0.0):.2f} ms a bucket){tail}"
+
+
+def table(report: dict) -> str:
+    """One line per mode run: tokens/s, step, peak GPU memory, netoptim's ratio to ZeRO-2 and ZeRO-3
+    of the same size and dtype, the fraction of the offload limit, and the node's last step."""
+    lines = [f"{'size':<6} {'dtype':<9} {'mode':<10} {'tokens/s':>9} {'step s':>7} {'GPU GiB':>8} {'/ZeRO-2':>8} {'/ZeRO-3':>8} {'of limit':>8}  node"]
+    for size, per_dtype in report.get("sizes", {}).items():
+        for dtype_name, entry in per_dtype.items():
+            if not isinstance(entry, dict):
+                continue
+            for mode, result in entry.items():
+                if not isinstance(result, dict) or mode.endswith("_limit"):
+                    continue
+                if "tokens_per_s" not in result:
+                    lines.append(f"{size:<6} {dtype_name:<9} {mode:<10} {result.get('status', result.get('error', 'no figure'))}")
+                    continue
+                ours = mode in OURS
+                fraction = entry.get(f"{mode}_fraction_of_offload_limit")
+                lines.append(
+                    f"{size:<6} {dtype_name:<9} {mode:<10} {result['tokens_per_s']:>9,.0f} {result['step_s']:>7.3f} "
+                    f"{result.get('peak_gpu_mb', 0.0) / 1024:>8.1f} {_ratio(entry, mode, 'zero2') if ours else '':>8} "
+                    f"{_ratio(entry, mode, 'zero3') if ours else '':>8} {f'{fraction:.2f}' if fraction is not None else '-':>8}  "
+                    f"{_node(result) if ours else ''}"
+                )
+    return "\n".join(line.rstrip() for line in lines)
