@@ -29,9 +29,9 @@ def update_pass_seconds_per_param(
     check: bool = False,
     bucket_numel: int = BUCKET_NUMEL,
 ) -> float:
-    """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters in
-    ``bucket_numel``-element buckets (the whole ones that fit), ``terms`` gradients each, on ``threads`` torch threads (a warm-up first);
-    ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
+    """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters (the
+    whole buckets that fit) in ``bucket_numel``-element buckets, ``terms`` gradients each, on
+    ``threads`` torch threads (a warm-up first); ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
     ``board``: the pass also writes the new values out (as onto the parameter board in an fp32 job);
     ``check``: each gradient is checked for NaN/inf first, as a node checks every push it receives."""
     if terms < 1 or threads < 1 or bucket_numel < 1 or numel < bucket_numel or repeats < 1:
