@@ -50,6 +50,11 @@ def public_mismatch(registered: JobSpec, theirs: JobSpec) -> str:
         mine, other = getattr(registered, name), getattr(theirs, name)
         if mine == other:
             continue
+        if name == "bucket_numel":  # RemoteAdamW's default follows the model's size and the node count
+            return (
+                f"bucket_numel differs (this worker has {_shown(other)}): give every rank the bucket_numel the job was registered with "
+                "(this node's log says which)"
+            )
         if name != "params":
             return f"{name} differs (this worker has {_shown(other)})"
         for index, (want, have) in enumerate(zip(mine, other, strict=False)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from job.placement import ParamSpec, plan_buckets
@@ -33,3 +35,10 @@ def test_job_spec_carries_the_weights_over_the_wire():
     assert "node_weights" not in JobSpec.from_wire({**spec.to_wire(), "node_weights": []}).to_wire()
     with pytest.raises(ValueError, match="node_weights"):
         JobSpec.from_wire({**spec.to_wire(), "node_weights": ["fast", 1]})
+
+
+def test_a_different_bucket_size_is_refused_with_the_size_to_give():
+    registered = JobSpec(world_size=1, num_nodes=1, bucket_numel=1 << 20, wire_dtype="float32", max_grad_norm=None, params=tuple(params(3)))
+    joining = dataclasses.replace(registered, bucket_numel=1 << 22)
+    assert registered.mismatch(joining) == "bucket_numel differs: registered 1048576, got 4194304; give the optimizer bucket_numel=1048576 to join this job"
+    assert registered.mismatch(dataclasses.replace(registered, world_size=2)) == "world_size differs: registered 1, got 2"

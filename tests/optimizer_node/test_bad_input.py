@@ -226,6 +226,13 @@ def test_layout_mismatch_through_remote_adamw(node):
     assert "'weight' shape [3, 4]" in node.log_text()
 
 
+def test_another_bucket_size_through_remote_adamw_says_what_to_give(node):
+    RemoteAdamW(torch.nn.Linear(4, 3).parameters(), nodes=[node.address], rank=0, world_size=2, timeout_s=10, bucket_numel=1024)
+    with pytest.raises(RuntimeError, match=r"bucket_numel differs \(this worker has 2048\): give every rank the bucket_numel the job was registered with"):
+        RemoteAdamW(torch.nn.Linear(4, 3).parameters(), nodes=[node.address], rank=1, world_size=2, timeout_s=10, bucket_numel=2048)
+    assert "registered 1024, got 2048; give the optimizer bucket_numel=1024 to join this job" in node.log_text()
+
+
 def test_worker_that_never_comes(node):
     model = torch.nn.Linear(4, 2)
     opt = RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=3, timeout_s=2)
