@@ -360,6 +360,7 @@ class NodeDaemon:
         """``job`` is the registered job from now on (a new one, or the registered one with a param
         group added): its payload limit, its parameter board, its workers' gradient windows."""
         self._job = job
+        self._store.expect_buckets([bucket.numel for bucket in job.owned.values()])
         self.admission.limit_payloads(job)
         self._replies.publish_board(job)
         self.admission.size_gradient_windows(job)

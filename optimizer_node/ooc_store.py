@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 _EVICTED = torch.empty(0, dtype=torch.float32)
 BYTES_PER_PARAM = 12
+OVERLAP_BUCKETS = 4
+"""Buckets of state the budget should hold for the I/O to overlap the updates: the one updated, the
+next read ahead, the last written back, and room for one more."""
 
 
 @dataclass(eq=False, slots=True)
@@ -108,6 +111,18 @@ class OutOfCoreStore(BucketStore):
         self.bytes_written = 0
 
     # ---------------------------------------------------------------- BucketStore
+
+    def expect_buckets(self, numels: Sequence[int]) -> None:
+        largest = BYTES_PER_PARAM * max(numels, default=0)
+        if BYTES_PER_PARAM * sum(numels) > self.memory_budget and self.memory_budget < OVERLAP_BUCKETS * largest:
+            log.warning(
+                "the memory budget (%.0f MiB) holds fewer than %d of this job's largest buckets (%.0f MiB of state each): the node cannot read "
+                "the next bucket and write the last one back while it updates one; raise --memory-budget, or give the workers a smaller "
+                "bucket_numel (a 1M-element bucket is 12 MiB of state)",
+                self.memory_budget / 2**20,
+                OVERLAP_BUCKETS,
+                largest / 2**20,
+            )
 
     def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
         if bucket_id in self._slots:

@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +124,11 @@ class BucketStore(ABC):
 
     reads_ahead = False
     """Whether :meth:`prefetch` does anything (a store whose buckets are not all resident)."""
+
+    def expect_buckets(self, numels: Sequence[int]) -> None:
+        """The registered job's buckets on this node (their element counts), before their state is
+        made: a store with a memory budget says if the budget leaves it no room to overlap its I/O."""
+        return None
 
     def prefetch(self, bucket_id: int) -> None:
         """The bucket will be acquired soon: start loading it if it is not resident."""

@@ -270,3 +270,18 @@ def test_a_failed_write_in_place_keeps_the_values_and_the_next_write_goes_to_a_n
     assert torch.all(state.param == 2.0) and torch.all(state.exp_avg == 1.0) and state.step == 2
     store.release(state, dirty=False)
     store.close()
+
+
+def test_a_budget_too_small_to_overlap_the_io_is_said_at_registration(tmp_path, caplog):
+    store = OutOfCoreStore(tmp_path / "state", 3 * 12 * 1024)
+    try:
+        with caplog.at_level("WARNING", logger="optimizer_node.ooc_store"):
+            store.expect_buckets([512] * 100)  # 16 buckets' worth of the largest: room to overlap
+            assert not caplog.records
+            store.expect_buckets([1024] * 10)  # holds fewer than 4 of them
+            assert "holds fewer than 4 of this job's largest buckets" in caplog.text and "smaller bucket_numel" in caplog.text
+            caplog.clear()
+            store.expect_buckets([1024] * 2)  # the whole state fits: nothing to overlap
+            assert not caplog.records
+    finally:
+        store.close()
