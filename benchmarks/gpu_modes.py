@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
-from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
+from job.placement import DEFAULT_BUCKET_NUMEL
 from launch.host_cpus import format_cpu_list, run_on
 from launch.processes import free_port
 

@@ -30,34 +30,12 @@ from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
 from job.discovery import NodeSource, discover_nodes
 from job.hyper import AdamWHyper, validate_for_rule
+from job.placement import default_bucket_numel
 from job.spec import JobSpec
 from transport.security import CurveClientConfig
 from transport.wire import MsgType, dtype_name
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_NUMEL = 1 << 22
-"""Elements per bucket of a large model: 16 MiB of fp32 (torch DDP's default buckets hold 25 MB). On a
-GPU host a 1.0B model trained 1.15-1.45x faster in these than in 1M-element buckets
-(docs/performance.md): a quarter of the per-bucket work on the worker and the node, for a little less
-overlap at the end of backward."""
-
-SMALLEST_DEFAULT_BUCKET_NUMEL = 1 << 20
-MIN_BUCKETS_PER_NODE = 16
-"""The default bucket is halved (down to 1M elements) until each node gets this many: with fewer, the
-greedy placement leaves the nodes' shares uneven (one bucket more is 1/16 more work) and a node's
-updates overlap backward less."""
-
-
-def default_bucket_numel(total_numel: int, num_nodes: int) -> int:
-    """``bucket_numel`` when none is given, for ``total_numel`` parameters over ``num_nodes`` nodes:
-    :data:`DEFAULT_BUCKET_NUMEL`, halved while the nodes would get fewer than
-    :data:`MIN_BUCKETS_PER_NODE` buckets each, but never below 1M elements. Every rank derives the
-    same from the same model and node list."""
-    numel = DEFAULT_BUCKET_NUMEL
-    while numel > SMALLEST_DEFAULT_BUCKET_NUMEL and total_numel < numel * MIN_BUCKETS_PER_NODE * max(1, num_nodes):
-        numel //= 2
-    return numel
 
 
 def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

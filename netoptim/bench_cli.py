@@ -10,7 +10,7 @@ from netoptim.plan_cli import add_model_flags
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
+    from job.placement import DEFAULT_BUCKET_NUMEL
 
     bench = subparsers.add_parser(
         "bench",
@@ -165,7 +165,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     from benchmarks.gpu_modes import MODES
-    from gpu_worker.remote_optimizer import DEFAULT_BUCKET_NUMEL
+    from job.placement import DEFAULT_BUCKET_NUMEL
 
     gpu = which.add_parser(
         "gpu",

@@ -30,11 +30,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from job.placement import default_bucket_numel
 from planning.partition import BlockCost
 from planning.planner import Candidate, OptimizerCost, PlanCalibration, predict
 
 PROFILE_VERSION = 1
-BUCKET_BYTES = 4 << 20  # a worker's default bucket: 1 Mi fp32 elements
 WIRE_BYTES = 4  # fp32 gradients and parameters on the wire
 NODE_FIXED_BYTES = 400 << 20  # an idle node process, with headroom (as optimizer_node.memory_plan counts it)
 NODE_STATE_BYTES_PER_PARAM = 12  # fp32 master and two moments
@@ -213,9 +213,10 @@ def node_memory_bytes(params: int, replicas: int) -> int:
     return NODE_FIXED_BYTES + params * (NODE_STATE_BYTES_PER_PARAM + replicas * WIRE_BYTES + WIRE_BYTES)
 
 
-def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int, hardware: Hardware, *, bucket_bytes: int = BUCKET_BYTES) -> StepEstimate:
+def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int, hardware: Hardware, *, bucket_bytes: int | None = None) -> StepEstimate:
     """Step time, memory per rank and per node of ``candidate`` on ``hardware`` (see the module's
-    docstring), the job's gradients in buckets of ``bucket_bytes``."""
+    docstring), the job's gradients in buckets of ``bucket_bytes`` (default: a worker's default
+    bucket for its share of the model and its stage's nodes, :func:`job.placement.default_bucket_numel`)."""
     c = candidate
     if c.layerwise:
         raise ValueError("the cost model covers full-model pipelines, not layer-wise mode")
@@ -257,7 +258,8 @@ def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int,
             numel * WIRE_BYTES / (hardware.worker_link_bytes_per_s * hardware.worker_link_efficiency),
             c.replicas * per_node * WIRE_BYTES / (hardware.node_link_bytes_per_s * hardware.node_link_efficiency),
         )
-        buckets = max(1, math.ceil(per_node * WIRE_BYTES / bucket_bytes))
+        bucket = bucket_bytes or WIRE_BYTES * default_bucket_numel(numel, c.nodes_per_stage)
+        buckets = max(1, math.ceil(per_node * WIRE_BYTES / bucket))
         slowest = max(t_worker, t_net, t_node)
         walls.append((t_worker + 2 * t_net + t_node) / buckets + (1 - 1 / buckets) * slowest + 2 * hardware.link_latency_s)
         cpu += c.nodes_per_stage * t_node + c.replicas * t_worker

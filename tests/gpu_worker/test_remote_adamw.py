@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
-from gpu_worker.remote_optimizer import default_bucket_numel
 from gpu_worker.session import BYE_WAIT_S
+from job.placement import default_bucket_numel
 from tests.gpu_worker.harness import run_threads
 
 
