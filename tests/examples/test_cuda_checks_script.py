@@ -32,6 +32,7 @@ def test_without_cuda_it_writes_the_logs_and_a_report_without_a_figure(tmp_path)
     env["THEN_BENCH"] = "--sizes 1b --dtypes float32 --modes full,layerwise --pin --nodes 2; --modes full --node-arg=--pass-thread"  # two variants
     result = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "compiled update loop usable: True" in result.stdout and "kernels compiled or loaded in" in result.stdout
     assert "tests exit status: 0" in result.stdout and "bench exit status: 0" in result.stdout
     assert "variant-1 exit status: 0" in result.stdout and "variant-2 exit status: 0" in result.stdout
     assert "skipped" in (tmp_path / "out" / "tests.log").read_text()
