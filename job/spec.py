@@ -269,10 +269,11 @@ class JobSpec:
             return f"the job was registered in {self.mode} mode, this worker runs in {other.mode} mode; every rank of a job must use the same mode"
         for name in ("rule", "world_size", "local_size", "num_nodes", "node_weights", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
             mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs and name == "bucket_numel":  # a default that follows the model's size and the node count
+            if mine == theirs:
+                continue
+            if name == "bucket_numel":  # RemoteAdamW's default follows the model's size and the node count
                 return f"bucket_numel differs: registered {mine}, got {theirs}; give the optimizer bucket_numel={mine} to join this job"
-            if mine != theirs:
-                return f"{name} differs: registered {mine!r}, got {theirs!r}"
+            return f"{name} differs: registered {mine!r}, got {theirs!r}"
         return first_difference(self.params, other.params)
 
 

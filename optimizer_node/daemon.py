@@ -151,6 +151,7 @@ class NodeDaemon:
         if config.resume:
             self._job = self._checkpoints.restore()
             if self._job is not None:
+                self._store.expect_buckets([bucket.numel for bucket in self._job.owned.values()])
                 self.admission.limit_payloads(self._job)
                 self.metrics.step_reached(self.step)
         elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
