@@ -22,6 +22,11 @@ from transport.wire import ErrorCode, Header, MsgType
 
 log = logging.getLogger(__name__)
 
+RECONNECT_PAUSE_S = 0.05
+"""The first pause before a reconnect says HELLO again on a new connection after the last dropped
+(doubling up to 1 s): a node that restarts within a second is caught at once, a peer that drops
+every connection is not hammered."""
+
 
 class NodeError(RuntimeError):
     """An optimizer node rejected a request; ``code`` says why."""
@@ -209,15 +214,18 @@ class NodeConnections:
         HELLO with it (it reached a node in its last moments, which a service manager restarts within a
         second, or a link that reset): another connection and the HELLO again, while there is time."""
         deadline = time.monotonic() + within_s
+        pause = RECONNECT_PAUSE_S
         while True:
             self.reopen(index)
             self.send_hello(index)
             try:
                 return self.registered(index, max(deadline - time.monotonic(), 0.0), fail_on_drop=True)
             except ConnectionError:
-                if time.monotonic() >= deadline:
+                if time.monotonic() + pause >= deadline:
                     raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer a HELLO within {within_s:.0f} s") from None
                 log.info("rank %d: node %s: the connection dropped before it answered; saying HELLO again", self.rank, self.nodes[index])
+                time.sleep(pause)  # a peer that drops every connection at once is not asked again at the loop's speed
+                pause = min(2 * pause, 1.0)
 
     # ---------------------------------------------------------------- answers
 

@@ -85,7 +85,7 @@ class NodeRegistration:
                 )
         return reply
 
-    def say_bye(self, within_s: float, rank: int) -> None:
+    def say_bye(self, within_s: float) -> None:
         """Tell every node this rank is done (once, and only if it said HELLO); a node already gone is
         noted, not an error."""
         if not self.said_hello:
@@ -94,6 +94,6 @@ class NodeRegistration:
         try:
             silent = self._connections.say_bye(within_s)
             if silent:
-                log.debug("rank %d: no answer to BYE from node(s) %s", rank, [self._nodes[i] for i in silent])
+                log.debug("rank %d: no answer to BYE from node(s) %s", self._connections.rank, [self._nodes[i] for i in silent])
         except Exception as exc:  # a node already gone: nothing to tell it
-            log.debug("rank %d: BYE not sent: %s", rank, exc)
+            log.debug("rank %d: BYE not sent: %s", self._connections.rank, exc)

@@ -594,5 +594,5 @@ class OffloadSession:
     def close(self) -> None:
         """Tell every node this rank is done (once every rank has, between steps, a node knows its job
         is finished and can take the next), then close the connections."""
-        self._registration.say_bye(min(self.timeout_s, BYE_WAIT_S), self.rank)
+        self._registration.say_bye(min(self.timeout_s, BYE_WAIT_S))
         self._connections.close()
