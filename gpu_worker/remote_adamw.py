@@ -99,6 +99,14 @@ class RemoteAdamW(RemoteOptimizer):
             (initialize a process group; gloo is enough). Without ``module`` each rank keeps its own
             buffers. :func:`gpu_worker.offload` passes its model. See :mod:`gpu_worker.buffers`.
         broadcast_buffers: ``False`` leaves each rank's buffers its own (e.g. with SyncBatchNorm).
+        overlap_forward: full-model mode, with ``module``: ``step()`` returns once the gradients are
+            out, and the next forward of ``module`` waits for each submodule's new values as it
+            reaches it, so the first layers compute while the nodes still update the last ones (the
+            nodes update their buckets in the parameters' order). Read parameters outside that
+            forward (an EMA, norms for a log) only after :meth:`synchronize`; ``state_dict()`` of the
+            optimizer or the module, the end of the module's forward and the next ``step()`` call it.
+            A step's gradients are held until its values are in (pushed again to a node that
+            restarts meanwhile), through the next forward. See :mod:`gpu_worker.forward_waits`.
         node_bandwidths: each node's link bandwidth (any unit, one number per node, the same on every
             rank): a node gets a share of the buckets in proportion, so a slower link is not the
             step's bottleneck. Default: equal shares.

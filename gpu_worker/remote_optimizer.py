@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.buffers import BufferBroadcast
+from gpu_worker.forward_waits import ForwardWaits
 from gpu_worker.layout import GradsOf, layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import gather_state, load_state, state_entries
@@ -108,8 +109,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         join_at_step: int | None = None,
         local_size: int = 1,
         node_bandwidths: Sequence[float] | None = None,
+        overlap_forward: bool = False,
     ) -> None:
         """Register the job with the nodes and start; the optimizer's options are documented on the class."""
+        if overlap_forward and (units is not None or module is None):
+            raise ValueError(
+                "overlap_forward needs module= (the model whose forward waits for its parameters' new values) and full-model mode "
+                "(layer-wise mode fetches each unit for its forward already)"
+            )
         nodes = discover_nodes(nodes, timeout_s=timeout_s)  # a list as given; a host file or None: resolved by rank 0, shared
         timeouts = WorkerTimeouts(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
@@ -181,6 +188,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise
         self._hooked: set[int] = set()
         self._hook_handles: list = []
+        self._overlap_module = module if overlap_forward else None
+        self._forward_waits: ForwardWaits | None = None
         self._push_early = push_during_backward and units is None
         # Unpaced full-model pushes staged on autograd's device thread leave from a courier thread (a
         # paced push may have to wait for values, which only the owner thread receives).
@@ -210,6 +219,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._param_buckets[seg.param_index].append(bucket.bucket_id)
         self._ready: list[set[int]] = [set() for _ in buckets]
         self._needed: list[int | None] = [None] * len(buckets)  # per step: gradients a bucket waits for in backward (-1: waits for step())
+        if self._overlap_module is not None:  # the parameters' buckets changed (a param group was added): hooks anew
+            if self._forward_waits is not None:
+                self._forward_waits.remove()
+            session = self._session
+            self._forward_waits = ForwardWaits(
+                self._overlap_module,
+                self._params,
+                self._param_buckets,
+                awaiting=lambda: session.awaiting_values,
+                await_upto=session.await_values,
+                complete=session.complete_step,
+                owner_thread=self._owner_thread,
+            )
         if push_during_backward:  # frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready
             new = [i for i, p in enumerate(self._params) if p.requires_grad and i not in self._hooked]
             self._hooked.update(new)
@@ -218,6 +240,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     @property
     def remote_step(self) -> int:
         """The number of updates the nodes have applied: where to resume the data."""
+        self.synchronize()
         return self._session.step
 
     @property
@@ -243,6 +266,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         nodes keep the parameters and moments and average the following steps over the new width."""
         if self._buffers is not None:
             raise RuntimeError("this optimizer broadcasts buffers over a torch.distributed group of a fixed size: pass broadcast_buffers=False to morph")
+        self.synchronize()
         self._take_sockets()
         self._session.morph(rank, world_size, at_step)
 
@@ -263,6 +287,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         update), copied to the CPU one unit at a time. Full mode: copies of the local parameters."""
         if self._streamer is not None:
             return self._streamer.gather()
+        self.synchronize()
         return {spec.name: p.detach().to("cpu", copy=True) for spec, p in zip(self._session.job.params, self._params, strict=True)}
 
     def _hypers_of_step(self) -> list[AdamWHyper]:
@@ -278,18 +303,21 @@ class RemoteOptimizer(torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> float | None:
         """With ``max_grad_norm``: the global norm of the last averaged gradient, before clipping."""
+        self.synchronize()
         return self._session.news.last_grad_norm
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the nodes skipped the last step (``netoptim node --non-finite skip``: a gradient held
         NaN/inf, so nothing changed, as with GradScaler). Layer-wise mode: known once the next forward began."""
+        self.synchronize()
         skipped = self._session.news.last_skipped_step
         return skipped is not None and skipped == self._session.step - 1
 
     @property
     def skipped_steps(self) -> int:
         """Steps the nodes skipped for a non-finite gradient since this optimizer was made."""
+        self.synchronize()
         return self._session.news.skipped_steps
 
     @contextlib.contextmanager
@@ -303,12 +331,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._sync_enabled = previous
 
     def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
-        if not self._sync_enabled:
-            return
         # On a GPU autograd runs the hooks on its device thread, which must not block (it launches the
         # rest of backward) nor use the sockets: there the bucket's copy out of the device starts, and
         # the courier thread sends it once landed (or step(), what the courier did not send).
         foreign = threading.get_ident() != self._owner_thread
+        if self._session.awaiting_values:  # overlap_forward, and a backward whose forward did not end the step
+            if foreign:
+                raise RuntimeError(
+                    "backward began while the last step's values were still awaited (overlap_forward): call the forward of the module "
+                    "given as module= (its end completes the step), or optimizer.synchronize() before backward"
+                )
+            self.synchronize()
+        if not self._sync_enabled:
+            return
         for bucket_id in self._param_buckets[index]:
             ready = self._ready[bucket_id]
             if index in ready:
@@ -354,7 +389,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         Raises :class:`~gpu_worker.NonFiniteGradientError` when the nodes refuse a gradient of this
         rank that holds NaN or inf (their default, ``--non-finite refuse``): nothing was applied to
         those buckets and the step is still open; calling ``step()`` again with finite gradients
-        finishes it (the other ranks wait meanwhile)."""
+        finishes it (the other ranks wait meanwhile).
+
+        With ``overlap_forward`` it returns once the gradients are out; the next forward waits for
+        each module's new values (:mod:`gpu_worker.forward_waits`), and a refusal is raised there
+        (or by :meth:`synchronize`), the step open as above."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -370,6 +409,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._take_sockets()
             if self._streamer is not None:
                 self._streamer.finish_step()
+            elif self._forward_waits is not None:
+                self.synchronize()  # a step whose values no forward awaited
+                self._session.begin_step(grads, hypers)  # the next forward installs the values (forward_waits)
             else:
                 self._session.finish_step(grads, hypers)
         finally:
@@ -378,6 +420,28 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 ready.clear()
             self._needed = [None] * len(self._ready)
         return loss
+
+    def synchronize(self) -> None:
+        """Wait until the last step's new values are in every parameter. Only ``overlap_forward``
+        leaves a step's values to come after ``step()`` returned; this optimizer's own methods, the
+        module's ``state_dict()`` and the end of its forward call it. Call it before reading
+        parameters anywhere else (an EMA of the weights, logging their norms). Raises what the step
+        would have raised (:class:`~gpu_worker.NonFiniteGradientError` for a refused gradient: the
+        step stays open, and ``step()`` again finishes it)."""
+        session = self._session
+        if session.awaiting_values:
+            if threading.get_ident() != self._owner_thread:
+                raise RuntimeError("synchronize() receives on the connections: call it on the thread that built the optimizer")
+            self._take_sockets()
+            session.complete_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. Zeroing in place (``set_to_none=False``) waits for the
+        last step first: its gradients are kept until its values are in, to push them again to a node
+        that restarts meanwhile."""
+        if not set_to_none:
+            self.synchronize()
+        super().zero_grad(set_to_none)
 
     def _torch_indices(self) -> dict[int, int]:
         """Each parameter's index in torch's state dict: its place over the param groups, in order."""
@@ -391,6 +455,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         the nodes, their step and the world size. Call it between steps (layer-wise mode waits for the
         last update first). Every rank gets the same dict, its moments on each parameter's device and
         in its dtype, as torch keeps them."""
+        self.synchronize()
         self._take_sockets()
         if self._streamer is not None:
             self._streamer.gather()  # waits until every bucket applied the last step
@@ -426,6 +491,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             id(p): key for saved, group in zip(saved_groups, self.param_groups, strict=False) for key, p in zip(saved["params"], group["params"], strict=False)
         }
         entries = state_entries(self.rule, self._params, key_of, moments)  # checked before anything changes
+        self.synchronize()
         super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker; checks the groups
         self.state = NodeHeldState(dict)
         self._take_sockets()
@@ -451,6 +517,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 "with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
             )
         known = {id(p) for p in self._params}
+        self.synchronize()
         self._take_sockets()
         super().add_param_group(param_group)
         specs, tensors = layout_from_groups(self.param_groups)
@@ -465,12 +532,21 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._index_buckets(push_during_backward=self._push_early)
 
     def close(self) -> None:
-        """Close the connections to the nodes (also done at garbage collection)."""
+        """Close the connections to the nodes (also done at garbage collection); with
+        ``overlap_forward``, once the last step's values are in."""
+        try:
+            self.synchronize()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         if getattr(self, "_courier", None) is not None:
             self._courier.close()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        if self._forward_waits is not None:
+            self._forward_waits.remove()
         if self._streamer is not None:
             self._streamer.remove_hooks()
         if self._buffers is not None:

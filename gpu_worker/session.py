@@ -1,8 +1,8 @@
 """A worker's connections to the optimizer nodes of its job.
 
 :class:`OffloadSession` registers the layout, pushes gradient buckets and installs the values the
-nodes send back. In full mode (:meth:`connect` + :meth:`finish_step`) every bucket comes back after
-every step; in layer-wise mode the caller asks for buckets when it needs them (:meth:`request`) and
+nodes send back. In full mode (:meth:`connect` + :meth:`finish_step`, or its two halves) every bucket
+comes back after every step; in layer-wise mode the caller asks for buckets when it needs them (:meth:`request`) and
 handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`` or of modules;
 :class:`gpu_worker.RemoteAdamW` and :class:`gpu_worker.streaming.LayerStreamer` sit on top of it.
 """
@@ -77,6 +77,8 @@ class OffloadSession:
         self._requests: dict[int, int] = {}  # bucket -> step asked for with PULL, not arrived yet
         self._waiting: set[int] = set()  # full mode: buckets whose new values the step waits for
         self._step_grads: tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]] | None = None  # full mode: to push again
+        self.awaiting_values = False  # full mode: between begin_step and the end of complete_step
+        self._first_awaited = 0  # no bucket below it is awaited (await_values moves it up, a reconnect down)
         self._norm_totals = NormTotals()  # rank 0: the nodes' shares of a clipped step's norm, and the total sent
         # Nodes this process reconnected to: a bucket's values may come twice from them (asked for again
         # and broadcast), the second copy even after the step that awaited them ended.
@@ -351,17 +353,25 @@ class OffloadSession:
         self.pushes.skipped.difference_update(bucket_ids)
 
     def finish_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
-        """Push every bucket not pushed yet, then install each bucket's new values as it comes back.
+        """Push every bucket not pushed yet, then install each bucket's new values as it comes back
+        (:meth:`begin_step`, then :meth:`complete_step`).
 
         When the nodes refuse this rank's gradient of some buckets (NaN/inf, ``--non-finite refuse``),
         it raises :class:`NonFiniteGradientError` once every other bucket is back or blocked, and the
         step stays open: the next call pushes the refused buckets again, from the gradients it is
         given, and waits for the rest."""
+        self.begin_step(grads, hypers)
+        self.complete_step()
+
+    def begin_step(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
+        """Full mode: push every bucket not pushed yet; the new values are then awaited
+        (:attr:`awaiting_values`) until :meth:`complete_step`, in part by :meth:`await_values`."""
         if self._refusals.step_open:  # a retry: the refused buckets go again
             self._refusals.retry(self.rank)
         else:
             self._waiting = set(range(len(self.buckets)))
             self._refusals.new_step()
+        self._first_awaited = 0
         self._step_grads = (grads, hypers)  # a node that restarts mid-step gets them again
         self.pushes.push_remaining(grads, hypers)
         for bucket_id in sorted(self.pushes.skipped):  # their new values went to the process this one replaces
@@ -370,9 +380,39 @@ class OffloadSession:
         waiting = self._waiting
         self.on_params = lambda index, message: self._install(index, message, waiting, expect_next_step=True)
         self._refusals.collecting = True
+        self.awaiting_values = True
         try:
             if self.pacer is not None:
                 self.pacer.replay(self.on_params)
+        except BaseException:
+            self._end_step()
+            raise
+
+    def await_values(self, upto: int) -> None:
+        """The open step: install values as they come until every bucket up to ``upto`` is in (what a
+        forward about to run needs). A refusal of this rank's gradient ends it as :meth:`complete_step`
+        does; so does any error (the step is over, as a failed :meth:`finish_step` leaves it)."""
+        waiting = self._waiting
+
+        def done() -> bool:
+            first = self._first_awaited  # buckets come back lowest first: a pointer, not a scan
+            while first <= upto and first not in waiting:
+                first += 1
+            self._first_awaited = first
+            return first > upto or bool(self._refusals.refused)
+
+        try:
+            self.receive_until(done, lambda: f"no parameters for bucket(s) {sorted(b for b in waiting if b <= upto)[:8]} (of {len(waiting)} missing)")
+        except BaseException:
+            self._end_step()
+            raise
+        if self._refusals.refused:
+            self.complete_step()  # raises once the rest is back or blocked
+
+    def complete_step(self) -> None:
+        """Install every remaining value of the open step (see :meth:`finish_step`) and end it."""
+        waiting = self._waiting
+        try:
             # Done when every bucket is back, or, after a refusal of this rank's gradient, when each one
             # still missing waits for a refused gradient (this rank's, or another's it was told about).
             self.receive_until(
@@ -383,17 +423,21 @@ class OffloadSession:
                 self._refusals.step_open = True
                 raise NonFiniteGradientError(self.rank, self._refusals.in_order(), self.describe_bucket)
         finally:
-            self.on_params = None
-            self._refusals.collecting = False
-            self._installer.settle()
-            self.pushes.sender.drop_staged()  # what was staged and not sent (a retried step stages again)
-            if not self._refusals.step_open:
-                if self.pacer is not None:
-                    self.pacer.clear()
-                self.pushes.pushed.clear()
-                self._step_grads = None
-                self._waiting = set()
-                self._refusals.clear()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self.awaiting_values = False
+        self.on_params = None
+        self._refusals.collecting = False
+        self._installer.settle()
+        self.pushes.sender.drop_staged()  # what was staged and not sent (a retried step stages again)
+        if not self._refusals.step_open:
+            if self.pacer is not None:
+                self.pacer.clear()
+            self.pushes.pushed.clear()
+            self._step_grads = None
+            self._waiting = set()
+            self._refusals.clear()
 
     def has_reconnected(self, node_index: int) -> bool:
         """Whether this worker reconnected to node ``node_index`` (values asked for again may come twice)."""
@@ -536,6 +580,7 @@ class OffloadSession:
             if self.bucket_steps[bucket_id] > step:  # installed from the node's previous life: it comes again
                 self.bucket_steps[bucket_id] = step
                 self._waiting.add(bucket_id)
+                self._first_awaited = min(self._first_awaited, bucket_id)
         # Ask first: a request that reaches the node before the push that completes the bucket is
         # answered once, at the update, instead of the update's broadcast.
         asked = dict(self._requests)  # what the node's previous life was asked for

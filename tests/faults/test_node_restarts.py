@@ -34,12 +34,13 @@ def uninterrupted(tmp_path_factory):
 
 
 PACED = dict(push_during_backward=True, pace_window_bytes=128 * 4)  # one bucket in flight: pushes wait for values during backward
+OVERLAPPED = dict(overlap_forward=True)  # the values awaited by the next forward: the reconnect happens inside it
 
 
 @pytest.mark.parametrize(
     ("crash_at", "options"),
-    [("push:7", {}), ("update:5", {}), ("push:7", PACED), ("update:5", PACED)],
-    ids=["push:7", "update:5", "push:7-paced", "update:5-paced"],
+    [("push:7", {}), ("update:5", {}), ("push:7", PACED), ("update:5", PACED), ("push:7", OVERLAPPED), ("update:5", OVERLAPPED)],
+    ids=["push:7", "update:5", "push:7-paced", "update:5-paced", "push:7-overlap-forward", "update:5-overlap-forward"],
 )
 def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, tmp_path, uninterrupted, crash_at, options):
     checkpoints = str(tmp_path / "checkpoints")

@@ -60,6 +60,7 @@ class RunConfig:
     steps: int = STEPS
     extra: dict = field(default_factory=dict)  # optimizer options; they may override lr and weight_decay
     layerwise: bool = False  # stream the three Linear layers as units; the LayerNorm stays in the root unit
+    overlap_forward: bool = False  # full mode: step() returns with the gradients out; the next forward waits per module
     optimizer: Callable[..., RemoteOptimizer] = RemoteAdamW
     inspect: Callable[[int, RemoteOptimizer], None] | None = None  # called with each rank's optimizer after training
 
@@ -90,20 +91,25 @@ def run_offloaded(config: RunConfig) -> tuple[list[torch.Tensor], list[float | N
             if config.layerwise:
                 opt = offload(model, [model[0], model[2], model[5]], params=param_groups(model, named=True), **options)
             else:
+                if config.overlap_forward:
+                    options.update(overlap_forward=True, module=model)
                 opt = config.optimizer(param_groups(model, named=True), **options)
+            # Layer-wise and overlapped steps: the last step's norm comes with this forward's parameters
+            # (read before, it would wait for the step: correct, but no forward would overlap it).
+            norm_after_forward = config.layerwise or config.overlap_forward
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
             for step in range(config.steps):
                 loss = loss_fn(model, *shard(step, rank, config.world_size))
-                if rank == 0 and config.layerwise and step > 0:
-                    norms.append(opt.last_grad_norm)  # layer-wise: the last step's norm came with this forward's parameters
+                if rank == 0 and norm_after_forward and step > 0:
+                    norms.append(opt.last_grad_norm)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
                 scheduler.step()
-                if rank == 0 and not config.layerwise:
+                if rank == 0 and not norm_after_forward:
                     norms.append(opt.last_grad_norm)
             values = opt.gather_parameters()
-            if rank == 0 and config.layerwise:
+            if rank == 0 and norm_after_forward:
                 norms.append(opt.last_grad_norm)
             results[rank] = [values[name] for name, _ in model.named_parameters()]
             if config.inspect is not None:

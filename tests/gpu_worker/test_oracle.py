@@ -14,22 +14,39 @@ log = logging.getLogger(__name__)
 
 
 @pytest.mark.parametrize(
-    ("world_size", "num_nodes", "max_grad_norm", "early_push", "layerwise"),
+    ("world_size", "num_nodes", "max_grad_norm", "early_push", "layerwise", "overlap"),
     [
-        (2, 1, None, False, False),
-        (2, 2, None, True, False),
-        (4, 1, None, False, False),
-        (2, 1, 0.05, False, False),
-        (4, 2, 0.05, True, False),
-        (2, 2, None, True, True),
-        (2, 1, 0.05, True, True),
+        (2, 1, None, False, False, False),
+        (2, 2, None, True, False, False),
+        (4, 1, None, False, False, False),
+        (2, 1, 0.05, False, False, False),
+        (4, 2, 0.05, True, False, False),
+        (2, 2, None, True, True, False),
+        (2, 1, 0.05, True, True, False),
+        (2, 2, None, True, False, True),
+        (4, 2, 0.05, False, False, True),
     ],
-    ids=["2w-1n", "2w-2n-early-push", "4w-1n", "2w-1n-clip", "4w-2n-clip-early-push", "2w-2n-layerwise", "2w-1n-clip-layerwise"],
+    ids=[
+        "2w-1n",
+        "2w-2n-early-push",
+        "4w-1n",
+        "2w-1n-clip",
+        "4w-2n-clip-early-push",
+        "2w-2n-layerwise",
+        "2w-1n-clip-layerwise",
+        "2w-2n-early-push-overlap-forward",
+        "4w-2n-clip-overlap-forward",
+    ],
 )
-def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm, early_push, layerwise):
+def test_matches_adamw_fed_the_averaged_gradients(start_node, world_size, num_nodes, max_grad_norm, early_push, layerwise, overlap):
     nodes = [start_node(f"node{i}").address for i in range(num_nodes)]
     config = RunConfig(
-        world_size=world_size, nodes=nodes, max_grad_norm=max_grad_norm, extra={} if layerwise else {"push_during_backward": early_push}, layerwise=layerwise
+        world_size=world_size,
+        nodes=nodes,
+        max_grad_norm=max_grad_norm,
+        extra={} if layerwise else {"push_during_backward": early_push},
+        layerwise=layerwise,
+        overlap_forward=overlap,
     )
     params, norms = run_offloaded(config)
 

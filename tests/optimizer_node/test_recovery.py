@@ -38,12 +38,14 @@ def train(address: str | list[str], steps: int = STEPS, **options) -> tuple[list
 
     def worker(rank: int) -> None:
         try:
-            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=nodes, rank=rank, world_size=WORLD, bucket_numel=128, **options)
+            mine = dict(options, module=models[rank]) if options.get("overlap_forward") else options
+            opt = RemoteAdamW(models[rank].parameters(), lr=0.05, nodes=nodes, rank=rank, world_size=WORLD, bucket_numel=128, **mine)
             for step in range(opt.remote_step, steps):
                 generator = torch.Generator().manual_seed(step * WORLD + rank)
                 models[rank](torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
+            opt.synchronize()  # overlap_forward: the last step's values are in
             results[rank] = [p.detach().clone() for p in models[rank].parameters()]
             opt.close()
         except BaseException as exc:
