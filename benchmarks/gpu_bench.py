@@ -249,7 +249,15 @@ def _run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda", 0)
     properties = torch.cuda.get_device_properties(device)
     split = host_split(args.nodes, args.node_threads, args.pin, args.worker_cpus, pass_thread="--pass-thread" in args.node_arg)
-    settings = ModeSettings(batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps, prefetch=args.prefetch, bucket_numel=args.bucket_numel)
+    settings = ModeSettings(
+        batch=args.batch,
+        seq=args.seq,
+        warmup=args.warmup,
+        steps=args.steps,
+        prefetch=args.prefetch,
+        bucket_numel=args.bucket_numel,
+        overlap_forward=args.overlap_forward,
+    )
     report |= {
         "gpu": properties.name,
         "gpu_memory_gb": properties.total_memory / 1e9,

@@ -38,6 +38,7 @@ class ModeSettings:
     steps: int = 5
     prefetch: int = 2
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    overlap_forward: bool = True  # full model: the next forward waits per module (RemoteAdamW(overlap_forward=True))
     nodes: list[str] = field(default_factory=list)
     node_pids: list[int] = field(default_factory=list)
     node_admins: list[str] = field(default_factory=list)
@@ -181,7 +182,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
         if mode == "torch":
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
         elif mode == "full":
-            opt = RemoteAdamW(model.named_parameters(), push_during_backward=True, **options)
+            opt = RemoteAdamW(model.named_parameters(), push_during_backward=True, overlap_forward=settings.overlap_forward, module=model, **options)
     init_s = time.perf_counter() - started_init
     forward = engine if engine is not None else model
     if cuda:

@@ -70,6 +70,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
     train.add_argument(
+        "--overlap-forward",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="full model: RemoteAdamW(overlap_forward=True), each module's next forward waits for its own new values rather than step() for "
+        "all of them (default: off: CPU workers on the nodes' host share its cores with them, and the overlap measured no gain there)",
+    )
+    train.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -195,6 +202,13 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     gpu.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
     gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
     gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    gpu.add_argument(
+        "--overlap-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="full model: RemoteAdamW(overlap_forward=True), each module's next forward waits for its own new values rather than step() for "
+        "all of them, so the forward overlaps the node's last updates (default: on)",
+    )
     gpu.add_argument(
         "--bucket-numel",
         type=positive_int,
