@@ -50,10 +50,18 @@ def make_gpt(config: GPTConfig = CONFIG) -> GPT:
 
 
 def train_offloaded(
-    nodes: list[str], *, layerwise: bool, prefetch: int = 1, push_during_backward: bool = False, config: GPTConfig = CONFIG, bucket_numel: int | None = None
+    nodes: list[str],
+    *,
+    layerwise: bool,
+    prefetch: int = 1,
+    push_during_backward: bool = False,
+    overlap_forward: bool = False,
+    config: GPTConfig = CONFIG,
+    bucket_numel: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Two worker threads on the GPU; returns rank 0's final parameters (checked equal on both ranks).
-    ``push_during_backward``: 1 MiB buckets, whose copies out of the GPU start during backward."""
+    ``push_during_backward``: 1 MiB buckets, whose copies out of the GPU start during backward;
+    ``overlap_forward``: each block's next forward waits for its own values only."""
     models = [make_gpt(config) for _ in range(WORLD_SIZE)]
     results: dict[int, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
@@ -66,6 +74,8 @@ def train_offloaded(
                 options |= {"push_during_backward": True, "bucket_numel": 1 << 18}
             if bucket_numel is not None:
                 options["bucket_numel"] = bucket_numel
+            if overlap_forward:
+                options |= {"overlap_forward": True, "module": model}
             opt = offload(model, model.blocks, prefetch=prefetch, **options) if layerwise else RemoteAdamW(model.named_parameters(), **options)
             for step in range(STEPS):
                 _logits, loss = model(*tokens(step, rank))
@@ -119,10 +129,11 @@ def reference() -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in master.items()}
 
 
-@pytest.mark.parametrize("push_during_backward", [False, True])
-def test_full_model_on_cuda_is_bitwise_equal_to_fused_adamw(start_node, push_during_backward):
+@pytest.mark.parametrize(("push_during_backward", "overlap_forward"), [(False, False), (True, False), (True, True)], ids=["at-step", "early", "early-overlap"])
+def test_full_model_on_cuda_is_bitwise_equal_to_fused_adamw(start_node, push_during_backward, overlap_forward):
+    """With ``overlap_forward`` a layer that ran on stale values (its copy not waited for) would differ."""
     nodes = [start_node("node0").address, start_node("node1").address]
-    got, want = train_offloaded(nodes, layerwise=False, push_during_backward=push_during_backward), reference()
+    got, want = train_offloaded(nodes, layerwise=False, push_during_backward=push_during_backward, overlap_forward=overlap_forward), reference()
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name}: max diff {(got[name] - want[name]).abs().max():.3g}"
 
