@@ -45,8 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--layerwise", action="store_true", help="stream the blocks from the nodes (layer-wise mode): the model is never whole on a worker")
     parser.add_argument("--prefetch", type=int, default=1, help="layer-wise: blocks fetched ahead of the one computing")
-    parser.add_argument("--bucket-numel", type=int, default=0, help="parameters per bucket (default: 0, RemoteAdamW's default of 1 Mi)")
+    parser.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=0,
+        help="parameters per bucket (default: 0, RemoteAdamW's: 4 Mi, halved down to 1 Mi while a node would get fewer than 16 buckets)",
+    )
     parser.add_argument("--push-during-backward", action="store_true", help="full model: push each bucket of gradients as backward finishes it, not at step()")
+    parser.add_argument(
+        "--overlap-forward",
+        action="store_true",
+        help="full model: step() returns with the gradients out, and each block's next forward waits for its own new values (the nodes finish "
+        "the last blocks' updates while the first ones compute)",
+    )
     parser.add_argument(
         "--pace-window-kib",
         type=int,
@@ -143,8 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     global_batch = args.global_batch or 8 * world_size
     if global_batch % world_size:
         raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
-    if args.layerwise and (args.push_during_backward or args.pace_window_kib):
-        raise SystemExit("--push-during-backward and --pace-window-kib are for the full model: layer-wise workers always push as backward goes")
+    if args.layerwise and (args.push_during_backward or args.pace_window_kib or args.overlap_forward):
+        raise SystemExit(
+            "--push-during-backward, --pace-window-kib and --overlap-forward are for the full model: layer-wise workers always push as backward "
+            "goes and fetch each block for its forward"
+        )
     if args.pace_window_kib < 0 or (args.pace_window_kib and not args.push_during_backward):
         raise SystemExit("--pace-window-kib needs --push-during-backward and a positive size")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
@@ -163,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = GPT(config)
         if args.pace_window_kib:
             options["pace_window_bytes"] = args.pace_window_kib * 1024
+        if args.overlap_forward:
+            options |= {"overlap_forward": True, "module": model}
         optimizer = RemoteAdamW(param_groups(model), push_during_backward=args.push_during_backward, **options)
     start_step = optimizer.remote_step  # non-zero when the nodes already trained this job
     schedule = lr_lambda(args.steps)
@@ -198,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"loss: {first:.3f} at the start -> {last:.3f} at the end (means of {window} steps); {len(losses)} steps in {elapsed:.1f} s, {tokens_per_step * len(losses) / elapsed:,.0f} tokens/s over {world_size} workers"
         )
+        optimizer.synchronize()  # --overlap-forward: the last step's values are in before the sample reads them
         model.eval()
         prompt = torch.tensor([list(b"def ")], dtype=torch.long)
         sample = model.generate(prompt, args.sample_tokens, generator=torch.Generator().manual_seed(args.seed))

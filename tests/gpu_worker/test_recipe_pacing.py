@@ -1,4 +1,4 @@
-"""The GPT recipe's paced pushes: the same training as without them, and its flags checked."""
+"""The GPT recipe's paced pushes and overlapped forwards: the same training as without them, and their flags checked."""
 
 from __future__ import annotations
 
@@ -22,16 +22,21 @@ def train(tmp_path, name: str, *flags: str, capfd) -> str:
     return match.group(0)
 
 
-@pytest.mark.slow  # two 2-worker recipe runs; pacing's bitwise oracle is tests/gpu_worker/test_oracle.py's paced case
-def test_paced_pushes_train_as_pushes_at_step(tmp_path, capfd):
+@pytest.mark.slow  # three 2-worker recipe runs; the bitwise oracles are tests/gpu_worker/test_oracle.py's paced and overlapped cases
+def test_paced_pushes_and_overlapped_forwards_train_as_pushes_at_step(tmp_path, capfd):
     plain = train(tmp_path, "plain", capfd=capfd)
     paced = train(tmp_path, "paced", "--push-during-backward", "--pace-window-kib", "4", capfd=capfd)  # a window below one bucket: every push waits
     assert paced == plain
+    assert train(tmp_path, "overlapped", "--overlap-forward", capfd=capfd) == plain
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--pace-window-kib", "4"], "needs --push-during-backward"), (["--layerwise", "--push-during-backward"], "are for the full model")],
+    [
+        (["--pace-window-kib", "4"], "needs --push-during-backward"),
+        (["--layerwise", "--push-during-backward"], "are for the full model"),
+        (["--layerwise", "--overlap-forward"], "are for the full model"),
+    ],
 )
 def test_pacing_flags_that_cannot_work_are_refused(flags, message):
     with pytest.raises(SystemExit, match=message):
