@@ -111,7 +111,10 @@ def main() -> None:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument(
-        "--mode", choices=["full", "early", "paced", "layerwise"], default="full", help="early: push during backward; paced: also with a two-bucket push window"
+        "--mode",
+        choices=["full", "early", "paced", "overlapped", "layerwise"],
+        default="full",
+        help="early: push during backward; paced: also with a two-bucket push window; overlapped: also overlap_forward (pulls happen in forward)",
     )
     parser.add_argument("--die-at", default=None, help="PHASE:STEP:N, see the module docstring")
     parser.add_argument("--out", default=None, help="rank 0: where to save the final parameters")
@@ -144,7 +147,9 @@ def main() -> None:
     else:
         if args.mode == "paced":
             options["pace_window_bytes"] = 2 * BUCKET_NUMEL * 4
-        opt = RemoteAdamW(model.named_parameters(), push_during_backward=args.mode in ("early", "paced"), **options)
+        if args.mode == "overlapped":
+            options |= {"overlap_forward": True, "module": model}
+        opt = RemoteAdamW(model.named_parameters(), push_during_backward=args.mode in ("early", "paced", "overlapped"), **options)
     for step in range(opt.remote_step, args.steps):
         plan.current_step, plan.count = step, 0
         _logits, loss = model(*batch(step, args.rank, args.world))
