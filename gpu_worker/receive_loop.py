@@ -70,6 +70,18 @@ class ReceiveLoop:
                     deadline = time.monotonic() + timeouts.timeout_s
                     self._dispatch(index, message)
 
+    def take_waiting(self, limit: int) -> None:
+        """Handle the messages already here, at most ``limit`` rounds over the nodes, without waiting."""
+        connections = self._connections
+        for _ in range(limit):
+            ready = connections.wait_readable(0.0)
+            if not ready:
+                return
+            for index in ready:
+                message = connections.take(index)
+                if message is not None and message.header.msg_type != MsgType.STATUS:
+                    self._dispatch(index, message)
+
     def _reconnect_lost(self) -> bool:
         """Reconnect to each node whose connection dropped or that went silent; whether any was."""
         connections = self._connections

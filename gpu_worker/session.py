@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 BYE_WAIT_S = 5.0
 """How long closing waits for the nodes to acknowledge BYE (a node that is gone costs this once)."""
 
+TAKE_WAITING_ROUNDS = 16
+"""A forward's wait for values (``overlap_forward``) also takes up to this many more messages per node
+that are already here, without waiting."""
+
 __all__ = ["NodeError", "NonFiniteGradientError", "OffloadSession"]
 
 
@@ -403,6 +407,9 @@ class OffloadSession:
 
         try:
             self.receive_until(done, lambda: f"no parameters for bucket(s) {sorted(b for b in waiting if b <= upto)[:8]} (of {len(waiting)} missing)")
+            # And what else is here already: installed early (their copies start sooner), and values
+            # from a remote node do not pile up in the socket's queue while the forward computes.
+            self._receiver.take_waiting(TAKE_WAITING_ROUNDS)
         except BaseException:
             self._end_step()
             raise

@@ -43,19 +43,23 @@ def test_each_module_waits_for_its_own_buckets_and_training_stays_bitwise(start_
     first, last = buckets_of(opt, model[0]), buckets_of(opt, model[4])
     assert max(first) < min(last), "the layout follows the parameters' order"
     session = opt._session
+    awaited: list[int] = []
+    waits = opt._forward_waits
+    await_upto = waits._await_upto
+    waits._await_upto = lambda upto: (awaited.append(upto), await_upto(upto))[1]
     for step in range(4):
         x = batch(step)
         if step > 0:
-            # The forward's first layer: its buckets are in. Pushed at step(), every bucket is ready at
-            # once and updated lowest first, so the last layer's are still awaited; pushed during
-            # backward, the node had the last layer's first (and kept up: they came first).
+            # The forward's first layer: its buckets are in (and what else had come), the step still open.
             hidden = model[0](x)
             assert session.awaiting_values and not (first & session._waiting)
-            assert early or last <= session._waiting
             assert all(torch.equal(a, b) for a, b in zip(model[0].parameters(), reference[0].parameters(), strict=True))
             del hidden
+        awaited.clear()
         model(x).pow(2).mean().backward()  # the root's forward ends the step: every bucket in before backward
         assert not session.awaiting_values
+        if step > 0:  # each layer waited for the buckets up to its own last one, no further
+            assert awaited == [max(first), max(buckets_of(opt, model[2])), max(last)]
         opt.step()
         assert session.awaiting_values, "step() returned with the values still to come"
         opt.zero_grad()
