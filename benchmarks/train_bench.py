@@ -103,7 +103,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     if cuda:
         torch.cuda.set_device(device)
     start_rss = _rss_mb()
-    options = dict(nodes=nodes, rank=rank, world_size=world_size, lr=1e-4, timeout_s=600)
+    options = dict(nodes=nodes, rank=rank, world_size=world_size, lr=1e-4, timeout_s=600, bucket_numel=settings["bucket_numel"])
     if mode == "ddp":
         dist.init_process_group("nccl" if cuda else "gloo", init_method=dist_url, rank=rank, world_size=world_size)
         torch.manual_seed(0)
@@ -202,6 +202,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "prefetch": args.prefetch,
         "device": args.device,
         "overlap_forward": args.overlap_forward,
+        "bucket_numel": args.bucket_numel,
     }
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()

@@ -1,4 +1,4 @@
-"""A GPU worker's word that a bucket's gradient is finite, so that its node need not read it again.
+"""A worker's word that a bucket's gradient is finite, so that its node need not read it again.
 
 The node checks every push for NaN/inf before it touches any state; on the node that is one more read
 of every gradient on the memory bus the update is bound by. On the device the same proof is nearly
@@ -11,6 +11,10 @@ refusals and skips say what they said before.
 
 The word is given only where the wire carries the gradient as it was summed (its dtype is the wire's):
 a cast to a narrower wire dtype can overflow a finite value into inf (fp16 above 65504).
+
+A CPU worker sums what it gathered for the wire (:meth:`FiniteProbe.gathered_finite`), right after the
+gather wrote it: a read of the bucket from the worker's cache rather than one more of the node's
+memory bus, which serves every worker; the wire's own values are summed, so any wire dtype takes it.
 """
 
 from __future__ import annotations
@@ -73,6 +77,13 @@ class FiniteProbe:
         self._count = bucket_count
         self._device_sums.clear()
         self._host_sums = self._host_values = None
+
+    def gathered_finite(self, gathered: torch.Tensor) -> bool:
+        """Whether the fp32 sum of a bucket's gathered gradient (on the host, in the wire's dtype) is
+        finite: the word for a CPU worker's push."""
+        finite = math.isfinite(float(torch.sum(gathered, dtype=torch.float32)))
+        self.vouched += finite
+        return finite
 
     def proven_finite(self, bucket_id: int) -> bool:
         """Whether the bucket's queued sum (its copies done) is finite."""

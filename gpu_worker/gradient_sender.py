@@ -23,8 +23,9 @@ class GradientSender:
     param group's hyperparameters encoded once while they hold. The gradient is gathered (and cast)
     into the node's shared window where the node is on this host and its window has room (sending it
     then copies nothing; the node credits the bytes back once it used them), else into a send
-    buffer of the wire dtype that is reused once its send is done. A GPU worker vouches for a
-    gradient whose sum on the device is finite (:mod:`gpu_worker.finite_probe`)."""
+    buffer of the wire dtype that is reused once its send is done. A worker vouches for a gradient
+    whose sum is finite: on a GPU summed on the device, on the CPU summed as gathered
+    (:mod:`gpu_worker.finite_probe`)."""
 
     def __init__(self, connections: NodeConnections, wire_dtype: torch.dtype, *, pin_memory: bool, bucket_count: int = 1) -> None:
         self._connections = connections
@@ -32,8 +33,8 @@ class GradientSender:
         self._buffers = SendBuffers(wire_dtype, pin_memory=pin_memory)
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
         self._staged: dict[
-            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool]
-        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it, whether its sum was queued
+            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None, str]
+        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it, its word (see _word)
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.staged_pushes = 0  # pushes sent from a staged gradient (counted for tests and benchmarks)
         self.in_place_bytes = 0  # gradient bytes gathered straight into a node's shared window
@@ -58,7 +59,7 @@ class GradientSender:
         device = sources[0].device
         buffer, window_of = self._take(bucket.node, bucket.numel, cuda=device.type == "cuda")
         event = None
-        probed = False
+        word = ""
         if device.type == "cuda" and (window_of is not None or buffer.is_pinned()):
             stream = self._copy_streams.get(device)
             if stream is None:
@@ -66,14 +67,15 @@ class GradientSender:
             stream.wait_stream(torch.cuda.current_stream(device))  # after the kernels that made the gradients
             with torch.cuda.stream(stream):
                 gather_run((bucket,), grads, buffer)
-                probed = self._probe.queue(bucket, grads)
+                word = "queued" if self._probe.queue(bucket, grads) else ""
                 event = host_waitable_event()
                 event.record(stream)
             for source in sources:  # the allocator must not reuse their memory before the copies ran
                 source.record_stream(stream)
         else:
             gather_run((bucket,), grads, buffer)
-        self._staged[bucket.bucket_id] = (buffer, event, window_of, probed)
+            word = "finite" if device.type != "cuda" and self._probe.gathered_finite(buffer) else ""
+        self._staged[bucket.bucket_id] = (buffer, event, window_of, word)
 
     def is_staged(self, bucket_id: int) -> bool:
         """Whether the bucket's gradient is staged, waiting for :meth:`push`."""
@@ -101,9 +103,9 @@ class GradientSender:
             self._connections.cancel(node, reserved)
         return self._buffers.take(numel), None
 
-    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool]) -> None:
+    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None, str]) -> None:
         """A staged gradient that will not be sent: its place is free again once its copies are done."""
-        buffer, event, window_of, _probed = staged
+        buffer, event, window_of, _word = staged
         if event is not None:
             wait_on_host(event)
         if window_of is None:
@@ -122,13 +124,13 @@ class GradientSender:
         """Gather ``run``'s gradients (``grads[i]`` belongs to parameter ``i``; ``None`` counts as
         zeros), or take a lone bucket's staged gather (:meth:`stage`), and send them to the run's node
         as one PUSH named after its first bucket; returns the seconds the gather took. A lone bucket's
-        ``meta`` gets ``finite`` where its sum on the device proved it finite."""
+        ``meta`` gets ``finite`` where its sum (on the device, or of the gathered values) proved it finite."""
         started = time.perf_counter()
         staged = self._staged.pop(run[0].bucket_id, None) if len(run) == 1 else None
         first = run[0]
-        probed = False
+        word = ""  # "queued": the sum was queued on the device; "finite": the gathered sum was finite
         if staged is not None:
-            buffer, event, window_of, probed = staged
+            buffer, event, window_of, word = staged
             if event is not None:
                 wait_on_host(event)  # its copies were queued during backward
             self.staged_pushes += 1
@@ -137,9 +139,11 @@ class GradientSender:
             buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
             if cuda:
-                probed = len(run) == 1 and self._probe.queue(first, grads)
+                word = "queued" if len(run) == 1 and self._probe.queue(first, grads) else ""
                 wait_for_stream(torch.cuda.current_stream())  # the device-to-host copies were asynchronous
-        if probed and self._probe.proven_finite(first.bucket_id):
+            elif len(run) == 1 and self._probe.gathered_finite(buffer):  # summed while the gather is still in cache
+                word = "finite"
+        if word == "finite" or (word == "queued" and self._probe.proven_finite(first.bucket_id)):
             meta["finite"] = True
         gathered = time.perf_counter() - started
         header = tensor_header(MsgType.PUSH, buffer, rank=rank, step=step, bucket_id=first.bucket_id, meta=meta)

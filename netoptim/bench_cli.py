@@ -70,6 +70,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
     train.add_argument(
+        "--bucket-numel",
+        type=positive_int,
+        default=None,
+        help="netoptim modes: elements per bucket (default: RemoteAdamW's: 4M, halved down to 1M while a node would get fewer than 16 buckets)",
+    )
+    train.add_argument(
         "--overlap-forward",
         action=argparse.BooleanOptionalAction,
         default=False,

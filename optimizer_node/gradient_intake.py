@@ -183,7 +183,7 @@ class GradientIntake:
         # NaN/inf, before the gradient touches any state: on the worker's word, else counted here (non_finite.py).
         checking = time.perf_counter()
         vouched = not known_finite and self._worker_checks and header.meta.get("finite") is True
-        if vouched:  # the worker summed this gradient on its device before copying it out (--non-finite-check worker)
+        if vouched:  # the worker summed this gradient (on its device, or as it gathered it) and found it finite (--non-finite-check worker)
             node.non_finite.vouched()
         non_finite = 0 if known_finite or vouched else count_non_finite(message.tensors)
         timings = node.clock.current

@@ -54,3 +54,18 @@ def test_slots_follow_the_bucket_count():
     probe = FiniteProbe(1, torch.float32)
     probe.resize(3)  # a param group added
     assert probe.queue(bucket(2, (0, 0, 5)), [torch.ones(5)]) and probe.proven_finite(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cpu_workers_word_is_the_sum_of_what_it_gathered_for_the_wire(dtype):
+    probe = FiniteProbe(1, dtype)
+    gathered = torch.randn(1000).to(dtype)
+    assert probe.gathered_finite(gathered)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        dirty = gathered.clone()
+        dirty[999] = bad
+        assert not probe.gathered_finite(dirty)
+    largest = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # every element finite
+    # fp32 and bf16 share fp32's range: their sum overflows, no word (the node counts); fp16's does not
+    assert probe.gathered_finite(largest) == (dtype is torch.float16)
+    assert probe.vouched == 1 + (dtype is torch.float16)

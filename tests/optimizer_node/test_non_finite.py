@@ -24,6 +24,7 @@ from optimizer_node.non_finite import count_non_finite
 from protos import admin_pb2, admin_pb2_grpc
 from tests.gpu_worker.harness import loss_fn, make_model, max_difference, param_groups, reference_averaged, run_threads, schedule, shard
 from tests.optimizer_node.raw_client import JOB, Mirror, RawWorker
+from transport.batches import BATCH_BYTES
 from transport.wire import ErrorCode, MsgType, tensor_header
 from transport.zmq_backend import ZmqTransport
 
@@ -205,6 +206,40 @@ def test_a_workers_word_spares_the_nodes_check_unless_the_node_checks_everything
         for worker in (rank0, rank1):
             worker.client.close()
         transport.close()
+
+
+def test_a_cpu_worker_vouches_for_the_buckets_it_sums_finite_and_a_nan_is_still_refused(start_node):
+    """A CPU worker sums each lone bucket as it gathers it: a finite sum goes with the word and the node
+    reads nothing more; a NaN makes no word, and the node finds it and refuses the push."""
+    node = start_node(extra_args=("--metrics-port", "0"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 4))
+    reference = copy.deepcopy(model)
+    opt = RemoteAdamW(model.parameters(), lr=1e-2, nodes=[node.address], rank=0, world_size=1, bucket_numel=1 << 18, timeout_s=60)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    # two halves of the first weight, and the rest in a third bucket, small but alone (a batch of one): each push a lone bucket
+    assert [bucket.numel * 4 >= BATCH_BYTES for bucket in opt._session.buckets] == [True, True, False]
+    sender = opt._session.pushes.sender
+    for step in range(3):
+        x = torch.randn(8, 512, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        if step == 1:
+            kept = model[0].weight.grad.clone()
+            model[0].weight.grad[5, 5] = float("nan")
+            with pytest.raises(NonFiniteGradientError):
+                opt.step()
+            model[0].weight.grad.copy_(kept)
+        opt.step()
+        opt.zero_grad()
+        reference(x).pow(2).mean().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    # each step's buckets once with the word: the poisoned push went without, its retry with it
+    assert sender.vouched_pushes == 3 * 3
+    metrics = metrics_of(node)
+    assert metrics["netoptim_non_finite_vouched_pushes_total"] == sender.vouched_pushes and metrics["netoptim_non_finite_refused_total"] == 1
+    opt.close()
 
 
 # ---------------------------------------------------------------- refuse, through RemoteAdamW
