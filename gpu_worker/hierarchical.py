@@ -63,6 +63,11 @@ class HostGroupAdamW(torch.optim.Optimizer):
         push_during_backward: bool = False,
         **options: Any,
     ) -> None:
+        if options.get("overlap_forward"):
+            raise ValueError(
+                "overlap_forward is for RemoteAdamW alone: a host group's leader hands the new parameters to the other workers of its host "
+                "once the step is over, so no forward could start before them"
+            )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.host_group = host_group
         self._params = [p for group in self.param_groups for p in group["params"]]

@@ -159,3 +159,12 @@ def test_members_that_exchange_otherwise_are_refused():
             HostExchange(HostGroup(name, 1, 2), 10, 1.0, pieces=3)
     finally:
         leader.close()
+
+
+def test_overlap_forward_is_refused_in_a_host_group():
+    """The leader hands the new parameters over once the step is over: nothing a forward could overlap."""
+    model = make_model()
+    with pytest.raises(ValueError, match="overlap_forward is for RemoteAdamW alone"):
+        HostGroupAdamW(
+            model.parameters(), host_group=HostGroup(f"overlap-{uuid.uuid4().hex[:8]}", 0, 2), rank=0, world_size=2, overlap_forward=True, module=model
+        )
