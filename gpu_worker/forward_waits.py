@@ -25,6 +25,19 @@ import torch
 from torch import nn
 
 
+def check_held(module: nn.Module, params: Sequence[torch.Tensor]) -> None:
+    """``ValueError`` unless every one of ``params`` is a parameter of ``module`` (else no forward
+    would wait for its new values)."""
+    held = {id(p) for p in module.parameters()}
+    missing = [i for i, p in enumerate(params) if id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"overlap_forward: {len(missing)} of the optimizer's parameters are not parameters of the module given (the first: "
+            f"index {missing[0]}), so no forward would wait for their new values; pass the model that holds every one as module=, "
+            "or leave overlap_forward off"
+        )
+
+
 class ForwardWaits:
     """Hooks on ``module`` that wait for the open step's values as its forward goes.
 
@@ -44,27 +57,17 @@ class ForwardWaits:
         complete: Callable[[], None],
         owner_thread: int,
     ) -> None:
+        check_held(module, params)
         index = {id(p): i for i, p in enumerate(params)}
         self._awaiting = awaiting
         self._await_upto = await_upto
         self._complete = complete
         self._owner_thread = owner_thread
         self._handles: list = []
-        covered: set[int] = set()
         for sub in module.modules():
-            own = [index[id(p)] for p in sub.parameters(recurse=False) if id(p) in index]
-            buckets = [b for i in own for b in param_buckets[i]]
-            covered.update(own)
+            buckets = [b for p in sub.parameters(recurse=False) if id(p) in index for b in param_buckets[index[id(p)]]]
             if buckets:
                 self._handles.append(sub.register_forward_pre_hook(functools.partial(self._before_forward, max(buckets))))
-        missing = [i for i in range(len(params)) if i not in covered]
-        if missing:
-            self.remove()
-            raise ValueError(
-                f"overlap_forward: {len(missing)} of the optimizer's parameters are not parameters of the module given (the first: "
-                f"index {missing[0]}), so no forward would wait for their new values; pass the model that holds every one as module=, "
-                "or leave overlap_forward off"
-            )
         self._handles.append(module.register_forward_hook(self._after_forward))
         self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
 

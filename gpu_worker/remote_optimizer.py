@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.buffers import BufferBroadcast
-from gpu_worker.forward_waits import ForwardWaits
+from gpu_worker.forward_waits import ForwardWaits, check_held
 from gpu_worker.layout import GradsOf, layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import gather_state, load_state, state_entries
@@ -146,6 +146,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             node_weights=tuple(float(b) for b in node_bandwidths) if node_bandwidths else (),
         )
         self._params = tensors
+        if overlap_forward:
+            check_held(module, tensors)  # before the nodes hear of the job
         if bool(curve_secret_key) != bool(curve_server_key):
             raise ValueError("curve_secret_key and curve_server_key go together")
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
@@ -194,7 +196,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         # Unpaced full-model pushes staged on autograd's device thread leave from a courier thread (a
         # paced push may have to wait for values, which only the owner thread receives).
         self._courier = PushCourier(self._session.wait_staged, self._courier_send) if self._push_early and self._session.pacer is None else None
-        self._index_buckets(push_during_backward=self._push_early)
+        try:
+            self._index_buckets(push_during_backward=self._push_early)
+        except BaseException:
+            self._session.close()
+            raise
 
     def _take_sockets(self) -> None:
         """This thread is about to use the connections: the courier sends nothing more of the current
@@ -524,6 +530,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         try:
             if any(id(p) in known for p in tensors[len(self._params) :]) or [id(p) for p in tensors[: len(self._params)]] != [id(p) for p in self._params]:
                 raise ValueError("the added param group must hold only parameters new to this optimizer")
+            if self._overlap_module is not None:
+                check_held(self._overlap_module, tensors)
             session.extend(dataclasses.replace(session.job, params=tuple(specs)), tensors)
         except BaseException:
             self.param_groups.pop()

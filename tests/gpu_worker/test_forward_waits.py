@@ -147,9 +147,47 @@ def test_a_refused_gradient_is_raised_by_the_next_forward_and_a_retry_finishes_t
 
 
 def test_overlap_forward_needs_the_module_that_holds_every_parameter(node):
+    """Refused before any node hears of the job (the address given here answers nothing), and a param
+    group added later must be held by the module too."""
     model = make_model()
+    nowhere = ["tcp://127.0.0.1:9"]
     with pytest.raises(ValueError, match="needs module="):
-        RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=1, overlap_forward=True)
+        RemoteAdamW(model.parameters(), nodes=nowhere, rank=0, world_size=1, overlap_forward=True)
     extra = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="not parameters of the module"):
-        RemoteAdamW([*model.parameters(), extra], nodes=[node.address], rank=0, world_size=1, overlap_forward=True, module=model)
+        RemoteAdamW([*model.parameters(), extra], nodes=nowhere, rank=0, world_size=1, overlap_forward=True, module=model, connect_timeout_s=1)
+    opt = overlapped(node.address, model)
+    with pytest.raises(ValueError, match="not parameters of the module"):
+        opt.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 1
+    model(batch(0)).pow(2).mean().backward()
+    opt.step()
+    model(batch(1))  # the hooks still work
+    assert not opt._session.awaiting_values
+    opt.close()
+
+
+def test_a_param_group_added_later_is_waited_for_too(start_node):
+    """Progressive unfreezing with overlap_forward: the hooks are made again for the new buckets, and
+    training stays bitwise torch's AdamW that added the same group at the same step."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        net[4].requires_grad_(False)
+    opt = RemoteAdamW(
+        model[0:3].parameters(), lr=1e-2, nodes=[start_node().address], rank=0, world_size=1, bucket_numel=BUCKET, overlap_forward=True, module=model
+    )
+    torch_opt = torch.optim.AdamW(reference[0:3].parameters(), lr=1e-2, fused=True)
+    for step in range(4):
+        if step == 2:
+            for net, optimizer in ((model, opt), (reference, torch_opt)):
+                net[4].requires_grad_(True)
+                optimizer.add_param_group({"params": list(net[4].parameters())})
+        x = batch(step)
+        for net, optimizer in ((model, opt), (reference, torch_opt)):
+            net(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    opt.close()
