@@ -22,10 +22,25 @@ def _node(result: dict) -> str:
     return f"passes {passes['seconds']:.2f} s ({passes.get('median_ms', 0.0):.2f} ms a bucket){tail}"
 
 
+def _settings(settings: dict) -> str:
+    """What a run of netoptim's modes was set to, so that runs compared on one box say how they differ."""
+    parts = [f"buckets of {settings['bucket_numel']:,} elements"] if "bucket_numel" in settings else []
+    if "overlap_forward" in settings:
+        parts.append(f"overlap_forward {'on' if settings['overlap_forward'] else 'off'}")
+    if settings.get("node_threads"):
+        parts.append(f"{settings['nodes']} node(s) of {settings['node_threads']} update threads")
+    if settings.get("node_args"):
+        parts.append("node flags " + " ".join(settings["node_args"]))
+    return "netoptim: " + ", ".join(parts) if parts else ""
+
+
 def table(report: dict) -> str:
-    """One line per mode run: tokens/s, step, peak GPU memory, netoptim's ratio to ZeRO-2 and ZeRO-3
-    of the same size and dtype, the fraction of the offload limit, and the node's last step."""
-    lines = [f"{'size':<6} {'dtype':<9} {'mode':<10} {'tokens/s':>9} {'step s':>7} {'GPU GiB':>8} {'/ZeRO-2':>8} {'/ZeRO-3':>8} {'of limit':>8}  node"]
+    """A line with netoptim's settings, then one line per mode run: tokens/s, step, peak GPU memory,
+    netoptim's ratio to ZeRO-2 and ZeRO-3 of the same size and dtype, the fraction of the offload
+    limit, and the node's last step."""
+    settings = _settings(report.get("settings") or {})
+    lines = [settings] if settings else []
+    lines += [f"{'size':<6} {'dtype':<9} {'mode':<10} {'tokens/s':>9} {'step s':>7} {'GPU GiB':>8} {'/ZeRO-2':>8} {'/ZeRO-3':>8} {'of limit':>8}  node"]
     for size, per_dtype in report.get("sizes", {}).items():
         for dtype_name, entry in per_dtype.items():
             if not isinstance(entry, dict):

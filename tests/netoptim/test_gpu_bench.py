@@ -186,3 +186,6 @@ def test_the_table_for_people_gives_each_mode_its_ratios_and_the_nodes_last_step
     full = next(line for line in lines if " full " in line)
     assert "1,581" in full and "1.25x" in full and "passes 0.45 s (1.79 ms a bucket), tail 0.37 s" in full
     assert any("torch" in line and "skipped: needs about 104 GiB" in line for line in lines)
+    settings = {"bucket_numel": 4194304, "overlap_forward": False, "nodes": 1, "node_threads": 13, "node_args": ["--pass-thread"]}
+    first = table({"settings": settings, "sizes": {}}).splitlines()[0]
+    assert first == "netoptim: buckets of 4,194,304 elements, overlap_forward off, 1 node(s) of 13 update threads, node flags --pass-thread"
