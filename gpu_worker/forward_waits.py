@@ -44,7 +44,9 @@ class ForwardWaits:
     ``params``: the optimizer's parameters, in its layout's order; ``param_buckets``: each one's
     bucket ids; ``awaiting()``: whether a step's values are still awaited; ``await_upto(b)``: install
     until every bucket up to ``b`` is in; ``complete()``: install the rest and end the step. The hooks
-    receive on the sockets, so forward must run on ``owner_thread`` while values are awaited."""
+    receive on the sockets, so forward must run on ``owner_thread`` while values are awaited. Every one
+    of ``params`` must be a parameter of ``module``: the caller checks it (:func:`check_held`) before
+    the nodes hear of them."""
 
     def __init__(
         self,
@@ -57,7 +59,6 @@ class ForwardWaits:
         complete: Callable[[], None],
         owner_thread: int,
     ) -> None:
-        check_held(module, params)
         index = {id(p): i for i, p in enumerate(params)}
         self._awaiting = awaiting
         self._await_upto = await_upto

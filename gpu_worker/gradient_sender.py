@@ -33,8 +33,8 @@ class GradientSender:
         self._buffers = SendBuffers(wire_dtype, pin_memory=pin_memory)
         self._hyper_wire: dict[int, tuple[AdamWHyper, dict]] = {}  # group -> its hyperparameters as last sent
         self._staged: dict[
-            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None, str]
-        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it, its word (see _word)
+            int, tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool | None]
+        ] = {}  # bucket -> its gathered gradient, the copy's event, the node whose window holds it, its word (see push)
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.staged_pushes = 0  # pushes sent from a staged gradient (counted for tests and benchmarks)
         self.in_place_bytes = 0  # gradient bytes gathered straight into a node's shared window
@@ -59,7 +59,7 @@ class GradientSender:
         device = sources[0].device
         buffer, window_of = self._take(bucket.node, bucket.numel, cuda=device.type == "cuda")
         event = None
-        word = ""
+        word: bool | None = False
         if device.type == "cuda" and (window_of is not None or buffer.is_pinned()):
             stream = self._copy_streams.get(device)
             if stream is None:
@@ -67,14 +67,14 @@ class GradientSender:
             stream.wait_stream(torch.cuda.current_stream(device))  # after the kernels that made the gradients
             with torch.cuda.stream(stream):
                 gather_run((bucket,), grads, buffer)
-                word = "queued" if self._probe.queue(bucket, grads) else ""
+                word = None if self._probe.queue(bucket, grads) else False
                 event = host_waitable_event()
                 event.record(stream)
             for source in sources:  # the allocator must not reuse their memory before the copies ran
                 source.record_stream(stream)
         else:
             gather_run((bucket,), grads, buffer)
-            word = "finite" if device.type != "cuda" and self._probe.gathered_finite(buffer) else ""
+            word = device.type != "cuda" and self._probe.gathered_finite(buffer)
         self._staged[bucket.bucket_id] = (buffer, event, window_of, word)
 
     def is_staged(self, bucket_id: int) -> bool:
@@ -103,7 +103,7 @@ class GradientSender:
             self._connections.cancel(node, reserved)
         return self._buffers.take(numel), None
 
-    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None, str]) -> None:
+    def _give_back(self, staged: tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool | None]) -> None:
         """A staged gradient that will not be sent: its place is free again once its copies are done."""
         buffer, event, window_of, _word = staged
         if event is not None:
@@ -128,7 +128,7 @@ class GradientSender:
         started = time.perf_counter()
         staged = self._staged.pop(run[0].bucket_id, None) if len(run) == 1 else None
         first = run[0]
-        word = ""  # "queued": the sum was queued on the device; "finite": the gathered sum was finite
+        word: bool | None = False  # the worker's word that the gradient is finite; None: its sum was queued on the device, read once copied
         if staged is not None:
             buffer, event, window_of, word = staged
             if event is not None:
@@ -139,11 +139,13 @@ class GradientSender:
             buffer, window_of = self._take(first.node, sum(bucket.numel for bucket in run), cuda=cuda)
             gather_run(run, grads, buffer)
             if cuda:
-                word = "queued" if len(run) == 1 and self._probe.queue(first, grads) else ""
+                word = None if len(run) == 1 and self._probe.queue(first, grads) else False
                 wait_for_stream(torch.cuda.current_stream())  # the device-to-host copies were asynchronous
-            elif len(run) == 1 and self._probe.gathered_finite(buffer):  # summed while the gather is still in cache
-                word = "finite"
-        if word == "finite" or (word == "queued" and self._probe.proven_finite(first.bucket_id)):
+            else:  # summed while the gather is still in cache
+                word = len(run) == 1 and self._probe.gathered_finite(buffer)
+        if word is None:
+            word = self._probe.proven_finite(first.bucket_id)
+        if word:
             meta["finite"] = True
         gathered = time.perf_counter() - started
         header = tensor_header(MsgType.PUSH, buffer, rank=rank, step=step, bucket_id=first.bucket_id, meta=meta)

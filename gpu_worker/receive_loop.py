@@ -62,25 +62,26 @@ class ReceiveLoop:
             waiting = time.perf_counter()
             ready = connections.wait_readable(max(min(deadline - now, timeouts.heartbeat_s), 0.0))
             timings.wait_s += elapsed(waiting)
-            for index in ready:
-                message = connections.take(index)
-                if message is None:
-                    continue
-                if message.header.msg_type != MsgType.STATUS:
-                    deadline = time.monotonic() + timeouts.timeout_s
-                    self._dispatch(index, message)
+            if self._take(ready):
+                deadline = time.monotonic() + timeouts.timeout_s
 
     def take_waiting(self, limit: int) -> None:
         """Handle the messages already here, at most ``limit`` rounds over the nodes, without waiting."""
-        connections = self._connections
         for _ in range(limit):
-            ready = connections.wait_readable(0.0)
+            ready = self._connections.wait_readable(0.0)
             if not ready:
                 return
-            for index in ready:
-                message = connections.take(index)
-                if message is not None and message.header.msg_type != MsgType.STATUS:
-                    self._dispatch(index, message)
+            self._take(ready)
+
+    def _take(self, ready: list[int]) -> bool:
+        """One message from each of the ``ready`` nodes, handed on; whether any was more than a ping's answer."""
+        progressed = False
+        for index in ready:
+            message = self._connections.take(index)
+            if message is not None and message.header.msg_type != MsgType.STATUS:
+                progressed = True
+                self._dispatch(index, message)
+        return progressed
 
     def _reconnect_lost(self) -> bool:
         """Reconnect to each node whose connection dropped or that went silent; whether any was."""

@@ -397,6 +397,8 @@ class OffloadSession:
         forward about to run needs). A refusal of this rank's gradient ends it as :meth:`complete_step`
         does; so does any error (the step is over, as a failed :meth:`finish_step` leaves it)."""
         waiting = self._waiting
+        if self._first_awaited > upto and not self._refusals.refused:  # what this forward needs is in already
+            return
 
         def done() -> bool:
             first = self._first_awaited  # buckets come back lowest first: a pointer, not a scan
