@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
+from gpu_worker.board_aliases import BoardAliases
 from gpu_worker.device_copy import HostToDevice, wait_on_host
 from gpu_worker.landed_pushes import LandedPushes
 from gpu_worker.layout import GradsOf, finish_board_read
@@ -36,6 +37,7 @@ from gpu_worker.units import UnitPlan, initialize
 from job.hyper import AdamWHyper
 from transport.host_memory import keep_freed_heap, map_large_allocations, trim_host_heap
 from transport.interface import Message
+from transport.wire import WIRE_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class LayerStreamer:
         self._module_units = [self.units[u] for u in present if u != 0]  # forward order
         self._position = {unit.index: position for position, unit in enumerate(self._module_units)}
         self._copier = HostToDevice(plan.device, session.job.bucket_numel)
+        self._aliases = BoardAliases(self.params, session.buckets, WIRE_DTYPES[session.job.wire_dtype], enabled=not self._copier.cuda)
         self._grads = GradsOf(self.params)
         self._pushes = LandedPushes(session)
         self.step = 0
@@ -195,9 +198,12 @@ class LayerStreamer:
     def _request(self, unit: _Unit) -> None:
         if unit.step == self.step and (unit.resident or unit.pending):
             return
-        for i in unit.params:
-            if self.params[i].untyped_storage().nbytes() == 0:
-                self._allocate(self.params[i])
+        if self._aliases.holds(unit.index):  # values of an earlier step, read in place: let them go first
+            self._release(unit)
+        if self._copier.cuda:  # on CPU, where a copy is needed, on arrival (see BoardAliases)
+            for i in unit.params:
+                if self.params[i].untyped_storage().nbytes() == 0:
+                    self._allocate(self.params[i])
         unit.resident, unit.step, unit.ready_event = True, self.step, None
         self._copier.begin()
         unit.pending = set(unit.buckets)
@@ -221,8 +227,10 @@ class LayerStreamer:
             self.session.receive_until(lambda: not unit.pending, lambda: f"unit {unit.name!r} is missing {len(unit.pending)} bucket(s)")
         if unit.ready_event is not None:
             wait_on_host(unit.ready_event)
+        self._aliases.check(unit.index)
         for i in unit.params:
-            self.params[i].untyped_storage().resize_(0)
+            if not self._aliases.release(i):
+                self.params[i].untyped_storage().resize_(0)
         unit.resident = False
 
     def _on_params(self, node_index: int, message: Message) -> None:
@@ -236,15 +244,23 @@ class LayerStreamer:
         bucket = self.session.buckets[header.bucket_id]
         if header.numel != bucket.numel or header.dtype != self.session.job.wire_dtype:
             raise RuntimeError(f"node {self.session.nodes[node_index]} sent bucket {bucket.bucket_id} as {header.numel} x {header.dtype}")
+        segments = self._aliases.install(bucket, message, unit.step)  # on CPU, read in place where it can be
         for chunk_offset, view in message.tensors:
             chunk_end = chunk_offset + view.numel()
-            for seg in bucket.segments:
+            for seg in segments:
                 low, high = max(seg.bucket_offset, chunk_offset), min(seg.bucket_offset + seg.numel, chunk_end)
                 if low < high:
+                    param = self.params[seg.param_index]
+                    if not self._copier.cuda:
+                        self._aliases.will_copy(seg.param_index, unit.step)
+                        if param.untyped_storage().nbytes() == 0:
+                            self._allocate(param)
                     start = seg.param_offset + low - seg.bucket_offset
-                    target = self.params[seg.param_index].data.view(-1)[start : start + high - low]
+                    target = param.data.view(-1)[start : start + high - low]
                     self._copier.copy(target, view[low - chunk_offset : high - chunk_offset])
-        if not self._copier.cuda:  # copied already: from a node's board, the values must still be the ones sent
+        if len(segments) < len(bucket.segments):  # read in place until the unit is pushed or let go, checked then
+            self._aliases.hold(unit.index, message, self.session.nodes[node_index])
+        elif not self._copier.cuda:  # copied already: from a node's board, the values must still be the ones sent
             finish_board_read(message, self.session.nodes[node_index])
         self.stats.fetched_bytes += header.payload_bytes
         unit.pending.discard(bucket.bucket_id)
@@ -254,12 +270,14 @@ class LayerStreamer:
             self.stats.fetch_transfer_s += time.perf_counter() - unit.requested_at
 
     def _measure(self) -> None:
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}
-        self.stats.peak_param_bytes = max(self.stats.peak_param_bytes, sum(storages.values()))
+        self.stats.peak_param_bytes = max(self.stats.peak_param_bytes, self.resident_param_bytes())
 
     def resident_param_bytes(self) -> int:
-        """Parameter bytes this worker holds right now, read from the storages themselves."""
-        return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}.values())
+        """Parameter bytes this worker holds right now, read from the storages themselves (a
+        parameter that is a view of a board counts its own bytes, not the board's)."""
+        aliased = self._aliases.viewing
+        own = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for i, p in enumerate(self.params) if i not in aliased}
+        return sum(own.values()) + sum(self.params[i].numel() * self.params[i].element_size() for i in aliased)
 
     # ---------------------------------------------------------------- hooks
 
@@ -319,6 +337,7 @@ class LayerStreamer:
         if len(unit.grads_ready) != unit.waits_for:
             return
         unit.grads_ready.clear()
+        self._aliases.check(unit.index)  # before the push, after which the node may rewrite the board
         if self._sync_enabled():  # else gradients accumulate locally (no_sync); the unit is freed all the same
             self._push(unit)
         self._release(unit)
@@ -339,6 +358,7 @@ class LayerStreamer:
         """Push what backward did not, free every unit and move to the next step (no waiting)."""
         for unit in self.units.values():
             if not unit.pushed:
+                self._aliases.check(unit.index)
                 self._push(unit)
             self._release(unit)
             unit.pushed = False

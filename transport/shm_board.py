@@ -203,8 +203,9 @@ class BoardReader:
     def name(self) -> str:
         return self.window.name
 
-    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[list[memoryview], Callable[[], bool], Callable[[], None]]:
-        """The chunks of a message whose slot reference is ``raw`` (read-only views of the board); a
+    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[memoryview, list[memoryview], Callable[[], bool], Callable[[], None]]:
+        """The payload of a message whose slot reference is ``raw`` (a read-only view of the board),
+        and its chunks (consecutive slices of it, as the message declares them); a
         check to call once they were copied out (whether the slot still holds that version); and a
         release that takes the slot's pages out of this process's page tables (not out of memory:
         they are the node's), so that a worker's resident size does not count the node's copy. The
@@ -237,7 +238,7 @@ class BoardReader:
             if end_page > first_page and not self.window.page_locked:
                 self.window.drop_pages(first_page, end_page - first_page)
 
-        return chunks, lambda: token_view[0] == token, release
+        return whole, chunks, lambda: token_view[0] == token, release
 
     def close(self) -> None:
         self.window.close()

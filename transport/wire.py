@@ -359,14 +359,22 @@ def encode_message(header: Header, payload: Payload | None = None, chunk_bytes: 
 
 
 def payload_views(
-    header: Header, chunks: Sequence[memoryview], *, max_bytes: int, peer: bytes | None = None, read_only: bool = False
+    header: Header,
+    chunks: Sequence[memoryview],
+    *,
+    max_bytes: int,
+    peer: bytes | None = None,
+    read_only: bool = False,
+    whole: memoryview | None = None,
 ) -> list[tuple[int, torch.Tensor]]:
     """Validate the chunk frames against the header and view them as tensors.
 
     Returns ``(element_offset, tensor)`` pairs, zero-copy over the received buffers. Raises
     :class:`WireError` when the size is over ``max_bytes`` or the bytes do not match the declaration.
     ``read_only``: the chunks are read-only memory whose views are only read (a node's parameter
-    board), viewed as they are instead of copied to make them writable.
+    board), viewed as they are instead of copied to make them writable. ``whole``: a buffer the
+    chunks are consecutive slices of, from its start: the views are then slices of one tensor over
+    it, so that a receiver can view a stretch that crosses chunks (a worker computing from a board).
     """
     expected = header.payload_bytes
     if expected > max_bytes:
@@ -384,6 +392,7 @@ def payload_views(
         return []
     dtype = WIRE_DTYPES[header.dtype]
     itemsize = dtype.itemsize
+    base = torch.frombuffer(whole, dtype=dtype) if whole is not None and len(whole) == expected else None
     views = []
     offset = 0
     for chunk in chunks:
@@ -394,8 +403,11 @@ def payload_views(
             # transport copied into bytes) is copied once more so every view is writable. A board's
             # chunks are read-only and only read: torch's warning about such buffers comes once per
             # process, and the board's own mapping (SharedWindow) took it, silenced.
-            writable = chunk if read_only or not chunk.readonly else memoryview(bytearray(chunk))
-            views.append((offset, torch.frombuffer(writable, dtype=dtype)))
+            if base is not None:
+                views.append((offset, base[offset : offset + len(chunk) // itemsize]))
+            else:
+                writable = chunk if read_only or not chunk.readonly else memoryview(bytearray(chunk))
+                views.append((offset, torch.frombuffer(writable, dtype=dtype)))
         offset += len(chunk) // itemsize
     return views
 

@@ -138,8 +138,8 @@ class ZmqClient(ClientEndpoint):
             return Message(peer=b"", header=header, tensors=payload_views(header, chunks, max_bytes=self._max_message_bytes))
         if kind == BOARD and len(frames) == 3 and self.shared.board is not None:
             header = decode_header(frames[1].buffer)
-            chunks, still_current, release = self.shared.board.read(frames[2].buffer, header.payload_bytes)
-            tensors = payload_views(header, chunks, max_bytes=self._max_message_bytes, read_only=True)
+            whole, chunks, still_current, release = self.shared.board.read(frames[2].buffer, header.payload_bytes)
+            tensors = payload_views(header, chunks, max_bytes=self._max_message_bytes, read_only=True, whole=whole)
             return Message(peer=b"", header=header, tensors=tensors, still_current=still_current, release=release)
         if kind == CREDIT and len(frames) == 2:
             self.shared.credit(frames[1].buffer)
