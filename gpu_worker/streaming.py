@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,7 +150,7 @@ class LayerStreamer:
                     if tensor.untyped_storage().nbytes() == 0:
                         self._allocate(tensor)
                 initialize(self.plan, tensors)
-                self._measure()
+                self._measure(also=unit)
                 staging = torch.empty(max(self.session.buckets[b].numel for b in todo), dtype=torch.float32)
                 for bucket_id in todo:
                     values = staging[: self.session.buckets[bucket_id].numel]
@@ -269,15 +269,29 @@ class LayerStreamer:
             self.stats.fetches += 1
             self.stats.fetch_transfer_s += time.perf_counter() - unit.requested_at
 
-    def _measure(self) -> None:
-        self.stats.peak_param_bytes = max(self.stats.peak_param_bytes, self.resident_param_bytes())
+    def _measure(self, also: _Unit | None = None) -> None:
+        # At every hook: the held units' parameters only (and ``also``'s), not a scan of the model's.
+        held = [i for unit in self.units.values() if unit.resident or unit is also for i in unit.params]
+        self.stats.peak_param_bytes = max(self.stats.peak_param_bytes, self._param_bytes(held))
 
     def resident_param_bytes(self) -> int:
-        """Parameter bytes this worker holds right now, read from the storages themselves (a
-        parameter that is a view of a board counts its own bytes, not the board's)."""
+        """Parameter bytes this worker holds right now, read from every parameter's storage."""
+        return self._param_bytes(range(len(self.params)))
+
+    def _param_bytes(self, indices: Iterable[int]) -> int:
+        """The bytes of the storages of these parameters, each counted once (a parameter that is a
+        view of a board counts its own bytes, not the board's)."""
         aliased = self._aliases.viewing
-        own = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for i, p in enumerate(self.params) if i not in aliased}
-        return sum(own.values()) + sum(self.params[i].numel() * self.params[i].element_size() for i in aliased)
+        own: dict[int, int] = {}
+        viewed = 0
+        for i in indices:
+            param = self.params[i]
+            if i in aliased:
+                viewed += param.numel() * param.element_size()
+            else:
+                storage = param.untyped_storage()
+                own[storage.data_ptr()] = storage.nbytes()
+        return sum(own.values()) + viewed
 
     # ---------------------------------------------------------------- hooks
 
