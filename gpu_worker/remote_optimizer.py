@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -19,6 +18,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from gpu_worker.bucket_readiness import BucketReadiness
 from gpu_worker.buffers import BufferBroadcast
 from gpu_worker.forward_waits import ForwardWaits, check_held
 from gpu_worker.layout import GradsOf, layout_from_groups
@@ -188,8 +188,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             except BaseException:
                 self._session.close()
                 raise
-        self._hooked: set[int] = set()
-        self._hook_handles: list = []
+        self._readiness = BucketReadiness()
         self._overlap_module = module if overlap_forward else None
         self._forward_waits: ForwardWaits | None = None
         self._push_early = push_during_backward and units is None
@@ -216,15 +215,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _index_buckets(self, *, push_during_backward: bool) -> None:
         """Which parameters each bucket holds and the other way round, and the early-push hooks of
         the parameters that have none yet (after construction, or after a param group was added)."""
-        buckets = self._session.buckets
         self._grads = GradsOf(self._params)  # the hooks' view of the current gradients (self._params changes with a param group)
-        self._bucket_params = [frozenset(seg.param_index for seg in bucket.segments) for bucket in buckets]
-        self._param_buckets: list[list[int]] = [[] for _ in self._params]
-        for bucket in buckets:
-            for seg in bucket.segments:
-                self._param_buckets[seg.param_index].append(bucket.bucket_id)
-        self._ready: list[set[int]] = [set() for _ in buckets]
-        self._needed: list[int | None] = [None] * len(buckets)  # per step: gradients a bucket waits for in backward (-1: waits for step())
+        self._readiness.index(self._session.buckets, self._params)
         if self._overlap_module is not None:  # the parameters' buckets changed (a param group was added): hooks anew
             if self._forward_waits is not None:
                 self._forward_waits.remove()
@@ -232,16 +224,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._forward_waits = ForwardWaits(
                 self._overlap_module,
                 self._params,
-                self._param_buckets,
+                self._readiness.param_buckets,
                 awaiting=lambda: session.awaiting_values,
                 await_upto=session.await_values,
                 complete=session.complete_step,
                 owner_thread=self._owner_thread,
             )
-        if push_during_backward:  # frozen parameters get no hook (torch refuses one) and no gradient; see _bucket_ready
-            new = [i for i, p in enumerate(self._params) if p.requires_grad and i not in self._hooked]
-            self._hooked.update(new)
-            self._hook_handles += [self._params[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)) for i in new]
+        if push_during_backward:
+            self._readiness.hook(self._on_grad_ready)
 
     @property
     def remote_step(self) -> int:
@@ -350,29 +340,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self.synchronize()
         if not self._sync_enabled:
             return
-        for bucket_id in self._param_buckets[index]:
-            ready = self._ready[bucket_id]
-            if index in ready:
-                name = self._session.job.params[index].name
-                raise RuntimeError(f"parameter {name!r} got a second gradient before step(); accumulate gradients inside optimizer.no_sync()")
-            ready.add(index)
-            if self._bucket_ready(bucket_id) and not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
+        for bucket_id in self._readiness.mark(index, self._session.job.params[index].name):
+            if not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
                 if foreign:
                     staged = self._session.stage_bucket(bucket_id, self._grads)
                     if staged and self._courier is not None:
                         self._courier.offer(bucket_id)
                 else:
                     self._session.push_bucket(bucket_id, self._grads, self._hypers_of_step())
-
-    def _bucket_ready(self, bucket_id: int) -> bool:
-        """Every parameter of the bucket that trains now has its gradient. One unfrozen after the
-        optimizer was made has no hook, so its bucket waits for ``step()``; frozen ones have none.
-        What a bucket needs is worked out once a step (a hook per parameter must stay O(1))."""
-        needed = self._needed[bucket_id]
-        if needed is None:
-            trainable = [i for i in self._bucket_params[bucket_id] if self._params[i].requires_grad]
-            needed = self._needed[bucket_id] = len(trainable) if all(i in self._hooked for i in trainable) else -1
-        return len(self._ready[bucket_id]) == needed
 
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
         """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`):
@@ -422,9 +397,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._session.finish_step(grads, hypers)
         finally:
             self._step_hypers = None
-            for ready in self._ready:
-                ready.clear()
-            self._needed = [None] * len(self._ready)
+            self._readiness.new_step()
         return loss
 
     def synchronize(self) -> None:
@@ -550,9 +523,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _close(self) -> None:
         if getattr(self, "_courier", None) is not None:
             self._courier.close()
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        self._readiness.remove_hooks()
         if self._forward_waits is not None:
             self._forward_waits.remove()
         if self._streamer is not None:

@@ -31,7 +31,7 @@ def overlapped(address: str, model: torch.nn.Module, **options) -> RemoteAdamW:
 
 def buckets_of(opt: RemoteAdamW, module: torch.nn.Module) -> set[int]:
     index = {id(p): i for i, p in enumerate(opt._params)}
-    return {b for p in module.parameters() for b in opt._param_buckets[index[id(p)]]}
+    return {b for p in module.parameters() for b in opt._readiness.param_buckets[index[id(p)]]}
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["push-at-step", "push-during-backward"])
