@@ -159,3 +159,13 @@ def finish_board_read(message: Message, node: str) -> None:
         )
     if message.release is not None:
         message.release()
+
+
+def describe_bucket(params: Sequence[ParamSpec], bucket: BucketSpec) -> str:
+    """The parameters a bucket holds, for messages (``parameters w[0:128], b``)."""
+    parts = []
+    for segment in bucket.segments:
+        spec = params[segment.param_index]
+        whole = segment.numel == spec.numel
+        parts.append(spec.name if whole else f"{spec.name}[{segment.param_offset}:{segment.param_offset + segment.numel}]")
+    return "parameters " + ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")

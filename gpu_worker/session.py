@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from gpu_worker.bucket_exchange import BucketExchange
 from gpu_worker.gradient_pushes import GradientPushes
-from gpu_worker.layout import gather_bucket
+from gpu_worker.layout import describe_bucket, gather_bucket
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError, node_error
 from gpu_worker.node_news import NodeNews
@@ -37,7 +37,7 @@ from job.spec import JobSpec
 from transport.batches import split_batch
 from transport.interface import Message
 from transport.security import CurveClientConfig
-from transport.wire import WIRE_DTYPES, Header, MsgType, WireError, tensor_header
+from transport.wire import WIRE_DTYPES, Header, MsgType, WireError
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class OffloadSession:
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
         self._refusals = RefusedGradients()
+        self._exchange = BucketExchange(self._connections)
         self._registration = NodeRegistration(self._connections, self.nodes, self.pushes.batching_nodes)
         self._receiver = ReceiveLoop(self._connections, timeouts, dispatch=self._dispatch, reconnect=self._reconnect, diagnose=self._diagnose_timeout)
 
@@ -252,38 +253,16 @@ class OffloadSession:
         log.info("rank %d of %d from step %d (the job changed its width)", rank, world_size, at_step)
 
     def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:
-        """Rank 0: give a bucket its initial fp32 values (flat, ``numel`` of the bucket); waits for the ACK."""
-        bucket = self.buckets[bucket_id]
-        self._connections.send(bucket.node, tensor_header(MsgType.INIT, values, rank=self.rank, bucket_id=bucket_id), values)
-        try:
-            self._connections.expect(bucket.node, MsgType.ACK, f"initial values of bucket {bucket_id}", fail_on_drop=True)
-        except (ConnectionError, TimeoutError) as exc:
-            raise RuntimeError(
-                f"{exc}. A node that restarts before the job's first checkpoint (which it writes once every bucket has its initial "
-                f"values) comes back without them: restart the worker (the job starts over from its initial values)"
-            ) from exc
+        """Rank 0: give a bucket its initial fp32 values (flat); waits for the ACK."""
+        self._exchange.send_initial(self.buckets[bucket_id], self.rank, values)
 
     def read_state(self, bucket_id: int, part: str) -> tuple[torch.Tensor, list[float]]:
-        """One part of a bucket's optimizer state (``param``, ``exp_avg``, ``exp_avg_sq``; fp32, flat)
-        and its segments' AdamW step counts, as the node holds them now (call between steps)."""
-        bucket = self.buckets[bucket_id]
-        self._connections.send(bucket.node, Header(msg_type=MsgType.READ_STATE, rank=self.rank, bucket_id=bucket_id, meta={"part": part}))
-        reply = self._connections.expect(bucket.node, MsgType.STATE, f"the {part} of bucket {bucket_id}")
-        values = torch.empty(bucket.numel, dtype=torch.float32)
-        for offset, view in reply.tensors:
-            values[offset : offset + view.numel()].copy_(view)
-        return values, [float(s) for s in reply.header.meta["segment_steps"]]
+        """One part of a bucket's optimizer state and its segments' step counts (see :class:`BucketExchange`)."""
+        return self._exchange.read_state(self.buckets[bucket_id], self.rank, part)
 
     def load_state(self, bucket_id: int, part: str, values: torch.Tensor, segment_steps: list[float] | None = None) -> None:
-        """Rank 0: replace one part of a bucket's optimizer state (fp32, flat) and, when given, its
-        segments' step counts; waits for the ACK."""
-        meta: dict = {"part": part}
-        if segment_steps is not None:
-            meta["segment_steps"] = segment_steps
-        bucket = self.buckets[bucket_id]
-        header = tensor_header(MsgType.LOAD_STATE, values, rank=self.rank, step=self.bucket_steps[bucket_id], bucket_id=bucket_id, meta=meta)
-        self._connections.send(bucket.node, header, values)
-        self._connections.expect(bucket.node, MsgType.ACK, f"the {part} of bucket {bucket_id} to load")
+        """Rank 0: replace one part of a bucket's optimizer state (see :class:`BucketExchange`)."""
+        self._exchange.load_state(self.buckets[bucket_id], self.rank, self.bucket_steps[bucket_id], part, values, segment_steps)
 
     def request(self, bucket_id: int, at_step: int) -> None:
         """Layer-wise: ask for a bucket's values of ``at_step``; the node answers once the bucket is there."""
@@ -458,12 +437,7 @@ class OffloadSession:
 
     def describe_bucket(self, bucket_id: int) -> str:
         """The parameters a bucket holds, for messages (``w[0:128], b``)."""
-        parts = []
-        for segment in self.buckets[bucket_id].segments:
-            spec = self.job.params[segment.param_index]
-            whole = segment.numel == math.prod(spec.shape)
-            parts.append(spec.name if whole else f"{spec.name}[{segment.param_offset}:{segment.param_offset + segment.numel}]")
-        return "parameters " + ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+        return describe_bucket(self.job.params, self.buckets[bucket_id])
 
     @property
     def send_buffers_allocated(self) -> int:
