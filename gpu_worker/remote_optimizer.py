@@ -10,17 +10,16 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
 from gpu_worker.bucket_readiness import BucketReadiness
 from gpu_worker.buffers import BufferBroadcast
 from gpu_worker.forward_waits import ForwardWaits, check_held
+from gpu_worker.job_setup import job_from_groups, rank_and_world
 from gpu_worker.layout import GradsOf, layout_from_groups
 from gpu_worker.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import gather_state, load_state, state_entries
@@ -31,26 +30,10 @@ from gpu_worker.streaming import LayerStreamer, StreamStats
 from gpu_worker.units import UnitPlan
 from job.discovery import NodeSource, discover_nodes
 from job.hyper import AdamWHyper, validate_for_rule
-from job.placement import default_bucket_numel
-from job.spec import JobSpec
 from transport.security import CurveClientConfig
-from transport.wire import MsgType, dtype_name
+from transport.wire import MsgType
 
 log = logging.getLogger(__name__)
-
-
-def _default_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if dist.is_available() and dist.is_initialized():
-        return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world_size is None else world_size)
-    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    try:
-        resolved_rank = rank if rank is not None else int(env_rank or 0)
-        resolved_world = world_size if world_size is not None else int(env_world or 1)
-    except ValueError:
-        raise ValueError(f"RANK={env_rank!r} and WORLD_SIZE={env_world!r} must be integers") from None
-    return resolved_rank, resolved_world
 
 
 def adam_style_hyper(group: dict[str, Any]) -> AdamWHyper:
@@ -121,29 +104,20 @@ class RemoteOptimizer(torch.optim.Optimizer):
         timeouts = WorkerTimeouts(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
         )
-        wire = dtype_name(wire_dtype)
         torch.optim.Optimizer.__init__(self, params, defaults)
         self.state = NodeHeldState(dict)
-        rank, world_size = _default_rank_and_world(rank, world_size)
-        specs, tensors = layout_from_groups(self.param_groups)
-        unit_starts: list[int] = []
-        if units is not None:  # layer-wise: the layout is ordered by unit, each unit in buckets of its own
-            order, unit_starts = units.order(tensors)
-            specs, tensors = [specs[i] for i in order], [tensors[i] for i in order]
-        if bucket_numel is None:
-            bucket_numel = default_bucket_numel(sum(spec.numel for spec in specs), len(nodes))
-        job = JobSpec(
-            world_size=world_size,
+        rank, world_size = rank_and_world(rank, world_size)
+        job, tensors = job_from_groups(
+            self.param_groups,
+            units=units,
             num_nodes=len(nodes),
+            world_size=world_size,
             bucket_numel=bucket_numel,
-            wire_dtype=wire,
-            max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-            params=tuple(specs),
-            mode="full" if units is None else "layerwise",
-            unit_starts=tuple(unit_starts),
+            wire_dtype=wire_dtype,
+            max_grad_norm=max_grad_norm,
             rule=self.rule,
             local_size=local_size,
-            node_weights=tuple(float(b) for b in node_bandwidths) if node_bandwidths else (),
+            node_bandwidths=node_bandwidths,
         )
         self._params = tensors
         if overlap_forward:
