@@ -25,6 +25,14 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (the OS picks) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: ports go from 0 (the OS picks) to 65535")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """Comma-separated positive integers: ``128,1024,4096``."""
     return [positive_int(part.strip()) for part in text.split(",")]

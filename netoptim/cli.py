@@ -14,7 +14,8 @@ from netoptim.admin_cli import add_admin_parser, run_admin
 from netoptim.arg_types import non_negative_int, positive_int, size
 from netoptim.bench_cli import add_bench_parser
 from netoptim.cluster_cli import add_cluster_parser
-from netoptim.node_cli import add_node_parser, run_node
+from netoptim.node_cli import run_node
+from netoptim.node_parser import add_node_parser
 from netoptim.plan_cli import add_plan_parser, run_plan
 
 log = logging.getLogger("netoptim")

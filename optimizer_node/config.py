@@ -186,6 +186,24 @@ class NodeConfig:
         return not self.curve_secret_key and reachable_from_network(self.listen)
 
     @property
+    def retain_previous(self) -> bool:
+        """Whether a bucket's values of the step in flight are kept for a rank that restarts: in memory
+        only; an out-of-core node would need its budget again for them."""
+        return not self.state_dir
+
+    @property
+    def compiled_update(self) -> bool:
+        """Whether the compiled update loop may be used: it brings numba and LLVM, ~140 MB of RSS, not
+        for an out-of-core node, held to a memory budget."""
+        return not self.state_dir
+
+    @property
+    def batch_params(self) -> bool:
+        """Whether small buckets' new values leave batched per worker: not out of core, where a bucket's
+        tensors go back to the store's pool once released, so its values must leave at once."""
+        return not self.state_dir
+
+    @property
     def frame_limit_bytes(self) -> int:
         """The frame cap in force: ``max_frame_bytes``, or the default it has when ``None``."""
         from transport.zmq_backend import default_max_frame_bytes

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from optimizer_node.outgoing import Outgoing
     from optimizer_node.persistence import Checkpoints
     from optimizer_node.replies import ParameterReplies
+    from optimizer_node.step_end import StepEnd
     from optimizer_node.step_ledger import StepLedger
     from optimizer_node.storage import BucketState
 
@@ -32,17 +33,17 @@ log = logging.getLogger(__name__)
 
 
 class DeliveryNode(Protocol):
-    """What delivery reads of its node, and the step's end it hands back to it."""
+    """What delivery reads of its node."""
 
     @property
     def ledger(self) -> StepLedger: ...
-    def finish_step(self, step: int) -> None: ...
 
 
 class BucketDelivery:
     """One job's updated buckets out, and the count of the owned buckets that reached each step.
 
-    ``in_flight``: the job's steps in flight by bucket (the intake's), let go of here."""
+    ``in_flight``: the job's steps in flight by bucket (the intake's), let go of here; ``step_end``:
+    what the node does once every owned bucket reached a step."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class BucketDelivery:
         clock: StepClock,
         metrics: NodeMetrics,
         crash_points: CrashPoints,
+        step_end: StepEnd,
     ) -> None:
         self._node = node
         self._in_flight = in_flight
@@ -63,6 +65,7 @@ class BucketDelivery:
         self._clock = clock
         self._metrics = metrics
         self._crash_points = crash_points
+        self._step_end = step_end
         self._done: dict[int, int] = {}  # step -> owned buckets that reached it (the step not ended yet)
 
     def clear(self) -> None:
@@ -81,7 +84,7 @@ class BucketDelivery:
             self._done.pop(step, None)
         checkpointed_first = ends_step and self._checkpoints.due(step)
         if checkpointed_first:
-            self._node.finish_step(step)  # checkpointed before the values that end the step go out
+            self._step_end.finish(step)  # checkpointed before the values that end the step go out
         meta: dict = {} if in_flight.grad_norm is None else {"grad_norm": in_flight.grad_norm}
         if in_flight.skip:
             meta["skipped"] = True
@@ -106,7 +109,7 @@ class BucketDelivery:
             self._done[step] = done
             self._crash_points.passed("update")
         elif not checkpointed_first:
-            self._node.finish_step(step)
+            self._step_end.finish(step)
         if log.isEnabledFor(logging.DEBUG):  # a bucket's hot path: not even the arguments otherwise
             log.debug(
                 "bucket %d step %d applied %.1f ms after its first gradient", state.bucket_id, step, 1e3 * (time.perf_counter() - in_flight.first_arrival)

@@ -56,6 +56,15 @@ class Checkpoints:
         self.drain_step: int | None = None  # set while draining: no gradients for this step or later
         self.last: dict[str, Any] | None = None  # the manifest of the last checkpoint written or resumed from
 
+    def make_directory(self) -> None:
+        """Create the checkpoint directory now, so that a node killed before its first checkpoint can
+        be restarted with ``--resume``; one that cannot be created is said, and training goes on."""
+        assert self.config.checkpoint_dir is not None
+        try:
+            Path(self.config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # as a failing checkpoint: said, and training goes on
+            log.error("cannot create the checkpoint directory %s (%s): checkpoints will fail until it can be written", self.config.checkpoint_dir, exc)
+
     def checkpoint(self, origin: str = "automatic") -> dict[str, Any]:
         """Write a checkpoint now; ``ValueError`` when the node has no checkpoint_dir, no job, or is
         in the middle of a step; :class:`CheckpointError` when the write fails (state untouched).
