@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
-from benchmarks.gpu_modes import DTYPES, MODES, NETOPTIM_MODES, ModeSettings, train_mode
+from benchmarks.gpu_mode_names import MODES, NETOPTIM_MODES
+from benchmarks.gpu_modes import DTYPES, ModeSettings, train_mode
 from benchmarks.gpu_table import table
 from benchmarks.train_bench import param_count
 from gpu_worker.models import GPTConfig

@@ -14,17 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.gpu_mode_names import DEEPSPEED_MODES, MODES
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from job.placement import DEFAULT_BUCKET_NUMEL
 from launch.host_cpus import format_cpu_list, run_on
 from launch.processes import free_port
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-NETOPTIM_MODES = ("full", "layerwise")
-DEEPSPEED_MODES = ("zero2", "zero3")
-# compute: forward and backward alone (the GPU's share of any step); torch: the model and
-# torch.optim.AdamW(fused=True) all on the GPU (the ceiling where it fits).
-MODES = ("compute", "torch", "zero2", "full", "zero3", "layerwise")
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
 

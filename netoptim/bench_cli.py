@@ -177,7 +177,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_gpu_parser(which: argparse._SubParsersAction) -> None:
-    from benchmarks.gpu_modes import MODES
+    from benchmarks.gpu_mode_names import MODES
     from job.placement import DEFAULT_BUCKET_NUMEL
 
     gpu = which.add_parser(

@@ -167,3 +167,12 @@ def test_plan_calibrates_here_and_ranks_configurations(tmp_path):
 def test_plan_refuses_bad_flags(flags, message, capsys, caplog):
     code, stderr = in_process(["plan", *flags], capsys, caplog)
     assert code != 0 and message in stderr, stderr
+
+
+def test_the_command_line_is_built_without_importing_torch():
+    """``netoptim --help`` and every subcommand's flags answer at once: torch (seconds to import) is
+    imported by the commands that run, not by the parser."""
+    probe = "import sys; from netoptim.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
