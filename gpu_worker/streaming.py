@@ -245,18 +245,18 @@ class LayerStreamer:
         if header.numel != bucket.numel or header.dtype != self.session.job.wire_dtype:
             raise RuntimeError(f"node {self.session.nodes[node_index]} sent bucket {bucket.bucket_id} as {header.numel} x {header.dtype}")
         segments = self._aliases.install(bucket, message, unit.step)  # on CPU, read in place where it can be
+        if not self._copier.cuda:  # the rest is copied, into storage allocated now (on a GPU, at the request)
+            for seg in segments:
+                self._aliases.will_copy(seg.param_index, unit.step)
+                if self.params[seg.param_index].untyped_storage().nbytes() == 0:
+                    self._allocate(self.params[seg.param_index])
         for chunk_offset, view in message.tensors:
             chunk_end = chunk_offset + view.numel()
             for seg in segments:
                 low, high = max(seg.bucket_offset, chunk_offset), min(seg.bucket_offset + seg.numel, chunk_end)
                 if low < high:
-                    param = self.params[seg.param_index]
-                    if not self._copier.cuda:
-                        self._aliases.will_copy(seg.param_index, unit.step)
-                        if param.untyped_storage().nbytes() == 0:
-                            self._allocate(param)
                     start = seg.param_offset + low - seg.bucket_offset
-                    target = param.data.view(-1)[start : start + high - low]
+                    target = self.params[seg.param_index].data.view(-1)[start : start + high - low]
                     self._copier.copy(target, view[low - chunk_offset : high - chunk_offset])
         if len(segments) < len(bucket.segments):  # read in place until the unit is pushed or let go, checked then
             self._aliases.hold(unit.index, message, self.session.nodes[node_index])
