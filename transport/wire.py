@@ -373,8 +373,9 @@ def payload_views(
     :class:`WireError` when the size is over ``max_bytes`` or the bytes do not match the declaration.
     ``read_only``: the chunks are read-only memory whose views are only read (a node's parameter
     board), viewed as they are instead of copied to make them writable. ``whole``: a buffer the
-    chunks are consecutive slices of, from its start: the views are then slices of one tensor over
-    it, so that a receiver can view a stretch that crosses chunks (a worker computing from a board).
+    chunks are consecutive slices of, from its start: the payload is then one view over it, so that
+    a receiver can view a stretch that crosses chunks (a worker computing from a board) and copy the
+    payload out in one piece (on a GPU, one host-to-device copy a bucket instead of one a chunk).
     """
     expected = header.payload_bytes
     if expected > max_bytes:
@@ -403,13 +404,11 @@ def payload_views(
             # transport copied into bytes) is copied once more so every view is writable. A board's
             # chunks are read-only and only read: torch's warning about such buffers comes once per
             # process, and the board's own mapping (SharedWindow) took it, silenced.
-            if base is not None:
-                views.append((offset, base[offset : offset + len(chunk) // itemsize]))
-            else:
+            if base is None:
                 writable = chunk if read_only or not chunk.readonly else memoryview(bytearray(chunk))
                 views.append((offset, torch.frombuffer(writable, dtype=dtype)))
         offset += len(chunk) // itemsize
-    return views
+    return [(0, base)] if base is not None else views
 
 
 def error_header(code: ErrorCode, message: str, *, bucket_id: int = -1, step: int = -1) -> Header:
