@@ -2,7 +2,8 @@
 step its predecessor left unfinished and pushes only what the nodes lack), and after a node came back
 (what it lost of this worker's gradients, or why going on would mix steps).
 
-Pure decisions over the worker's bookkeeping; :class:`gpu_worker.session.OffloadSession` acts on them.
+Pure decisions over the worker's bookkeeping; :class:`gpu_worker.session.OffloadSession` (at registration)
+and :class:`gpu_worker.node_recovery.NodeRecovery` (after a node came back) act on them.
 """
 
 from __future__ import annotations

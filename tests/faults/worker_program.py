@@ -21,9 +21,9 @@ import signal
 import torch
 
 from gpu_worker import RemoteAdamW, offload
+from gpu_worker.awaited_values import AwaitedValues
 from gpu_worker.gradient_pushes import GradientPushes
 from gpu_worker.models import GPT, GPTConfig
-from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
@@ -88,13 +88,13 @@ def install(plan: DeathPlan, model: GPT) -> None:
         return push_run(pushes, run, *args, **kwargs)
 
     GradientPushes.push_run = push_batch
-    install_full = OffloadSession._install
+    install_full = AwaitedValues.install
 
-    def installed(session, *args, **kwargs):
-        install_full(session, *args, **kwargs)
+    def installed(values, *args, **kwargs):
+        install_full(values, *args, **kwargs)
         plan.event("pull")
 
-    OffloadSession._install = installed
+    AwaitedValues.install = installed
     on_params = LayerStreamer._on_params
 
     def arrived(streamer, *args, **kwargs):

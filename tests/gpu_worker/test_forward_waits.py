@@ -52,7 +52,7 @@ def test_each_module_waits_for_its_own_buckets_and_training_stays_bitwise(start_
         if step > 0:
             # The forward's first layer: its buckets are in (and what else had come), the step still open.
             hidden = model[0](x)
-            assert session.awaiting_values and not (first & session._waiting)
+            assert session.awaiting_values and not (first & session._values.waiting)
             assert all(torch.equal(a, b) for a, b in zip(model[0].parameters(), reference[0].parameters(), strict=True))
             del hidden
         awaited.clear()
