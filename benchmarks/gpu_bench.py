@@ -258,6 +258,7 @@ def _run(args: argparse.Namespace) -> dict:
         prefetch=args.prefetch,
         bucket_numel=args.bucket_numel,
         overlap_forward=args.overlap_forward,
+        keep_step_gradients=args.keep_step_gradients,
     )
     report |= {
         "gpu": properties.name,

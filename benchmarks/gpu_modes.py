@@ -35,6 +35,7 @@ class ModeSettings:
     prefetch: int = 2
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     overlap_forward: bool = True  # full model: the next forward waits per module (RemoteAdamW(overlap_forward=True))
+    keep_step_gradients: bool = True  # full model: RemoteAdamW(keep_step_gradients=...)
     nodes: list[str] = field(default_factory=list)
     node_pids: list[int] = field(default_factory=list)
     node_admins: list[str] = field(default_factory=list)
@@ -178,7 +179,14 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
         if mode == "torch":
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
         elif mode == "full":
-            opt = RemoteAdamW(model.named_parameters(), push_during_backward=True, overlap_forward=settings.overlap_forward, module=model, **options)
+            opt = RemoteAdamW(
+                model.named_parameters(),
+                push_during_backward=True,
+                overlap_forward=settings.overlap_forward,
+                keep_step_gradients=settings.keep_step_gradients,
+                module=model,
+                **options,
+            )
     init_s = time.perf_counter() - started_init
     forward = engine if engine is not None else model
     if cuda:

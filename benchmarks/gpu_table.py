@@ -27,6 +27,8 @@ def _settings(settings: dict) -> str:
     parts = [f"buckets of {settings['bucket_numel']:,} elements"] if "bucket_numel" in settings else []
     if "overlap_forward" in settings:
         parts.append(f"overlap_forward {'on' if settings['overlap_forward'] else 'off'}")
+    if settings.get("keep_step_gradients") is False:  # the default says nothing
+        parts.append("step gradients let go once pushed")
     if settings.get("node_threads"):
         parts.append(f"{settings['nodes']} node(s) of {settings['node_threads']} update threads")
     if settings.get("node_args"):

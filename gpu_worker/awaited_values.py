@@ -69,10 +69,14 @@ class AwaitedValues:
 
     ``waiting``: the buckets whose new values the open step waits for; ``first_awaited``: no bucket
     below it is awaited (:meth:`await_upto` moves it up, a reconnect down); ``grads``: the open
-    step's gradients, kept so that a node that restarts mid-step gets them again; ``awaiting``:
-    between :meth:`begin` and the end of :meth:`complete`."""
+    step's gradients, kept so that a node that restarts mid-step gets them again (with
+    ``keep_gradients`` off, only while the step's pushes go out); ``awaiting``: between
+    :meth:`begin` and the end of :meth:`complete`."""
 
-    def __init__(self, session: ValuesSession, pushes: GradientPushes, refusals: RefusedGradients, installer: ValueInstaller) -> None:
+    def __init__(
+        self, session: ValuesSession, pushes: GradientPushes, refusals: RefusedGradients, installer: ValueInstaller, *, keep_gradients: bool = True
+    ) -> None:
+        self.keep_gradients = keep_gradients
         self._session = session
         self._pushes = pushes
         self._refusals = refusals
@@ -108,6 +112,8 @@ class AwaitedValues:
         self.first_awaited = 0
         self.grads = (grads, hypers)  # a node that restarts mid-step gets them again
         self._pushes.push_remaining(grads, hypers)
+        if not self.keep_gradients:  # RemoteAdamW(keep_step_gradients=False): their memory goes with the caller's zero_grad()
+            self.grads = None
         for bucket_id in sorted(self._pushes.skipped):  # their new values went to the process this one replaces
             session.request(bucket_id, session.bucket_steps[bucket_id] + 1)
         self._pushes.skipped.clear()

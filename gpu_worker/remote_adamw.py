@@ -106,7 +106,15 @@ class RemoteAdamW(RemoteOptimizer):
             forward (an EMA, norms for a log) only after :meth:`synchronize`; ``state_dict()`` of the
             optimizer or the module, the end of the module's forward and the next ``step()`` call it.
             A step's gradients are held until its values are in (pushed again to a node that
-            restarts meanwhile), through the next forward. See :mod:`gpu_worker.forward_waits`.
+            restarts meanwhile), through the next forward, unless ``keep_step_gradients=False``.
+            See :mod:`gpu_worker.forward_waits`.
+        keep_step_gradients: full-model mode: hold each step's gradients until its new values are in,
+            so that a node that restarts in the middle of the step (``netoptim node --resume``) gets
+            them pushed again and the job goes on (the default). ``False`` lets them go once the
+            step's pushes are out: with ``overlap_forward`` the next forward's activations then do not
+            come on top of them on the GPU (on a 1.0B GPT, about a gradient's size of GPU memory
+            less), and a node that restarts mid-step stops this worker with a ``RuntimeError`` that
+            says to restart it (it redoes the step), as a layer-wise worker, which keeps none, does.
         node_bandwidths: each node's link bandwidth (any unit, one number per node, the same on every
             rank): a node gets a share of the buckets in proportion, so a slower link is not the
             step's bottleneck. Default: equal shares.

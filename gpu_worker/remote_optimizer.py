@@ -93,6 +93,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         local_size: int = 1,
         node_bandwidths: Sequence[float] | None = None,
         overlap_forward: bool = False,
+        keep_step_gradients: bool = True,
     ) -> None:
         """Register the job with the nodes and start; the optimizer's options are documented on the class."""
         if overlap_forward and (units is not None or module is None):
@@ -127,7 +128,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
         curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
         self._session_owner = id(self)  # see __del__
         self._session = OffloadSession(
-            nodes, job, rank, tensors, timeouts=timeouts, curve=curve, same_host=same_host_ipc, connections_per_node=connections_per_node
+            nodes,
+            job,
+            rank,
+            tensors,
+            timeouts=timeouts,
+            curve=curve,
+            same_host=same_host_ipc,
+            connections_per_node=connections_per_node,
+            keep_step_gradients=keep_step_gradients,
         )
         self._owner_thread = threading.get_ident()
         self._sync_enabled = True

@@ -89,8 +89,9 @@ def gradients_lost(address: str, node_step: int, contributed: set[int], needs_in
     # Pushed for the node's step (not an earlier one whose values are installed), and not held there.
     lost = [b for b in mine if node_step == step and progress.pushed.get(b) == node_step and b not in contributed]
     if lost and not progress.keeps_gradients:
+        keeper = "layer-wise workers do not keep" if progress.layerwise else "this worker let go once pushed (keep_step_gradients=False)"
         raise RuntimeError(
-            f"node {address} restarted in the middle of step {step} and lost this worker's gradients of {len(lost)} bucket(s), which layer-wise "
-            f"workers do not keep: restart the worker (it redoes step {step})"
+            f"node {address} restarted in the middle of step {step} and lost this worker's gradients of {len(lost)} bucket(s), which {keeper}: "
+            f"restart the worker (it redoes step {step})"
         )
     return step, lost

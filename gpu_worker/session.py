@@ -61,6 +61,7 @@ class OffloadSession:
         curve: CurveClientConfig | None = None,
         same_host: bool = True,
         connections_per_node: int = 1,
+        keep_step_gradients: bool = True,
     ) -> None:
         job.validate()
         if len(nodes) != job.num_nodes:
@@ -112,7 +113,7 @@ class OffloadSession:
         self._exchange = BucketExchange(self._connections)
         self._registration = NodeRegistration(self._connections, self.nodes, self.pushes.batching_nodes)
         # full mode: the values pulled at connect and awaited after each step's pushes, installed as they come
-        self._values = AwaitedValues(self, self.pushes, self._refusals, self._installer)
+        self._values = AwaitedValues(self, self.pushes, self._refusals, self._installer, keep_gradients=keep_step_gradients)
         # each message from the nodes to its place; the PULLs not answered yet; rank 0's norm totals
         self._messages = NodeMessages(
             self, self._connections, self.news, self._refusals, self.pushes.batching_nodes, collect_refusal=self._values.collect_refusal

@@ -216,6 +216,14 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         "all of them, so the forward overlaps the node's last updates (default: on)",
     )
     gpu.add_argument(
+        "--keep-step-gradients",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="full model: RemoteAdamW(keep_step_gradients=...): hold each step's gradients until its values are in, so that a node restarted "
+        "mid-step gets them again; with --overlap-forward they then stay on the GPU through the next forward (off: let go once pushed, "
+        "a gradient's size of GPU memory less) (default: on)",
+    )
+    gpu.add_argument(
         "--bucket-numel",
         type=positive_int,
         default=DEFAULT_BUCKET_NUMEL,

@@ -59,6 +59,30 @@ def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, 
     assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))
 
 
+def test_workers_that_let_their_gradients_go_are_told_to_restart_and_then_end_bitwise(start_node, tmp_path, uninterrupted):
+    """keep_step_gradients=False: a node restarted mid-step lost pushes the workers no longer hold;
+    they stop with an error that says to restart them, and restarted (fresh workers that resume at the
+    nodes' step) the job ends where an uninterrupted run ends."""
+    checkpoints = str(tmp_path / "checkpoints")
+    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", "update:5"))
+    address = node.address
+
+    def restart_when_dead() -> None:
+        assert node.process.wait(30) == EXIT_STATUS
+        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--resume"))
+
+    restarter = threading.Thread(target=restart_when_dead)
+    restarter.start()
+    options = dict(FAST, **OVERLAPPED, keep_step_gradients=False)
+    _params, errors = train(address, **options)
+    restarter.join()
+    assert errors and all(isinstance(e, RuntimeError) for e in errors), errors
+    assert all("keep_step_gradients=False): restart the worker (it redoes step" in str(e) for e in errors), errors
+    params, errors = train(address, **options)  # the workers restarted
+    assert not errors, errors
+    assert all(torch.equal(a, b) for a, b in zip(params, uninterrupted, strict=True))
+
+
 def test_a_node_back_at_an_older_step_stops_the_workers(start_node, tmp_path):
     checkpoints = str(tmp_path / "checkpoints")
     node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", "update:11"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 
 import pytest
 import torch
@@ -68,6 +69,32 @@ def test_each_module_waits_for_its_own_buckets_and_training_stays_bitwise(start_
         torch_opt.zero_grad()
     opt.synchronize()
     assert not session.awaiting_values
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    opt.close()
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "let-go"])
+def test_the_step_gradients_live_until_its_values_are_in_unless_let_go(start_node, keep):
+    """Kept (the default), a step's gradients outlive ``zero_grad()`` until the next forward brought its
+    values in (a node restarted meanwhile gets them again); let go (``keep_step_gradients=False``),
+    ``zero_grad()`` frees them at once, so the next forward's activations do not come on top of them,
+    and the values are the same."""
+    model, reference = make_model(), make_model()
+    opt = overlapped(start_node().address, model, keep_step_gradients=keep)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        model(batch(step)).pow(2).mean().backward()
+        grads = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.step()
+        assert opt._session.awaiting_values, "step() returned with the values still to come"
+        opt.zero_grad()
+        alive = sum(g() is not None for g in grads)
+        assert alive == (len(grads) if keep else 0), f"{alive} of {len(grads)} gradients alive after zero_grad()"
+        reference(batch(step)).pow(2).mean().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    opt.synchronize()
+    assert all(g() is None for g in grads), "the last step's gradients go once its values are in"
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
     opt.close()
 

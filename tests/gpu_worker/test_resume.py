@@ -48,6 +48,17 @@ def test_a_layerwise_worker_cannot_push_lost_gradients_again() -> None:
     assert gradients_lost("n0", 5, {0, 1}, False, ahead) == (6, [])
 
 
+def test_a_full_model_worker_that_let_its_gradients_go_is_told_to_restart() -> None:
+    """RemoteAdamW(keep_step_gradients=False): the pushed gradients a restarted node lost cannot go
+    again; the worker is told so, and what to do, instead of waiting for values that never come."""
+    pushed = _progress(pushed={0: 5, 1: 5}, keeps_gradients=True)
+    assert gradients_lost("n0", 5, {1}, False, pushed) == (5, [0])  # kept: pushed again
+    let_go = _progress(pushed={0: 5, 1: 5}, keeps_gradients=False)
+    with pytest.raises(RuntimeError, match=r"let go once pushed \(keep_step_gradients=False\): restart the worker \(it redoes step 5\)"):
+        gradients_lost("n0", 5, {1}, False, let_go)
+    assert gradients_lost("n0", 5, {0, 1}, False, let_go) == (5, [])  # the node holds both: nothing lost
+
+
 def test_norm_totals_add_in_node_order_and_answer_a_repeat_with_the_same_total() -> None:
     sent: list[tuple[int, Header]] = []
     totals = NormTotals()

@@ -189,3 +189,6 @@ def test_the_table_for_people_gives_each_mode_its_ratios_and_the_nodes_last_step
     settings = {"bucket_numel": 4194304, "overlap_forward": False, "nodes": 1, "node_threads": 13, "node_args": ["--pass-thread"]}
     first = table({"settings": settings, "sizes": {}}).splitlines()[0]
     assert first == "netoptim: buckets of 4,194,304 elements, overlap_forward off, 1 node(s) of 13 update threads, node flags --pass-thread"
+    settings |= {"overlap_forward": True, "keep_step_gradients": False}
+    first = table({"settings": settings, "sizes": {}}).splitlines()[0]
+    assert "overlap_forward on, step gradients let go once pushed, 1 node(s)" in first
