@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the last blocks' updates while the first ones compute)",
     )
     parser.add_argument(
+        "--no-keep-step-gradients",
+        dest="keep_step_gradients",
+        action="store_false",
+        help="full model: let each step's gradients go once pushed (RemoteAdamW(keep_step_gradients=False)): with --overlap-forward a "
+        "gradient's size of GPU memory less through the next forward; a node restarted mid-step then stops the workers, saying to restart them",
+    )
+    parser.add_argument(
         "--pace-window-kib",
         type=int,
         default=0,
@@ -154,10 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     global_batch = args.global_batch or 8 * world_size
     if global_batch % world_size:
         raise SystemExit(f"--global-batch {global_batch} is not divisible by the {world_size} workers")
-    if args.layerwise and (args.push_during_backward or args.pace_window_kib or args.overlap_forward):
+    if args.layerwise and (args.push_during_backward or args.pace_window_kib or args.overlap_forward or not args.keep_step_gradients):
         raise SystemExit(
-            "--push-during-backward, --pace-window-kib and --overlap-forward are for the full model: layer-wise workers always push as backward "
-            "goes and fetch each block for its forward"
+            "--push-during-backward, --pace-window-kib, --overlap-forward and --no-keep-step-gradients are for the full model: layer-wise "
+            "workers always push as backward goes, keep no gradients and fetch each block for its forward"
         )
     if args.pace_window_kib < 0 or (args.pace_window_kib and not args.push_during_backward):
         raise SystemExit("--pace-window-kib needs --push-during-backward and a positive size")
@@ -179,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             options["pace_window_bytes"] = args.pace_window_kib * 1024
         if args.overlap_forward:
             options |= {"overlap_forward": True, "module": model}
+        if not args.keep_step_gradients:
+            options["keep_step_gradients"] = False
         optimizer = RemoteAdamW(param_groups(model), push_during_backward=args.push_during_backward, **options)
     start_step = optimizer.remote_step  # non-zero when the nodes already trained this job
     schedule = lr_lambda(args.steps)

@@ -28,6 +28,7 @@ def test_paced_pushes_and_overlapped_forwards_train_as_pushes_at_step(tmp_path, 
     paced = train(tmp_path, "paced", "--push-during-backward", "--pace-window-kib", "4", capfd=capfd)  # a window below one bucket: every push waits
     assert paced == plain
     assert train(tmp_path, "overlapped", "--overlap-forward", capfd=capfd) == plain
+    assert train(tmp_path, "let-go", "--overlap-forward", "--no-keep-step-gradients", capfd=capfd) == plain
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,7 @@ def test_paced_pushes_and_overlapped_forwards_train_as_pushes_at_step(tmp_path, 
         (["--pace-window-kib", "4"], "needs --push-during-backward"),
         (["--layerwise", "--push-during-backward"], "are for the full model"),
         (["--layerwise", "--overlap-forward"], "are for the full model"),
+        (["--layerwise", "--no-keep-step-gradients"], "are for the full model"),
     ],
 )
 def test_pacing_flags_that_cannot_work_are_refused(flags, message):
