@@ -197,6 +197,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     loss = torch.zeros(())
     timed_from = waited = transferred = 0.0
     shared_before: dict[str, int] = {}
+    copied_before: dict[str, int] = {}
     for step in range(settings.warmup + settings.steps):
         if step == settings.warmup:
             if cuda:
@@ -209,6 +210,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
             if session is not None:
                 session.take_timings()
                 shared_before = session.shared_memory_bytes
+                copied_before = opt.device_copy_bytes
         _logits, loss = forward(*batch_for(config, step, settings, device))
         if engine is not None:
             engine.backward(loss)
@@ -245,6 +247,9 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
         # gathered straight into the node's window), received (parameters; board: read off the node's board)
         shared = session.shared_memory_bytes
         report["shared_memory_mb_per_step"] = {key: (shared[key] - shared_before.get(key, 0)) / settings.steps / 2**20 for key in shared}
+        # parameters copied up to the GPU: straight from page-locked windows and boards, or staged (a CPU copy first)
+        copied = opt.device_copy_bytes
+        report["host_to_device_mb_per_step"] = {key: (copied[key] - copied_before.get(key, 0)) / settings.steps / 2**20 for key in copied}
     if settings.node_admins:
         report["nodes"] = node_status(settings.node_admins)
     if stats is not None:

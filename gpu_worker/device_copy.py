@@ -87,6 +87,10 @@ class HostToDevice:
     def __init__(self, device: torch.device, staging_numel: int, staging_buffers: int = 4) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        # Bytes copied up straight from page-locked windows and boards, and through the staging buffers
+        # (a CPU memcpy first, on the worker's thread): where the installs' time goes.
+        self.direct_bytes = 0
+        self.staged_bytes = 0
         if self.cuda:
             self._stream = torch.cuda.Stream(device=device)
             # Pinned staging buffers, each with the event of the copy that last read it.
@@ -114,12 +118,14 @@ class HostToDevice:
                 done = host_waitable_event()
                 done.record(self._stream)
             self._held.append((source, done))
+            self.direct_bytes += source.numel() * source.element_size()
             return
         staging, last_use = self._staging.popleft()
         if last_use is not None:
             wait_on_host(last_use)  # the copy that read this buffer before has finished
         piece = staging.view(torch.uint8)[: source.numel() * source.element_size()].view(source.dtype)
         piece.copy_(source)
+        self.staged_bytes += source.numel() * source.element_size()
         with torch.cuda.stream(self._stream):
             target.copy_(piece, non_blocking=True)
             done = host_waitable_event()

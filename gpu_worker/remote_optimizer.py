@@ -257,6 +257,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return self._session.shared_memory_bytes
 
     @property
+    def device_copy_bytes(self) -> dict[str, int]:
+        """On a GPU: parameter bytes copied up to the device, ``direct`` from same-host nodes'
+        page-locked windows and boards, ``staged`` through pinned buffers (a CPU copy first); zeros on CPU."""
+        return self._session.device_copy_bytes if self._streamer is None else self._streamer.device_copy_bytes
+
+    @property
     def stream_stats(self) -> StreamStats | None:
         """Layer-wise mode: fetch waits, transfer times and the peak parameter bytes this worker held."""
         return None if self._streamer is None else self._streamer.stats

@@ -218,6 +218,12 @@ class OffloadSession:
         return self._connections.shared_memory_bytes() | {"sent_in_place": self.pushes.sender.in_place_bytes}
 
     @property
+    def device_copy_bytes(self) -> dict[str, int]:
+        """Full mode on a GPU: value bytes copied up, ``direct`` from page-locked windows and boards,
+        ``staged`` through pinned buffers."""
+        return self._installer.device_copy_bytes
+
+    @property
     def connection_addresses(self) -> list[str]:
         """Where each node connection goes: the address given, or the node's same-host socket."""
         return self._connections.addresses

@@ -131,6 +131,12 @@ class LayerStreamer:
 
     # ---------------------------------------------------------------- setup
 
+    @property
+    def device_copy_bytes(self) -> dict[str, int]:
+        """On a GPU: unit bytes copied up, ``direct`` from page-locked windows and boards, ``staged``
+        through pinned buffers."""
+        return {"direct": self._copier.direct_bytes, "staged": self._copier.staged_bytes}
+
     def connect(self) -> None:
         """Register the job; rank 0 sends initial values unit by unit (materializing, initializing and
         freeing each in turn, so the model is never whole here); every unit ends freed."""

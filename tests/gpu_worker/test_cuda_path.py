@@ -92,6 +92,8 @@ def train_offloaded(
                 assert opt._session.pushes.sender.staged_pushes >= STEPS and opt._session.pushes.sender.vouched_pushes >= STEPS
             # the nodes are on this host: gradients were copied off the GPU straight into their windows
             assert opt.shared_memory_bytes["sent_in_place"] > 0, opt.shared_memory_bytes
+            # and values were copied up straight from their windows and boards, page-locked for the device
+            assert opt.device_copy_bytes["direct"] > 0, opt.device_copy_bytes
             results[rank] = {name: value.cpu() for name, value in opt.gather_parameters().items()}
             opt.close()
         except BaseException as exc:

@@ -58,6 +58,7 @@ def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
         assert set(report["worker_phases_s_per_step"]) == {"gather_s", "send_s", "wait_s", "install_s"}
         shared = report["shared_memory_mb_per_step"]
         assert (shared["sent"] == shared["received"] == 0) == (mode == "full"), shared
+        assert report["host_to_device_mb_per_step"] == {"direct": 0.0, "staged": 0.0}  # on a GPU: straight from windows and boards, or staged
     if mode == "layerwise":
         assert 0 <= report["comm_hidden_fraction"] <= 1
     if pinned:  # where each process ran, read from the processes themselves

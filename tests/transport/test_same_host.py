@@ -115,6 +115,7 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerw
             opt.step()
             opt.zero_grad()
         moved[rank] = opt.shared_memory_bytes
+        assert opt.device_copy_bytes == {"direct": 0, "staged": 0}, "a CPU worker copies nothing up to a device"
         finals[rank] = list(opt.gather_parameters().values())  # in the model's order
         opt.close()
 
