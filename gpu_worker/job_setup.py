@@ -1,19 +1,26 @@
-"""A worker's side of a job's description: its rank and width, and the job spec its param groups,
-units and options make (the layout every rank and node derives the same buckets from)."""
+"""A worker's side of a job's description: its rank and width, the options checked against each
+other, and the job spec its param groups, units and options make (the layout every rank and node
+derives the same buckets from), extended when a param group is added."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from gpu_worker.forward_waits import check_held
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.units import UnitPlan
 from job.placement import default_bucket_numel
 from job.spec import JobSpec
 from transport.wire import dtype_name
+
+if TYPE_CHECKING:
+    from gpu_worker.session import OffloadSession
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -30,6 +37,39 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     except ValueError:
         raise ValueError(f"RANK={env_rank!r} and WORLD_SIZE={env_world!r} must be integers") from None
     return resolved_rank, resolved_world
+
+
+def check_options(
+    *,
+    units: UnitPlan | None,
+    module: torch.nn.Module | None,
+    overlap_forward: bool,
+    curve_secret_key: str | None,
+    curve_server_key: str | None,
+    join_at_step: int | None,
+    push_during_backward: bool,
+    pace_window_bytes: int | None,
+    push_window_bytes: int,
+    max_grad_norm: float | None,
+) -> None:
+    """``ValueError`` for a remote optimizer's options that do not go together, or not with the job's
+    mode (``units``: layer-wise); checked before any connection opens, so the nodes never hear of it."""
+    if overlap_forward and (units is not None or module is None):
+        raise ValueError(
+            "overlap_forward needs module= (the model whose forward waits for its parameters' new values) and full-model mode "
+            "(layer-wise mode fetches each unit for its forward already)"
+        )
+    if bool(curve_secret_key) != bool(curve_server_key):
+        raise ValueError("curve_secret_key and curve_server_key go together")
+    if join_at_step is not None and units is not None:  # a worker joining a running job: the nodes take it, at the new width, from that step
+        raise ValueError("a layer-wise job cannot change its width: join_at_step is for full-model jobs")
+    if pace_window_bytes is not None:
+        if units is not None or not push_during_backward:
+            raise ValueError("pace_window_bytes paces the pushes of a full-model worker that pushes during backward (push_during_backward=True)")
+        if max_grad_norm is not None:  # no values come back before every gradient is in: a window would wait for ever
+            raise ValueError("pace_window_bytes cannot go with max_grad_norm: clipped values come back only once every gradient is in")
+    if units is not None and push_window_bytes <= 0:
+        raise ValueError(f"push_window_bytes must be positive, got {push_window_bytes}")
 
 
 def job_from_groups(
@@ -69,3 +109,23 @@ def job_from_groups(
         node_weights=tuple(float(b) for b in node_bandwidths) if node_bandwidths else (),
     )
     return job, tensors
+
+
+def extend_job(
+    session: OffloadSession, param_groups: list[dict], params: Sequence[torch.Tensor], *, overlap_module: torch.nn.Module | None
+) -> list[torch.Tensor]:
+    """A full-model job's parameters in layout order once a param group was added (the last of
+    ``param_groups``; ``params``: the job's parameters before it), the nodes told of them in new buckets
+    (:meth:`OffloadSession.extend`). On a refusal the group is taken off ``param_groups`` again."""
+    known = {id(p) for p in params}
+    specs, tensors = layout_from_groups(param_groups)
+    try:
+        if any(id(p) in known for p in tensors[len(params) :]) or [id(p) for p in tensors[: len(params)]] != [id(p) for p in params]:
+            raise ValueError("the added param group must hold only parameters new to this optimizer")
+        if overlap_module is not None:
+            check_held(overlap_module, tensors)
+        session.extend(dataclasses.replace(session.job, params=tuple(specs)), tensors)
+    except BaseException:
+        param_groups.pop()
+        raise
+    return tensors

@@ -4,6 +4,7 @@ installing received values back into the parameters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -52,6 +53,18 @@ class GradsOf:
 
     def __getitem__(self, index: int) -> torch.Tensor | None:
         return self._params[index].grad
+
+
+def step_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients ``step()`` pushes, one per layout parameter (None: none), checked: dense, each
+    with its parameter's number of elements."""
+    grads = [p.grad for p in params]
+    for param, grad in zip(params, grads, strict=True):
+        if grad is not None and grad.is_sparse:
+            raise TypeError("RemoteAdamW does not support sparse gradients")
+        if grad is not None and not math.prod(grad.shape) == param.numel():
+            raise ValueError("a gradient's shape differs from its parameter's")
+    return grads
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ join them, so a run moves from torch to netoptim and back and continues bit for 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,60 @@ STATE_KEYS: dict[str, tuple[tuple[tuple[str, str], ...], bool]] = {
 }
 """Per rule: (torch's state key, the node's part) for each moment, and whether torch keeps ``step``.
 A rule without ``step`` in torch still has one on the node (SGD's first step starts its buffer)."""
+
+
+class NodeHeldState(collections.defaultdict):
+    """``optimizer.state`` of a remote optimizer: empty on the worker (the state is on the nodes) but
+    true, because tools take an empty state for one not made yet and make it by running a step with
+    zero gradients and a zero learning rate (``torch.distributed.checkpoint.state_dict``): on the
+    nodes that step would count, and decay the moments."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def torch_indices(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """Each parameter's index in torch's state dict: its place over the param groups, in order."""
+    return {id(p): i for i, p in enumerate(p for group in param_groups for p in group["params"])}
+
+
+def with_node_state(
+    state: dict[str, Any], session: OffloadSession, params: Sequence[torch.Tensor], param_groups: Sequence[dict[str, Any]], group_keys: dict[str, Any]
+) -> dict[str, Any]:
+    """A remote optimizer's ``state_dict()``: torch's (``state``: the param groups, no per-parameter
+    state) completed with what torch's optimizer of the rule keeps in each group (``group_keys``), the
+    state gathered from the nodes, and under ``"netoptim"`` the nodes, their step and the world size.
+    Between steps (the last update applied)."""
+    for group in state["param_groups"]:  # torch AdamW's own keys; the nodes run its fused kernel, so a torch run resumed from here uses it too
+        for key, value in group_keys.items():
+            group.setdefault(key, value)
+    state["state"] = gather_state(session, params, torch_indices(param_groups))
+    state["netoptim"] = {
+        "state_location": "optimizer_nodes",
+        "nodes": list(session.nodes),
+        "step": session.step,
+        "world_size": session.job.world_size,
+    }
+    return state
+
+
+def entries_to_load(
+    state_dict: dict[str, Any], rule: str, params: Sequence[torch.Tensor], param_groups: Sequence[dict[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, Any] | None]]:
+    """A state dict given to a remote optimizer's ``load_state_dict()``, checked before anything
+    changes: a copy without the ``"netoptim"`` section, and each parameter's entry of its state
+    (:func:`state_entries`; ``params`` in the layout's order, ``param_groups`` the optimizer's)."""
+    state_dict = dict(state_dict)
+    state_dict.pop("netoptim", None)
+    for group in state_dict.get("param_groups", []):
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("the state dict's param groups use amsgrad or maximize, which RemoteAdamW does not support")
+    moments = state_dict.get("state", {})
+    # The state's keys, as torch reads them: the saved groups' "params" (indices, or parameter
+    # names from torch.distributed.checkpoint), in the order of this optimizer's groups.
+    saved_groups = state_dict.get("param_groups", [])
+    key_of = {id(p): key for saved, group in zip(saved_groups, param_groups, strict=False) for key, p in zip(saved["params"], group["params"], strict=False)}
+    return state_dict, state_entries(rule, params, key_of, moments)
 
 
 def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_of: dict[int, int]) -> dict[int, dict[str, Any]]:

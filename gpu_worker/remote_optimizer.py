@@ -5,51 +5,31 @@ RemoteAdamW`, :class:`~gpu_worker.RemoteAdam`, :class:`~gpu_worker.RemoteSGD`,
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
-import logging
-import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from gpu_worker.bucket_readiness import BucketReadiness
 from gpu_worker.buffers import BufferBroadcast
-from gpu_worker.forward_waits import ForwardWaits, check_held
-from gpu_worker.job_setup import job_from_groups, rank_and_world
-from gpu_worker.layout import GradsOf, layout_from_groups
+from gpu_worker.forward_waits import check_held
+from gpu_worker.job_setup import check_options, extend_job, job_from_groups, rank_and_world
+from gpu_worker.layout import step_grads
 from gpu_worker.liveness import WorkerTimeouts
-from gpu_worker.optimizer_state import gather_state, load_state, state_entries
-from gpu_worker.push_courier import PushCourier
-from gpu_worker.push_pacing import PushPacer
-from gpu_worker.session import OffloadSession
-from gpu_worker.streaming import LayerStreamer, StreamStats
+from gpu_worker.optimizer_state import NodeHeldState, entries_to_load, load_state, with_node_state
+from gpu_worker.session_start import start_session
+from gpu_worker.step_hooks import StepHooks
+from gpu_worker.streaming import StreamStats
 from gpu_worker.units import UnitPlan
 from job.discovery import NodeSource, discover_nodes
 from job.hyper import AdamWHyper, validate_for_rule
-from transport.security import CurveClientConfig
-from transport.wire import MsgType
-
-log = logging.getLogger(__name__)
 
 
 def adam_style_hyper(group: dict[str, Any]) -> AdamWHyper:
     """A param group with ``lr``, ``betas``, ``eps`` and ``weight_decay`` in the wire's five slots."""
     beta1, beta2 = group["betas"]
     return AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
-
-
-class NodeHeldState(collections.defaultdict):
-    """``optimizer.state`` of a remote optimizer: empty on the worker (the state is on the nodes) but
-    true, because tools take an empty state for one not made yet and make it by running a step with
-    zero gradients and a zero learning rate (``torch.distributed.checkpoint.state_dict``): on the
-    nodes that step would count, and decay the moments."""
-
-    def __bool__(self) -> bool:
-        return True
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -96,11 +76,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
         keep_step_gradients: bool = True,
     ) -> None:
         """Register the job with the nodes and start; the optimizer's options are documented on the class."""
-        if overlap_forward and (units is not None or module is None):
-            raise ValueError(
-                "overlap_forward needs module= (the model whose forward waits for its parameters' new values) and full-model mode "
-                "(layer-wise mode fetches each unit for its forward already)"
-            )
+        check_options(
+            units=units,
+            module=module,
+            overlap_forward=overlap_forward,
+            curve_secret_key=curve_secret_key,
+            curve_server_key=curve_server_key,
+            join_at_step=join_at_step,
+            push_during_backward=push_during_backward,
+            pace_window_bytes=pace_window_bytes,
+            push_window_bytes=push_window_bytes,
+            max_grad_norm=max_grad_norm,
+        )
         nodes = discover_nodes(nodes, timeout_s=timeout_s)  # a list as given; a host file or None: resolved by rank 0, shared
         timeouts = WorkerTimeouts(
             timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
@@ -123,98 +110,52 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._params = tensors
         if overlap_forward:
             check_held(module, tensors)  # before the nodes hear of the job
-        if bool(curve_secret_key) != bool(curve_server_key):
-            raise ValueError("curve_secret_key and curve_server_key go together")
-        curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
         self._session_owner = id(self)  # see __del__
-        self._session = OffloadSession(
+        self._owner_thread = threading.get_ident()
+        self._sync_enabled = True
+        self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push
+        self._session, self._streamer = start_session(
             nodes,
             job,
             rank,
             tensors,
             timeouts=timeouts,
-            curve=curve,
-            same_host=same_host_ipc,
+            curve_secret_key=curve_secret_key,
+            curve_server_key=curve_server_key,
+            same_host_ipc=same_host_ipc,
             connections_per_node=connections_per_node,
             keep_step_gradients=keep_step_gradients,
+            join_at_step=join_at_step,
+            pace_window_bytes=pace_window_bytes,
+            units=units,
+            push_window_bytes=push_window_bytes,
+            hypers=self._hypers_of_step,
+            sync_enabled=lambda: self._sync_enabled,
         )
-        self._owner_thread = threading.get_ident()
-        self._sync_enabled = True
-        self._step_hypers: list[AdamWHyper] | None = None  # read once per step, at the first early push
-        self._streamer: LayerStreamer | None = None
-        if join_at_step is not None:  # a worker joining a running job: the nodes take it, at the new width, from that step
-            if units is not None:
-                raise ValueError("a layer-wise job cannot change its width: join_at_step is for full-model jobs")
-            self._session.join_at(join_at_step)
-        try:
-            if pace_window_bytes is not None:  # inside: a refusal closes the connections the session opened
-                if units is not None or not push_during_backward:
-                    raise ValueError("pace_window_bytes paces the pushes of a full-model worker that pushes during backward (push_during_backward=True)")
-                if max_grad_norm is not None:  # no values come back before every gradient is in: a window would wait for ever
-                    raise ValueError("pace_window_bytes cannot go with max_grad_norm: clipped values come back only once every gradient is in")
-                self._session.pacer, self._session.pacer_ack = PushPacer(pace_window_bytes), MsgType.PARAMS
-            if units is None:
-                self._session.connect()
-            else:
-                if push_window_bytes <= 0:
-                    raise ValueError(f"push_window_bytes must be positive, got {push_window_bytes}")
-                self._session.pacer = PushPacer(push_window_bytes)  # acknowledged by the nodes' CONSUMED
-                self._streamer = LayerStreamer(units, self._session, hypers=self._hypers_of_step, sync_enabled=lambda: self._sync_enabled)
-                self._streamer.connect()
-        except BaseException:
-            self._session.close()
-            raise
         self._buffers: BufferBroadcast | None = None
-        if module is not None and broadcast_buffers and world_size > 1 and any(True for _ in module.buffers()):
-            try:
-                self._buffers = BufferBroadcast(module, lambda: self._sync_enabled)
-            except BaseException:
-                self._session.close()
-                raise
-        self._readiness = BucketReadiness()
-        self._overlap_module = module if overlap_forward else None
-        self._forward_waits: ForwardWaits | None = None
-        self._push_early = push_during_backward and units is None
-        # Unpaced full-model pushes staged on autograd's device thread leave from a courier thread (a
-        # paced push may have to wait for values, which only the owner thread receives).
-        self._courier = PushCourier(self._session.wait_staged, self._courier_send) if self._push_early and self._session.pacer is None else None
         try:
-            self._index_buckets(push_during_backward=self._push_early)
+            if module is not None and broadcast_buffers and world_size > 1 and any(True for _ in module.buffers()):
+                self._buffers = BufferBroadcast(module, lambda: self._sync_enabled)
+            # the gradient hooks' early pushes (and their courier) and overlap_forward's waits
+            self._hooks = StepHooks(
+                self._session,
+                owner_thread=self._owner_thread,
+                push_early=push_during_backward and units is None,
+                overlap_module=module if overlap_forward else None,
+                courier_send=self._courier_send,
+            )
+            self._hooks.index(self._params, self._on_grad_ready)
         except BaseException:
             self._session.close()
             raise
-
-    def _take_sockets(self) -> None:
-        """This thread is about to use the connections: the courier sends nothing more of the current
-        backward (what it did not send, ``step()`` sends)."""
-        courier = getattr(self, "_courier", None)
-        if courier is not None:
-            courier.stop()
 
     def _courier_send(self, bucket_id: int) -> None:
         """The courier's push of a staged bucket (its thread holds the sockets meanwhile)."""
-        self._session.push_staged(bucket_id, self._grads, self._hypers_of_step())
+        self._session.push_staged(bucket_id, self._hooks.grads, self._hypers_of_step())
 
-    def _index_buckets(self, *, push_during_backward: bool) -> None:
-        """Which parameters each bucket holds and the other way round, and the early-push hooks of
-        the parameters that have none yet (after construction, or after a param group was added)."""
-        self._grads = GradsOf(self._params)  # the hooks' view of the current gradients (self._params changes with a param group)
-        self._readiness.index(self._session.buckets, self._params)
-        if self._overlap_module is not None:  # the parameters' buckets changed (a param group was added): hooks anew
-            if self._forward_waits is not None:
-                self._forward_waits.remove()
-            session = self._session
-            self._forward_waits = ForwardWaits(
-                self._overlap_module,
-                self._params,
-                self._readiness.param_buckets,
-                awaiting=lambda: session.awaiting_values,
-                await_upto=session.await_values,
-                complete=session.complete_step,
-                owner_thread=self._owner_thread,
-            )
-        if push_during_backward:
-            self._readiness.hook(self._on_grad_ready)
+    def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
+        """The gradient hook of ``push_during_backward`` (:meth:`StepHooks.grad_ready`)."""
+        self._hooks.grad_ready(index, sync_enabled=self._sync_enabled, hypers=self._hypers_of_step)
 
     @property
     def remote_step(self) -> int:
@@ -246,7 +187,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._buffers is not None:
             raise RuntimeError("this optimizer broadcasts buffers over a torch.distributed group of a fixed size: pass broadcast_buffers=False to morph")
         self.synchronize()
-        self._take_sockets()
+        self._hooks.take_sockets()
         self._session.morph(rank, world_size, at_step)
 
     @property
@@ -315,29 +256,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
         finally:
             self._sync_enabled = previous
 
-    def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
-        # On a GPU autograd runs the hooks on its device thread, which must not block (it launches the
-        # rest of backward) nor use the sockets: there the bucket's copy out of the device starts, and
-        # the courier thread sends it once landed (or step(), what the courier did not send).
-        foreign = threading.get_ident() != self._owner_thread
-        if self._session.awaiting_values:  # overlap_forward, and a backward whose forward did not end the step
-            if foreign:
-                raise RuntimeError(
-                    "backward began while the last step's values were still awaited (overlap_forward): call the forward of the module "
-                    "given as module= (its end completes the step), or optimizer.synchronize() before backward"
-                )
-            self.synchronize()
-        if not self._sync_enabled:
-            return
-        for bucket_id in self._readiness.mark(index, self._session.job.params[index].name):
-            if not self._session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
-                if foreign:
-                    staged = self._session.stage_bucket(bucket_id, self._grads)
-                    if staged and self._courier is not None:
-                        self._courier.offer(bucket_id)
-                else:
-                    self._session.push_bucket(bucket_id, self._grads, self._hypers_of_step())
-
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
         """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`):
         ``lr``, ``betas``, ``eps`` and ``weight_decay`` as AdamW and Adam keep them; rules whose groups
@@ -369,24 +287,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hypers = self._hypers_of_step()
-        grads = [p.grad for p in self._params]
-        for param, grad in zip(self._params, grads, strict=True):
-            if grad is not None and grad.is_sparse:
-                raise TypeError("RemoteAdamW does not support sparse gradients")
-            if grad is not None and not math.prod(grad.shape) == param.numel():
-                raise ValueError("a gradient's shape differs from its parameter's")
+        grads = step_grads(self._params)
         try:
-            self._take_sockets()
+            self._hooks.take_sockets()
             if self._streamer is not None:
                 self._streamer.finish_step()
-            elif self._forward_waits is not None:
+            elif self._hooks.forward_waits is not None:
                 self.synchronize()  # a step whose values no forward awaited
                 self._session.begin_step(grads, hypers)  # the next forward installs the values (forward_waits)
             else:
                 self._session.finish_step(grads, hypers)
         finally:
             self._step_hypers = None
-            self._readiness.new_step()
+            self._hooks.readiness.new_step()
         return loss
 
     def synchronize(self) -> None:
@@ -396,12 +309,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         parameters anywhere else (an EMA of the weights, logging their norms). Raises what the step
         would have raised (:class:`~gpu_worker.NonFiniteGradientError` for a refused gradient: the
         step stays open, and ``step()`` again finishes it)."""
-        session = self._session
-        if session.awaiting_values:
-            if threading.get_ident() != self._owner_thread:
-                raise RuntimeError("synchronize() receives on the connections: call it on the thread that built the optimizer")
-            self._take_sockets()
-            session.complete_step()
+        self._hooks.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. Zeroing in place (``set_to_none=False``) waits for the
@@ -410,10 +318,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if not set_to_none:
             self.synchronize()
         super().zero_grad(set_to_none)
-
-    def _torch_indices(self) -> dict[int, int]:
-        """Each parameter's index in torch's state dict: its place over the param groups, in order."""
-        return {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of torch's optimizer of the same rule, gathered from the nodes (AdamW: per
@@ -424,21 +328,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         last update first). Every rank gets the same dict, its moments on each parameter's device and
         in its dtype, as torch keeps them."""
         self.synchronize()
-        self._take_sockets()
+        self._hooks.take_sockets()
         if self._streamer is not None:
             self._streamer.gather()  # waits until every bucket applied the last step
-        state = super().state_dict()
-        for group in state["param_groups"]:  # torch AdamW's own keys; the nodes run its fused kernel, so a torch run resumed from here uses it too
-            for key, value in self.torch_group_keys.items():
-                group.setdefault(key, value)
-        state["state"] = gather_state(self._session, self._params, self._torch_indices())
-        state["netoptim"] = {
-            "state_location": "optimizer_nodes",
-            "nodes": list(self._session.nodes),
-            "step": self.remote_step,
-            "world_size": self._session.job.world_size,
-        }
-        return state
+        return with_node_state(super().state_dict(), self._session, self._params, self.param_groups, self.torch_group_keys)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of torch's optimizer of the same rule (or from :meth:`state_dict`): the
@@ -446,23 +339,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         would from it. Every rank calls it with the same dict, between steps, after loading the model's
         parameters; rank 0 sends the state, and in full mode the parameters' current values as the
         nodes' fp32 masters (fp32 parameters only: lower-precision ones leave the masters as they are)."""
-        state_dict = dict(state_dict)
-        state_dict.pop("netoptim", None)
-        for group in state_dict.get("param_groups", []):
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError("the state dict's param groups use amsgrad or maximize, which RemoteAdamW does not support")
-        moments = state_dict.get("state", {})
-        # The state's keys, as torch reads them: the saved groups' "params" (indices, or parameter
-        # names from torch.distributed.checkpoint), in the order of this optimizer's groups.
-        saved_groups = state_dict.get("param_groups", [])
-        key_of = {
-            id(p): key for saved, group in zip(saved_groups, self.param_groups, strict=False) for key, p in zip(saved["params"], group["params"], strict=False)
-        }
-        entries = state_entries(self.rule, self._params, key_of, moments)  # checked before anything changes
+        state_dict, entries = entries_to_load(state_dict, self.rule, self._params, self.param_groups)  # checked before anything changes
         self.synchronize()
         super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker; checks the groups
         self.state = NodeHeldState(dict)
-        self._take_sockets()
+        self._hooks.take_sockets()
         if self._session.rank == 0:
             with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
             load_state(self._session, self._params, entries, with_params=with_params)
@@ -484,22 +365,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 "layer-wise mode cannot add a param group after the optimizer is made: give every parameter at construction, the ones to train later "
                 "with requires_grad=False, and unfreeze them with requires_grad_(True) when their time comes"
             )
-        known = {id(p) for p in self._params}
         self.synchronize()
-        self._take_sockets()
+        self._hooks.take_sockets()
         super().add_param_group(param_group)
-        specs, tensors = layout_from_groups(self.param_groups)
-        try:
-            if any(id(p) in known for p in tensors[len(self._params) :]) or [id(p) for p in tensors[: len(self._params)]] != [id(p) for p in self._params]:
-                raise ValueError("the added param group must hold only parameters new to this optimizer")
-            if self._overlap_module is not None:
-                check_held(self._overlap_module, tensors)
-            session.extend(dataclasses.replace(session.job, params=tuple(specs)), tensors)
-        except BaseException:
-            self.param_groups.pop()
-            raise
-        self._params = tensors
-        self._index_buckets(push_during_backward=self._push_early)
+        self._params = extend_job(session, self.param_groups, self._params, overlap_module=self._hooks.overlap_module)
+        self._hooks.index(self._params, self._on_grad_ready)
 
     def close(self) -> None:
         """Close the connections to the nodes (also done at garbage collection); with
@@ -510,11 +380,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._close()
 
     def _close(self) -> None:
-        if getattr(self, "_courier", None) is not None:
-            self._courier.close()
-        self._readiness.remove_hooks()
-        if self._forward_waits is not None:
-            self._forward_waits.remove()
+        self._hooks.close()
         if self._streamer is not None:
             self._streamer.remove_hooks()
         if self._buffers is not None:
@@ -527,7 +393,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         # the session and may be collected while the optimizer trains on.
         session = getattr(self, "_session", None)
         if session is not None and getattr(self, "_session_owner", id(self)) == id(self):
-            courier = getattr(self, "_courier", None)
-            if courier is not None:
-                courier.close(wait=False)
+            hooks = getattr(self, "_hooks", None)
+            if hooks is not None and hooks.courier is not None:
+                hooks.courier.close(wait=False)
             session.close()

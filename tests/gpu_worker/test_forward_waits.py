@@ -32,7 +32,7 @@ def overlapped(address: str, model: torch.nn.Module, **options) -> RemoteAdamW:
 
 def buckets_of(opt: RemoteAdamW, module: torch.nn.Module) -> set[int]:
     index = {id(p): i for i, p in enumerate(opt._params)}
-    return {b for p in module.parameters() for b in opt._readiness.param_buckets[index[id(p)]]}
+    return {b for p in module.parameters() for b in opt._hooks.readiness.param_buckets[index[id(p)]]}
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["push-at-step", "push-during-backward"])
@@ -45,7 +45,7 @@ def test_each_module_waits_for_its_own_buckets_and_training_stays_bitwise(start_
     assert max(first) < min(last), "the layout follows the parameters' order"
     session = opt._session
     awaited: list[int] = []
-    waits = opt._forward_waits
+    waits = opt._hooks.forward_waits
     await_upto = waits._await_upto
     waits._await_upto = lambda upto: (awaited.append(upto), await_upto(upto))[1]
     for step in range(4):

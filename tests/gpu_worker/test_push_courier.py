@@ -79,14 +79,14 @@ def test_pushes_leave_during_a_backward_on_another_thread_bitwise_as_adamw(start
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
         x, y = torch.randn(16, 512, generator=generator), torch.randn(16, 4, generator=generator)
-        before = opt._courier.sent
+        before = opt._hooks.courier.sent
         backward = threading.Thread(target=lambda x=x, y=y: (model(x) - y).pow(2).mean().backward())
         backward.start()
         backward.join(30)
         deadline = time.monotonic() + 10
-        while opt._courier.sent < before + staged_buckets and time.monotonic() < deadline:
+        while opt._hooks.courier.sent < before + staged_buckets and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert opt._courier.sent == before + staged_buckets, f"step {step}: the courier sent {opt._courier.sent - before}"
+        assert opt._hooks.courier.sent == before + staged_buckets, f"step {step}: the courier sent {opt._hooks.courier.sent - before}"
         opt.step()
         opt.zero_grad()
         (reference(x) - y).pow(2).mean().backward()
