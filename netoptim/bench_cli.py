@@ -9,6 +9,16 @@ from netoptim.cluster_cli import add_cluster_flags
 from netoptim.plan_cli import add_model_flags
 
 
+def _limits_file(path: str) -> dict:
+    """``--limits-from``: the file's limits, checked as the command line is read."""
+    from benchmarks.gpu_limits_file import load_limits
+
+    try:
+        return load_limits(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     from job.placement import DEFAULT_BUCKET_NUMEL
 
@@ -251,6 +261,14 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         default=True,
         help="measure the box's limits first (bandwidth each way, CPU AdamW, the node's update pass; 30-60 s on a 16-core box); "
         "without them no fraction of the offload limit is reported, as for a second run on a box already measured (default: on)",
+    )
+    gpu.add_argument(
+        "--limits-from",
+        type=_limits_file,
+        default=None,
+        metavar="FILE.json",
+        help="take the box's limits from an earlier run's --out report on the same box instead of measuring them (implies --no-limits): "
+        "each mode's fraction of the offload limit without the 30-60 s (the compute mode must run in this run for it)",
     )
     gpu.add_argument(
         "--node-arg",

@@ -78,6 +78,7 @@ def test_help_runs_from_the_console():
         (["demo", "--workers", "two"], "not an integer"),
         (["bench", "optimizer", "--repeats", "0"], "must be positive"),
         (["bench", "train", "--sizes", "huge"], "sizes are a comma-separated list"),
+        (["bench", "gpu", "--limits-from", "/nonexistent/gpu.json"], "cannot read the limits of /nonexistent/gpu.json"),
         (["plan-memory", "--params", "lots", "--workers", "2"], "not a parameter count"),
         (["node", "--memory-budget", "0"], "must be positive"),
         (["node", "--state-dir", "/tmp/x"], "state_dir and memory_budget go together"),

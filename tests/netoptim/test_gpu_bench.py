@@ -16,6 +16,7 @@ import torch
 
 from benchmarks import gpu_bench
 from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
+from benchmarks.gpu_limits_file import load_limits
 from benchmarks.gpu_modes import ModeSettings
 from launch.host_cpus import format_cpu_list, update_threads
 
@@ -193,3 +194,25 @@ def test_the_table_for_people_gives_each_mode_its_ratios_and_the_nodes_last_step
     settings |= {"overlap_forward": True, "keep_step_gradients": False}
     first = table({"settings": settings, "sizes": {}}).splitlines()[0]
     assert "overlap_forward on, step gradients let go once pushed, 1 node(s)" in first
+
+
+def test_limits_come_from_an_earlier_report_or_a_reason_why_not(tmp_path):
+    """``--limits-from``: a second run on the box takes the first one's limits (its fractions of the
+    offload limit without measuring them again); a report without them is refused, saying what to run."""
+    limits = {"pinned_h2d_gbs": 55.0, "pinned_d2h_gbs": 55.1, "cpu_adamw_mparams_per_s": 3988.4, "node_update_threads": 13}
+    measured = tmp_path / "first.json"
+    measured.write_text(json.dumps({"benchmark": "gpu", "limits": limits, "sizes": {}}))
+    assert load_limits(str(measured)) == {**limits, "from": str(measured)}
+    unmeasured = tmp_path / "second.json"
+    unmeasured.write_text(json.dumps({"benchmark": "gpu", "limits": {"status": "not measured (--no-limits)"}}))
+    with pytest.raises(ValueError, match=r"holds no measured limits .*not measured \(--no-limits\)\); run `netoptim bench gpu` with --limits"):
+        load_limits(str(unmeasured))
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the limits of"):
+        load_limits(str(tmp_path / "junk.json"))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is not a `netoptim bench gpu --out` report"):
+        load_limits(str(tmp_path / "list.json"))
+    entry = {"compute": {"step_s": 0.135, "tokens_per_s": 7573.0}, "full": {"step_s": 0.614, "tokens_per_s": 1669.0}}
+    gpu_bench.summarize(entry, 1_008_349_184, "float32", load_limits(str(measured)))
+    assert entry["full_fraction_of_offload_limit"] == pytest.approx(0.2528 / 0.614, rel=1e-3)
