@@ -61,7 +61,8 @@ def admin_config_from_args(args: argparse.Namespace) -> AdminConfig | None:
     """The admin service's settings, or ``None`` when ``--admin`` is not given; ``ValueError`` for bad ones."""
     if args.admin is None:
         return None
-    from optimizer_node.admin import AdminConfig, split_host_port
+    from optimizer_node.admin import AdminConfig
+    from optimizer_node.admin_address import split_host_port
     from transport.exposure import reachable_from_network
 
     host, _port = split_host_port(args.admin)

@@ -9,12 +9,9 @@ messages.
 from __future__ import annotations
 
 import contextlib
-import errno
-import hmac
 import json
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from optimizer_node.adamw import HyperOverrides
+from optimizer_node.admin_address import bind_error, split_host_port
+from optimizer_node.admin_guards import BearerTokenInterceptor, RequestDecodingInterceptor
 from optimizer_node.checkpoint import CheckpointError
 from optimizer_node.control import StepTimings
 from optimizer_node.daemon import NodeDaemon
@@ -306,119 +305,6 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
                 self._daemon.clock.unsubscribe(events)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer TOKEN`` (compared in constant time); health
-    checks stay open so load balancers and orchestrators can probe the node."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith("/grpc.health.v1.Health/"):
-            return handler
-        presented = dict(handler_call_details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(str(presented).encode(), self._expected):
-            return handler
-
-        def deny(request, context):  # type: ignore[no-untyped-def]
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token: pass it as 'authorization: Bearer TOKEN'")
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` as ``(host, port)``, the host as written (``[::1]`` keeps its brackets); ``ValueError``
-    unless the port is a number from 0 (the OS picks) to 65535: gRPC would wrap 99999 to 34463."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"admin address {address!r} must be HOST:PORT, like 127.0.0.1:7000 (port 0: the OS picks)")
-    if int(port) > 65535:
-        raise ValueError(f"admin address {address!r}: port {int(port)} is out of range (0 to 65535; 0 lets the OS choose)")
-    return host, int(port)
-
-
-def _port_taken(host: str, port: int) -> bool:
-    """Whether another socket listens on ``host:port``: a plain bind with SO_REUSEADDR (as gRPC's own)
-    fails with EADDRINUSE exactly then on Linux."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return False
-    for family, kind, proto, _name, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return True
-    return False
-
-
-def _bind_error(address: str, detail: str) -> OSError:
-    """Why gRPC could not bind ``address`` (it says only that it failed), as an ``OSError`` whose
-    ``filename`` is the address and whose ``errno`` is ``EADDRINUSE`` when another process holds it."""
-    host, port = split_host_port(address)
-    if port and _port_taken(host, port):
-        return OSError(errno.EADDRINUSE, "in use by another process", address)
-    return OSError(errno.EADDRNOTAVAIL, f"gRPC cannot bind it ({detail}); is the host an address of this machine?", address)
-
-
-class _Undecodable:
-    """What a request that its method's message type cannot parse is handed on as."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-class RequestDecodingInterceptor(grpc.ServerInterceptor):
-    """Answers a request that is not a valid message of its method's type with INVALID_ARGUMENT, as
-    any other invalid request: gRPC's own answer is INTERNAL ("Exception deserializing request!"),
-    which says the node is broken."""
-
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
-        handler = continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        parse, method = handler.request_deserializer, handler_call_details.method
-
-        def lenient(data: bytes) -> object:
-            try:
-                return parse(data)
-            except Exception as exc:  # protobuf's DecodeError, or whatever a deserializer raises on bytes it cannot read
-                return _Undecodable(f"{type(exc).__name__}: {exc}"[:200])
-
-        def checked(request: object, context: grpc.ServicerContext) -> object:
-            if isinstance(request, _Undecodable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message for {method} ({request.reason})")
-            return request
-
-        if handler.request_streaming:
-            inner = handler.stream_stream or handler.stream_unary
-
-            def behavior(requests, context):  # type: ignore[no-untyped-def]
-                return inner((checked(request, context) for request in requests), context)
-
-        else:
-            inner = handler.unary_stream or handler.unary_unary
-
-            def behavior(request, context):  # type: ignore[no-untyped-def]
-                return inner(checked(request, context), context)
-
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return make(behavior, request_deserializer=lenient, response_serializer=handler.response_serializer)
-
-
 class AdminServer:
     """The admin service of one daemon. Constructing it binds the address exclusively (no
     SO_REUSEPORT: a second node cannot share it), so a node learns that its address is taken before it
@@ -454,9 +340,9 @@ class AdminServer:
             else:
                 port = self._server.add_insecure_port(config.address)
         except RuntimeError as exc:
-            raise _bind_error(config.address, str(exc).partition(";")[0]) from None
+            raise bind_error(config.address, str(exc).partition(";")[0]) from None
         if port == 0:
-            raise _bind_error(config.address, "no port was added")
+            raise bind_error(config.address, "no port was added")
         return port
 
     def start(self, daemon: NodeDaemon) -> AdminServer:
