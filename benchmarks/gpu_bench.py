@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
+from benchmarks.gpu_limits_file import check_same_box
 from benchmarks.gpu_mode_names import MODES, NETOPTIM_MODES
 from benchmarks.gpu_modes import DTYPES, ModeSettings, train_mode
 from benchmarks.gpu_table import table
@@ -274,7 +275,8 @@ def _run(args: argparse.Namespace) -> dict:
         report["deepspeed"] = deepspeed.__version__
     except ImportError:
         report["deepspeed"] = None
-    if getattr(args, "limits_from", None):  # measured by an earlier run on this box
+    if args.limits_from:  # measured by an earlier run on this box
+        check_same_box(args.limits_from, properties.name, os.cpu_count())
         report["limits"] = args.limits_from
     elif args.limits:
         limits = in_child(measure_limits, (device, args.copy_bytes, args.adam_numel, split, args.bucket_numel), args.timeout_s)

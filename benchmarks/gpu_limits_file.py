@@ -13,8 +13,9 @@ NEEDED = ("pinned_h2d_gbs", "pinned_d2h_gbs", "cpu_adamw_mparams_per_s")
 
 
 def load_limits(path: str) -> dict:
-    """The ``limits`` of the report at ``path``, with ``from``: the path; ``ValueError`` that says what
-    is wrong when the file cannot be read or holds no measured limits."""
+    """The ``limits`` of the report at ``path``, with ``from`` (the path) and ``measured_on`` (the
+    report's GPU and CPU count, for :func:`check_same_box`); ``ValueError`` that says what is wrong
+    when the file cannot be read or holds no measured limits."""
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -26,4 +27,15 @@ def load_limits(path: str) -> dict:
     if bad:
         why = limits.get("status", "its run measured none, or they failed")
         raise ValueError(f"{path} holds no measured limits ({', '.join(bad)} missing: {why}); run `netoptim bench gpu` with --limits on this box first")
-    return {**limits, "from": str(path)}
+    return {**limits, "from": str(path), "measured_on": {"gpu": report.get("gpu"), "cpu_cores": report.get("cpu_cores")}}
+
+
+def check_same_box(limits: dict, gpu: str, cpu_cores: int | None) -> None:
+    """``ValueError`` unless ``limits`` (:func:`load_limits`) were measured with this GPU and CPU count:
+    limits of another kind of box would give fractions of a limit that is not this box's."""
+    measured_on = limits.get("measured_on", {})
+    if (measured_on.get("gpu"), measured_on.get("cpu_cores")) != (gpu, cpu_cores):
+        raise ValueError(
+            f"--limits-from {limits.get('from')}: its limits were measured on {measured_on.get('gpu')} with {measured_on.get('cpu_cores')} CPUs, "
+            f"this box is {gpu} with {cpu_cores}; measure this box's (drop --limits-from)"
+        )

@@ -11,9 +11,10 @@ back or blocked; it then stays open, and the next step pushes the refused bucket
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -127,6 +128,19 @@ class AwaitedValues:
         except BaseException:
             self.end()
             raise
+
+    @contextlib.contextmanager
+    def held(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> Iterator[None]:
+        """While a full-model push waits for room in the push window (during backward, before the step
+        holds its gradients): ``grads`` held for a node that restarts meanwhile."""
+        if self.grads is not None or self._session.job.mode == "layerwise":
+            yield
+            return
+        self.grads = (grads, hypers)
+        try:
+            yield
+        finally:
+            self.grads = None
 
     def await_upto(self, upto: int, take_waiting: Callable[[int], None]) -> None:
         """Install values as they come until every bucket up to ``upto`` is in, then take what else is

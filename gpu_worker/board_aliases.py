@@ -58,18 +58,11 @@ class BoardAliases:
 
     def install(self, bucket: BucketSpec, message: Message, step: int) -> Sequence[Segment]:
         """Make each parameter that lies whole in ``bucket`` a view of ``message``'s payload, where
-        that is a board's (its views over one buffer); the segments left for the caller to copy."""
-        if message.still_current is None or not message.tensors or not self._whole:
+        that is a board's (one view over its slot: :func:`transport.wire.board_payload_views`); the
+        segments left for the caller to copy."""
+        if message.still_current is None or len(message.tensors) != 1 or not self._whole:
             return bucket.segments
-        first_offset, first = message.tensors[0]
-        storage = first.untyped_storage()
-        base = first.storage_offset() - first_offset  # the payload's first element, in the buffer
-        if (
-            base < 0
-            or storage.nbytes() < (base + bucket.numel) * first.element_size()
-            or any(v.untyped_storage().data_ptr() != storage.data_ptr() for _, v in message.tensors)
-        ):
-            return bucket.segments
+        payload = message.tensors[0][1]
         left = []
         for seg in bucket.segments:
             index = seg.param_index
@@ -82,7 +75,7 @@ class BoardAliases:
                 home.untyped_storage().resize_(0)  # nothing of this step reads it (see the module docstring)
                 self._homes[index] = home
                 self._aliased.add(index)
-            param.data = first.new_empty(0).set_(storage, base + seg.bucket_offset, param.shape)
+            param.data = payload[seg.bucket_offset : seg.bucket_offset + seg.numel].view(param.shape)
         return left
 
     def will_copy(self, index: int, step: int) -> None:

@@ -309,17 +309,13 @@ class OffloadSession:
         keeping = self.on_params is None
         if keeping:
             self.on_params = pacer.keep
-        holding = self._values.grads is None and self.job.mode != "layerwise"
-        if holding:
-            self._values.grads = (grads, hypers)
         awaited = "the nodes have not consumed" if self.pacer_ack == MsgType.CONSUMED else "no new values yet for"
         try:
-            self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"{awaited} {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
+            with self._values.held(grads, hypers):
+                self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"{awaited} {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
         finally:
             if keeping:
                 self.on_params = None
-            if holding:
-                self._values.grads = None
 
     def release_send_buffers(self) -> None:
         """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""

@@ -268,7 +268,8 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE.json",
         help="take the box's limits from an earlier run's --out report on the same box instead of measuring them (implies --no-limits): "
-        "each mode's fraction of the offload limit without the 30-60 s (the compute mode must run in this run for it)",
+        "each mode's fraction of the offload limit without the 30-60 s (the compute mode must run in this run for it); refused when "
+        "that run had another GPU or CPU count",
     )
     gpu.add_argument(
         "--node-arg",

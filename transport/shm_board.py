@@ -203,10 +203,9 @@ class BoardReader:
     def name(self) -> str:
         return self.window.name
 
-    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[memoryview, list[memoryview], Callable[[], bool], Callable[[], None]]:
-        """The payload of a message whose slot reference is ``raw`` (a read-only view of the board),
-        and its chunks (consecutive slices of it, as the message declares them); a
-        check to call once they were copied out (whether the slot still holds that version); and a
+    def read(self, raw: bytes | memoryview, payload_bytes: int) -> tuple[memoryview, Callable[[], bool], Callable[[], None]]:
+        """The payload of a message whose slot reference is ``raw`` (a read-only view of the board); a
+        check to call once it was copied out (whether the slot still holds that version); and a
         release that takes the slot's pages out of this process's page tables (not out of memory:
         they are the node's), so that a worker's resident size does not count the node's copy. The
         release does nothing on a board page-locked for a device. ``WireError`` for a reference
@@ -227,10 +226,6 @@ class BoardReader:
             )
         whole = self.window.view(data, total)
         token_view = self.window.view(start, 8).cast("q")
-        chunks, position = [], 0
-        for length in lengths:
-            chunks.append(whole[position : position + length])
-            position += length
         self.read_bytes += total
         first_page, end_page = -(-data // mmap.PAGESIZE) * mmap.PAGESIZE, (data + total) // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages of the slot only
 
@@ -238,7 +233,7 @@ class BoardReader:
             if end_page > first_page and not self.window.page_locked:
                 self.window.drop_pages(first_page, end_page - first_page)
 
-        return whole, chunks, lambda: token_view[0] == token, release
+        return whole, lambda: token_view[0] == token, release
 
     def close(self) -> None:
         self.window.close()

@@ -28,7 +28,18 @@ from zmq.auth.thread import ThreadAuthenticator
 from transport.interface import ClientEndpoint, Message, SendHandle, Transport
 from transport.same_host_shm import BOARD, CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedClient, is_control
 from transport.security import CurveClientConfig, CurveServerConfig, secure_client_socket
-from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, ErrorCode, Header, Payload, WireError, decode_header, payload_views
+from transport.wire import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_HEADER_BYTES,
+    ErrorCode,
+    Header,
+    Payload,
+    WireError,
+    board_payload_views,
+    decode_header,
+    payload_views,
+)
 from transport.zmq_server import ZmqServer
 from transport.zmq_sockets import (
     DEFAULT_MAX_PEERS,
@@ -138,8 +149,8 @@ class ZmqClient(ClientEndpoint):
             return Message(peer=b"", header=header, tensors=payload_views(header, chunks, max_bytes=self._max_message_bytes))
         if kind == BOARD and len(frames) == 3 and self.shared.board is not None:
             header = decode_header(frames[1].buffer)
-            whole, chunks, still_current, release = self.shared.board.read(frames[2].buffer, header.payload_bytes)
-            tensors = payload_views(header, chunks, max_bytes=self._max_message_bytes, read_only=True, whole=whole)
+            payload, still_current, release = self.shared.board.read(frames[2].buffer, header.payload_bytes)
+            tensors = board_payload_views(header, payload, max_bytes=self._max_message_bytes)
             return Message(peer=b"", header=header, tensors=tensors, still_current=still_current, release=release)
         if kind == CREDIT and len(frames) == 2:
             self.shared.credit(frames[1].buffer)

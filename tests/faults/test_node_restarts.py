@@ -25,6 +25,25 @@ def train(address: str, **options) -> tuple[list[torch.Tensor] | None, list[Base
     return train_threads(address, steps=STEPS, **options)
 
 
+def crashing_node(
+    start_node, tmp_path, crash_at: str, *, every: str = "1", resumed_every: tuple[str, ...] = ("--checkpoint-every", "1")
+) -> tuple[str, threading.Thread]:
+    """A node that checkpoints every ``every`` steps and crashes at ``crash_at``, and a started thread
+    that starts it again on its address with ``--resume`` (and ``resumed_every``) once it died; join
+    the thread after training."""
+    checkpoints = str(tmp_path / "checkpoints")
+    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", every, "--crash-at", crash_at))
+    address = node.address
+
+    def restart_when_dead() -> None:
+        assert node.process.wait(30) == EXIT_STATUS
+        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, *resumed_every, "--resume"))
+
+    restarter = threading.Thread(target=restart_when_dead)
+    restarter.start()
+    return address, restarter
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     with NodeProcess(tmp_path_factory.mktemp("reference")) as node:
@@ -43,16 +62,7 @@ OVERLAPPED = dict(overlap_forward=True)  # the values awaited by the next forwar
     ids=["push:7", "update:5", "push:7-paced", "update:5-paced", "push:7-overlap-forward", "update:5-overlap-forward"],
 )
 def test_workers_reconnect_to_a_restarted_node_and_continue_bitwise(start_node, tmp_path, uninterrupted, crash_at, options):
-    checkpoints = str(tmp_path / "checkpoints")
-    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", crash_at))
-    address = node.address
-
-    def restart_when_dead() -> None:
-        assert node.process.wait(30) == EXIT_STATUS
-        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--resume"))
-
-    restarter = threading.Thread(target=restart_when_dead)
-    restarter.start()
+    address, restarter = crashing_node(start_node, tmp_path, crash_at)
     params, errors = train(address, **FAST, **options)
     restarter.join()
     assert not errors, errors
@@ -63,16 +73,7 @@ def test_workers_that_let_their_gradients_go_are_told_to_restart_and_then_end_bi
     """keep_step_gradients=False: a node restarted mid-step lost pushes the workers no longer hold;
     they stop with an error that says to restart them, and restarted (fresh workers that resume at the
     nodes' step) the job ends where an uninterrupted run ends."""
-    checkpoints = str(tmp_path / "checkpoints")
-    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", "update:5"))
-    address = node.address
-
-    def restart_when_dead() -> None:
-        assert node.process.wait(30) == EXIT_STATUS
-        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--resume"))
-
-    restarter = threading.Thread(target=restart_when_dead)
-    restarter.start()
+    address, restarter = crashing_node(start_node, tmp_path, "update:5")
     options = dict(FAST, **OVERLAPPED, keep_step_gradients=False)
     _params, errors = train(address, **options)
     restarter.join()
@@ -84,16 +85,7 @@ def test_workers_that_let_their_gradients_go_are_told_to_restart_and_then_end_bi
 
 
 def test_a_node_back_at_an_older_step_stops_the_workers(start_node, tmp_path):
-    checkpoints = str(tmp_path / "checkpoints")
-    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", "update:11"))
-    address = node.address
-
-    def restart_when_dead() -> None:
-        assert node.process.wait(30) == EXIT_STATUS
-        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--resume"))
-
-    restarter = threading.Thread(target=restart_when_dead)
-    restarter.start()
+    address, restarter = crashing_node(start_node, tmp_path, "update:11", every="2", resumed_every=())
     _params, errors = train(address, **FAST)
     restarter.join()
     assert errors and all(isinstance(e, RuntimeError) for e in errors), errors
@@ -118,17 +110,8 @@ def test_one_of_two_clipping_nodes_restarted_continues_bitwise(start_node, tmp_p
     with NodeProcess(tmp_path, name="ref0") as ref0, NodeProcess(tmp_path, name="ref1") as ref1:
         uninterrupted, errors = train([ref0.address, ref1.address], **options)
     assert not errors, errors
-    checkpoints = str(tmp_path / "checkpoints")
     steady = start_node("steady")
-    doomed = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--crash-at", crash_at))
-    address = doomed.address
-
-    def restart_when_dead() -> None:
-        assert doomed.process.wait(30) == EXIT_STATUS
-        start_node("resumed", listen=address, extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "1", "--resume"))
-
-    restarter = threading.Thread(target=restart_when_dead)
-    restarter.start()
+    address, restarter = crashing_node(start_node, tmp_path, crash_at)
     params, errors = train([steady.address, address], **options)
     restarter.join()
     assert not errors, errors

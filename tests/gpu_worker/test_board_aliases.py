@@ -14,7 +14,7 @@ from tests.gpu_worker.test_layerwise import make_gpt, tokens
 from transport.interface import Message
 from transport.shm_board import BoardPublisher, BoardReader, board_bytes
 from transport.shm_window import window_holding
-from transport.wire import MsgType, payload_views, tensor_header
+from transport.wire import MsgType, board_payload_views, tensor_header
 
 CHUNK = 256  # bytes a chunk: every test payload spans several chunks
 
@@ -79,8 +79,8 @@ def _message(publisher: BoardPublisher, reader: BoardReader, values: torch.Tenso
     lengths = [min(CHUNK, values.numel() * 4 - offset) for offset in range(0, values.numel() * 4, CHUNK)]
     slot = publisher.reference(0, version, [values], lengths)
     assert slot is not None
-    whole, chunks, current, release = reader.read(slot, header.payload_bytes)
-    views = payload_views(header, chunks, max_bytes=1 << 20, read_only=True, whole=whole)
+    payload, current, release = reader.read(slot, header.payload_bytes)
+    views = board_payload_views(header, payload, max_bytes=1 << 20)
     return Message(peer=b"", header=header, tensors=views, still_current=current, release=release)
 
 

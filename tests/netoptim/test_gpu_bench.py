@@ -16,7 +16,7 @@ import torch
 
 from benchmarks import gpu_bench
 from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
-from benchmarks.gpu_limits_file import load_limits
+from benchmarks.gpu_limits_file import check_same_box, load_limits
 from benchmarks.gpu_modes import ModeSettings
 from launch.host_cpus import format_cpu_list, update_threads
 
@@ -201,8 +201,11 @@ def test_limits_come_from_an_earlier_report_or_a_reason_why_not(tmp_path):
     offload limit without measuring them again); a report without them is refused, saying what to run."""
     limits = {"pinned_h2d_gbs": 55.0, "pinned_d2h_gbs": 55.1, "cpu_adamw_mparams_per_s": 3988.4, "node_update_threads": 13}
     measured = tmp_path / "first.json"
-    measured.write_text(json.dumps({"benchmark": "gpu", "limits": limits, "sizes": {}}))
-    assert load_limits(str(measured)) == {**limits, "from": str(measured)}
+    measured.write_text(json.dumps({"benchmark": "gpu", "gpu": "NVIDIA H200", "cpu_cores": 16, "limits": limits, "sizes": {}}))
+    assert load_limits(str(measured)) == {**limits, "from": str(measured), "measured_on": {"gpu": "NVIDIA H200", "cpu_cores": 16}}
+    check_same_box(load_limits(str(measured)), "NVIDIA H200", 16)
+    with pytest.raises(ValueError, match="measured on NVIDIA H200 with 16 CPUs, this box is NVIDIA H100 80GB HBM3 with 16; measure this box's"):
+        check_same_box(load_limits(str(measured)), "NVIDIA H100 80GB HBM3", 16)
     unmeasured = tmp_path / "second.json"
     unmeasured.write_text(json.dumps({"benchmark": "gpu", "limits": {"status": "not measured (--no-limits)"}}))
     with pytest.raises(ValueError, match=r"holds no measured limits .*not measured \(--no-limits\)\); run `netoptim bench gpu` with --limits"):

@@ -217,8 +217,8 @@ def test_a_stale_or_wrong_board_answer_is_ignored():
         with pytest.raises(ValueError):
             BoardReader.open([1, 2, 3])
         slot = publisher.reference("k", 1, [torch.ones(1024)], [4096])
-        _whole, chunks, current, _release = reader.read(slot, 4096)
-        assert current() and torch.equal(torch.frombuffer(bytearray(chunks[0]), dtype=torch.float32), torch.ones(1024))
+        payload, current, _release = reader.read(slot, 4096)
+        assert current() and torch.equal(torch.frombuffer(bytearray(payload), dtype=torch.float32), torch.ones(1024))
         assert publisher.reference("other", 1, [torch.ones(1024)], [4096]) is None  # full: the caller copies instead
         publisher.reference("k", 2, [torch.zeros(1024)], [4096])
         assert not current()

@@ -10,6 +10,7 @@ from transport.wire import (
     Header,
     MsgType,
     WireError,
+    board_payload_views,
     chunk_tensor,
     decode_header,
     dtype_name,
@@ -56,18 +57,22 @@ def test_chunks_are_zero_copy_views_and_reassemble(dtype):
     assert torch.equal(rebuilt, flat) and [offset for offset, _ in views] == list(range(0, 1000, 256 // flat.element_size()))
 
 
-def test_chunks_of_one_buffer_are_one_view_of_it():
-    """A payload whose chunks are consecutive slices of one buffer (a node's parameter board) is one
-    view of it: a receiver copies it out in one piece, and a stretch may cross the chunks."""
+def test_a_board_payload_is_one_view_of_its_slot():
+    """A payload that lies whole in one buffer (its slot on a node's parameter board) is one view of
+    it, however many chunks the message was cut in: a receiver copies it out in one piece, and a
+    stretch may cross the chunks; a buffer of another size, or over the limit, is refused."""
     flat = torch.randn(1000)
     header = tensor_header(MsgType.PARAMS, flat, chunk_bytes=256)
     whole = memoryview(flat.numpy()).cast("B")
     chunks = [whole[start : start + 256] for start in range(0, len(whole), 256)]
-    views = payload_views(header, chunks, max_bytes=1 << 20, read_only=True, whole=whole)
+    views = board_payload_views(header, whole, max_bytes=1 << 20)
     assert header.num_chunks == len(chunks) > 1 and len(views) == 1 and views[0][0] == 0
     assert torch.equal(views[0][1], flat) and views[0][1].data_ptr() == flat.data_ptr()  # no copy
-    short = whole[:-4]  # not the payload's buffer: viewed chunk by chunk
-    assert len(payload_views(header, chunks, max_bytes=1 << 20, read_only=True, whole=short)) == len(chunks)
+    short = whole[:-4]  # not the payload's buffer
+    with pytest.raises(WireError, match="4000 bytes, 3996 bytes arrived"):
+        board_payload_views(header, short, max_bytes=1 << 20)
+    with pytest.raises(WireError, match="over the limit"):
+        board_payload_views(header, whole, max_bytes=100)
 
 
 def test_payload_validation():
