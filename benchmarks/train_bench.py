@@ -27,6 +27,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -190,6 +191,14 @@ def opt_stats(opt: object):
     return getattr(opt, "stream_stats", None)
 
 
+def node_flags(args: argparse.Namespace, state_dir: Path) -> tuple[str, ...]:
+    """The flags of one local node: the board switched off, out of core in ``state_dir``, the user's own."""
+    flags: tuple[str, ...] = () if args.same_host_board else ("--no-same-host-board",)
+    if args.out_of_core is not None:
+        flags += ("--state-dir", str(state_dir), "--memory-budget", str(args.out_of_core))
+    return flags + tuple(args.node_arg)
+
+
 def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
     from launch.processes import NodeProcess, free_port
 
@@ -211,7 +220,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             []
             if mode in LOCAL_MODES
             else [
-                NodeProcess(workdir, name=f"node{i}", threads=args.node_threads, extra_args=() if args.same_host_board else ("--no-same-host-board",)).start()
+                NodeProcess(workdir, name=f"node{i}", threads=args.node_threads, extra_args=node_flags(args, Path(workdir) / f"node{i}-state")).start()
                 for i in range(args.nodes)
             ]
         )
@@ -284,6 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         "seq": args.seq,
         "device": args.device,
         "same_host_board": args.same_host_board,
+        "node_memory_budget": args.out_of_core,  # None: in memory
+        "node_args": list(args.node_arg),
     }
     if args.device == "cuda":
         if not torch.cuda.is_available():

@@ -107,6 +107,23 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="whether the local nodes keep a parameter board their workers read from (netoptim node --same-host-board) (default: on)",
     )
+    train.add_argument(
+        "--out-of-core",
+        type=size,
+        default=None,
+        metavar="BUDGET",
+        help="the local nodes keep their state out of core, each in a directory of its own under the run's temporary directory, "
+        "with this memory budget (netoptim node --state-dir ... --memory-budget BUDGET), to compare with nodes that hold it in memory "
+        "(default: in memory)",
+    )
+    train.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for every local node of the netoptim modes, as netoptim node takes it (repeat it for more; write it with '=': "
+        "--node-arg=--pass-thread), to compare node settings",
+    )
     add_gpu_parser(which)
     offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
     offload.add_argument("--numel", type=positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")

@@ -83,3 +83,15 @@ def test_step_bench_reports_phases_and_the_cost_of_a_bucket():
         assert result["node"]["update_s"] > 0 and result["node"]["wall_s"] > 0
         assert result["send_buffers_allocated_after_warmup"] >= 0 and result["install_vs_memcpy"] > 0 and result["install_vs_machine_memcpy"] > 0
         assert result["node_update_path"].split(" ")[0] in ("compiled", "torch-ops")  # timed once the node's start-up is over
+
+
+def test_train_bench_gives_each_node_its_own_state_directory(tmp_path):
+    import argparse
+
+    from benchmarks.train_bench import node_flags
+
+    args = argparse.Namespace(same_host_board=False, out_of_core=64 << 20, node_arg=["--pass-thread"])
+    flags = [node_flags(args, tmp_path / f"node{i}-state") for i in range(2)]
+    assert flags[0] == ("--no-same-host-board", "--state-dir", str(tmp_path / "node0-state"), "--memory-budget", str(64 << 20), "--pass-thread")
+    assert flags[1][2] == str(tmp_path / "node1-state")  # a node clears the state files it finds: never two in one directory
+    assert node_flags(argparse.Namespace(same_host_board=True, out_of_core=None, node_arg=[]), tmp_path) == ()

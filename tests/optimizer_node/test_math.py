@@ -11,7 +11,8 @@ import torch
 from optimizer_node import compiled_update
 from optimizer_node.adamw import AdamWHyper, adamw_update, clip_coefficient, sum_of_squares
 from optimizer_node.reduce import OrderedReduction
-from optimizer_node.update_pass import plan_chunks, plan_loop, reduce_and_update
+from optimizer_node.update_pass import reduce_and_update
+from optimizer_node.update_plan import plan_chunks, plan_loop
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
