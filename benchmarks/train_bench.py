@@ -71,6 +71,12 @@ def _process_cpu_s(pids: list[int]) -> float:
     return total
 
 
+def _peak_rss_mb(pid: int) -> float:
+    """The peak resident size of process ``pid`` so far (a local node), in MB."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
+
+
 def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + rank)
     data = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
@@ -237,6 +243,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             reports = [results.get(timeout=args.timeout_s) for _ in workers]
             for worker in workers:
                 worker.join(60)
+            node_peak_rss_mb = max((_peak_rss_mb(pid) for pid in settings["node_pids"]), default=0.0)
         finally:
             for node in node_processes:
                 node.stop()
@@ -255,6 +262,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
     }
     if mode not in LOCAL_MODES:
         summary["node_cpu_s_per_step"] = reports[0]["node_cpu_s_per_step"]  # all local nodes, measured by rank 0
+        summary["peak_rss_mb_per_node"] = node_peak_rss_mb
         if "shared_memory_gb_per_step" in reports[0]:
             summary["shared_memory_gb_per_step_per_worker"] = {
                 key: statistics.mean(r["shared_memory_gb_per_step"][key] for r in reports) for key in ("sent", "received", "board")

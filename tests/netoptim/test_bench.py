@@ -63,6 +63,7 @@ def test_train_bench_compares_ddp_full_and_layerwise():
         assert entry[mode]["tokens_per_s"] > 0 and entry[mode]["peak_rss_mb_per_worker"] > entry[mode]["rss_after_import_mb"] > 0
     assert 0.0 <= entry["layerwise"]["comm_hidden_fraction"] <= 1.0 and entry["layerwise"]["peak_param_mb"] > 0
     assert entry["compute"]["tokens_per_s"] > 0 and "node_cpu_s_per_step" not in entry["compute"]
+    assert entry["full"]["peak_rss_mb_per_node"] > 0 and entry["layerwise"]["peak_rss_mb_per_node"] > 0
     assert entry["layerwise_over_compute_only_tokens"] == entry["layerwise"]["tokens_per_s"] / entry["compute"]["tokens_per_s"]
 
 
