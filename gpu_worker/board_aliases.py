@@ -58,7 +58,7 @@ class BoardAliases:
 
     def install(self, bucket: BucketSpec, message: Message, step: int) -> Sequence[Segment]:
         """Make each parameter that lies whole in ``bucket`` a view of ``message``'s payload, where
-        that is a board's (one view over its slot: :func:`transport.wire.board_payload_views`); the
+        that is a board's (one view over its slot: :func:`transport.payload_views.board_payload_views`); the
         segments left for the caller to copy."""
         if message.still_current is None or len(message.tensors) != 1 or not self._whole:
             return bucket.segments

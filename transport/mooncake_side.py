@@ -22,7 +22,8 @@ import zmq
 
 from transport.interface import Message, SendHandle
 from transport.mooncake_link import CREDIT_TIMEOUT_S, Link
-from transport.wire import ErrorCode, Header, Payload, WireError, decode_header, encode_header, payload_chunks, payload_views
+from transport.payload_views import payload_views
+from transport.wire import ErrorCode, Header, Payload, WireError, decode_header, encode_header, payload_chunks
 
 log = logging.getLogger(__name__)
 

@@ -26,20 +26,10 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from transport.interface import ClientEndpoint, Message, SendHandle, Transport
+from transport.payload_views import board_payload_views, payload_views
 from transport.same_host_shm import BOARD, CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedClient, is_control
 from transport.security import CurveClientConfig, CurveServerConfig, secure_client_socket
-from transport.wire import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    MAX_HEADER_BYTES,
-    ErrorCode,
-    Header,
-    Payload,
-    WireError,
-    board_payload_views,
-    decode_header,
-    payload_views,
-)
+from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, ErrorCode, Header, Payload, WireError, decode_header
 from transport.zmq_server import ZmqServer
 from transport.zmq_sockets import (
     DEFAULT_MAX_PEERS,

@@ -16,10 +16,11 @@ import torch
 import zmq
 
 from transport.interface import Message, SendHandle, ServerEndpoint
+from transport.payload_views import payload_views
 from transport.same_host_shm import CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedConnection, SharedPeers, is_control
 from transport.security import CurveServerConfig, secure_server_socket
 from transport.shm_window import parse_credits
-from transport.wire import MAX_HEADER_BYTES, ErrorCode, Header, Payload, WireError, decode_header, payload_views
+from transport.wire import MAX_HEADER_BYTES, ErrorCode, Header, Payload, WireError, decode_header
 from transport.zmq_sockets import (
     DEFAULT_MAX_PEERS,
     LANE_ID_BYTES,

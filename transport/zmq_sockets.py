@@ -15,8 +15,9 @@ from collections.abc import Hashable
 import zmq
 
 from transport.interface import Message, SendHandle
+from transport.payload_views import payload_views
 from transport.same_host_shm import SharedConnection
-from transport.wire import DEFAULT_CHUNK_BYTES, ErrorCode, Header, Payload, WireError, decode_header, encode_message, payload_views
+from transport.wire import DEFAULT_CHUNK_BYTES, ErrorCode, Header, Payload, WireError, decode_header, encode_message
 
 log = logging.getLogger(__name__)
 

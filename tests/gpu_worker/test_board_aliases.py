@@ -12,9 +12,10 @@ from gpu_worker.board_aliases import BoardAliases
 from job.placement import ParamSpec, plan_buckets
 from tests.gpu_worker.test_layerwise import make_gpt, tokens
 from transport.interface import Message
+from transport.payload_views import board_payload_views
 from transport.shm_board import BoardPublisher, BoardReader, board_bytes
 from transport.shm_window import window_holding
-from transport.wire import MsgType, board_payload_views, tensor_header
+from transport.wire import MsgType, tensor_header
 
 CHUNK = 256  # bytes a chunk: every test payload spans several chunks
 

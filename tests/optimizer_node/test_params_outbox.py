@@ -10,7 +10,7 @@ from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.storage import BucketState
 from transport.batches import COALESCE_BELOW, split_batch
 from transport.interface import Message, SendHandle
-from transport.wire import payload_views
+from transport.payload_views import payload_views
 
 
 class Send(SendHandle):

@@ -23,8 +23,9 @@ from netoptim.cli import main as netoptim_main
 from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon
 from transport.interface import Message, SendHandle
+from transport.payload_views import payload_views
 from transport.security import AllowList, CurveClientConfig, CurveServerConfig, parse_ranks, read_metadata, secure_client_socket
-from transport.wire import ErrorCode, Header, MsgType, decode_header, encode_message, payload_views, tensor_header
+from transport.wire import ErrorCode, Header, MsgType, decode_header, encode_message, tensor_header
 
 # Names and a shape no reply to a peer that is not a registered rank may contain.
 SECRET_NAMES = ("encoder.secret_kernel", "decoder.hidden_bias")

@@ -39,6 +39,7 @@ from job.spec import JobSpec
 from tests.security.fuzzing import WatchedNode
 from transport.batches import split_batch
 from transport.interface import Message
+from transport.payload_views import payload_views
 from transport.wire import (
     MAX_ERROR_CHARS,
     MAX_HEADER_BYTES,
@@ -50,7 +51,6 @@ from transport.wire import (
     WireError,
     decode_header,
     encode_message,
-    payload_views,
     tensor_header,
 )
 

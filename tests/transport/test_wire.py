@@ -4,19 +4,18 @@ import msgpack
 import pytest
 import torch
 
+from transport.payload_views import board_payload_views, payload_views
 from transport.wire import (
     PROTOCOL_VERSION,
     ErrorCode,
     Header,
     MsgType,
     WireError,
-    board_payload_views,
     chunk_tensor,
     decode_header,
     dtype_name,
     encode_header,
     encode_message,
-    payload_views,
     tensor_header,
 )
 
