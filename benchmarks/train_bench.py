@@ -289,6 +289,22 @@ def _fits(mode: str, numel: int, args: argparse.Namespace) -> str | None:
     return None
 
 
+def _median_round(summaries: list[dict]) -> dict:
+    """One mode's report over the rounds: the round of median tokens/s (the lower of the two middle
+    ones for an even count), with every round's tokens/s beside it."""
+    if "tokens_per_s" not in summaries[0]:
+        return summaries[0]  # skipped: the same reason every round
+    rates = [summary["tokens_per_s"] for summary in summaries]
+    middle = statistics.median_low(rates)
+    return {**summaries[rates.index(middle)], "tokens_per_s_rounds": rates}
+
+
+def _median_ratio(runs: dict[str, list[dict]], mode: str, baseline: str) -> float:
+    """``mode``'s tokens/s over ``baseline``'s, each round's over the same round's, the median of
+    those: the ratio of two modes run minutes apart, never of one mode's good round to the other's bad."""
+    return statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[mode], runs[baseline], strict=True))
+
+
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
@@ -313,28 +329,33 @@ def run(args: argparse.Namespace) -> dict:
                 f"--device cuda: {args.workers} workers but {torch.cuda.device_count()} GPU(s); NCCL runs one rank per GPU: pass --workers {torch.cuda.device_count()}"
             )
     report["sizes"] = {}
+    report["rounds"] = args.rounds
     ratio = None
-    jobs = [(size, mode) for size in args.sizes for mode in MODES]
+    # Round after round of every mode, so a slow spell of the machine falls on all modes alike.
+    jobs = [(size, mode) for _round in range(args.rounds) for size in args.sizes for mode in MODES]
+    runs: dict[str, dict[str, list[dict]]] = {size: {mode: [] for mode in MODES} for size in args.sizes}
     for size, mode in tqdm(jobs, desc="train bench", leave=False):
         config = SIZES[size]
         entry = report["sizes"].setdefault(size, {"params": param_count(config), "config": asdict(config)})
         skipped = _fits(mode, entry["params"], args)
-        entry[mode] = {"status": skipped} if skipped else _run_mode(mode, config, args)
+        runs[size][mode].append({"status": skipped} if skipped else _run_mode(mode, config, args))
     for size in args.sizes:
         entry = report["sizes"][size]
+        for mode, summaries in runs[size].items():
+            entry[mode] = _median_round(summaries)
         if "tokens_per_s" in entry["ddp"] and "tokens_per_s" in entry["layerwise"]:
-            entry["layerwise_over_ddp_tokens"] = entry["layerwise"]["tokens_per_s"] / entry["ddp"]["tokens_per_s"]
+            entry["layerwise_over_ddp_tokens"] = _median_ratio(runs[size], "layerwise", "ddp")
             entry["layerwise_over_ddp_peak_rss"] = entry["layerwise"]["peak_rss_mb_per_worker"] / entry["ddp"]["peak_rss_mb_per_worker"]
             above = {mode: entry[mode]["peak_rss_mb_per_worker"] - entry[mode]["rss_after_import_mb"] for mode in ("ddp", "layerwise")}
             entry["layerwise_over_ddp_peak_rss_above_import"] = above["layerwise"] / above["ddp"]  # what the model and training add
             if "peak_gpu_mb_per_worker" in entry["ddp"]:
                 entry["layerwise_over_ddp_peak_gpu"] = entry["layerwise"]["peak_gpu_mb_per_worker"] / entry["ddp"]["peak_gpu_mb_per_worker"]
             if "tokens_per_s" in entry["full"]:
-                entry["full_over_ddp_tokens"] = entry["full"]["tokens_per_s"] / entry["ddp"]["tokens_per_s"]
+                entry["full_over_ddp_tokens"] = _median_ratio(runs[size], "full", "ddp")
             if "tokens_per_s" in entry["compute"]:  # how near each mode comes to forward and backward alone
                 for mode in ("ddp", "full", "layerwise"):
                     if "tokens_per_s" in entry[mode]:
-                        entry[f"{mode}_over_compute_only_tokens"] = entry[mode]["tokens_per_s"] / entry["compute"]["tokens_per_s"]
+                        entry[f"{mode}_over_compute_only_tokens"] = _median_ratio(runs[size], mode, "compute")
             ratio = entry["layerwise_over_ddp_tokens"]  # the largest size both ran
     report["ratio"] = ratio
     return report

@@ -108,6 +108,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="whether the local nodes keep a parameter board their workers read from (netoptim node --same-host-board) (default: on)",
     )
     train.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run every mode this many times, round after round; each mode reports its round of median tokens/s and the ratios are "
+        "medians of each round's ratio (default: %(default)s)",
+    )
+    train.add_argument(
         "--out-of-core",
         type=size,
         default=None,

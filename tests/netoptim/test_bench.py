@@ -96,3 +96,15 @@ def test_train_bench_gives_each_node_its_own_state_directory(tmp_path):
     assert flags[0] == ("--no-same-host-board", "--state-dir", str(tmp_path / "node0-state"), "--memory-budget", str(64 << 20), "--pass-thread")
     assert flags[1][2] == str(tmp_path / "node1-state")  # a node clears the state files it finds: never two in one directory
     assert node_flags(argparse.Namespace(same_host_board=True, out_of_core=None, node_arg=[]), tmp_path) == ()
+
+
+def test_train_bench_rounds_report_the_median_round_and_median_ratios():
+    from benchmarks.train_bench import _median_ratio, _median_round
+
+    ddp = [{"tokens_per_s": rate, "round": i} for i, rate in enumerate((100.0, 300.0, 200.0))]
+    layerwise = [{"tokens_per_s": rate, "round": i} for i, rate in enumerate((110.0, 240.0, 260.0))]
+    assert _median_round(ddp) == {"tokens_per_s": 200.0, "round": 2, "tokens_per_s_rounds": [100.0, 300.0, 200.0]}
+    assert _median_round([{"status": "skipped: too large"}] * 2) == {"status": "skipped: too large"}
+    assert _median_round(ddp[:2])["round"] == 0  # an even count: the lower middle round
+    # each round's ratio (1.1, 0.8, 1.3), then their median; not 240 / 200
+    assert _median_ratio({"layerwise": layerwise, "ddp": ddp}, "layerwise", "ddp") == 1.1
