@@ -81,9 +81,8 @@ def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(start_node, t
     # Out of core: a budget of two of the three buckets, so state really goes through its files.
     storage = ("--state-dir", str(tmp_path / "state"), "--memory-budget", str(2 * 128 * 12)) if out_of_core else ()
     node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", crash_at, *storage))
-    params, errors = train(
-        node.address, timeout_s=30, reconnect_s=2
-    )  # the node does not come back on its own; a lost connection, not the timeout, tells the workers
+    # The node does not come back on its own; the lost connection, not the timeout, tells the workers.
+    params, errors = train(node.address, timeout_s=30, reconnect_s=2)
     assert params is None and errors, "the node should have died mid-training"
     assert node.process.wait(10) == EXIT_STATUS
     resumed = start_node("resumed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--resume", *storage))

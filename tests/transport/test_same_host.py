@@ -97,10 +97,11 @@ def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-# A full-model job's new values of buckets under BATCH_BYTES leave in batches, copied into each
-# worker's window, and only the values a rank pulls (its first ones) may come off the board, when its
-# board is mapped before the pull is answered (a race). Its test therefore has a 1 MiB bucket too
-# (the 64 x 4096 weight), which every step sends alone, off the board; layer-wise values always are.
+# A rank maps a node's board at its first receive after registering, so what it pulls before that
+# comes through its window (a race with the board's offer). Later, layer-wise values (pulled unit by
+# unit) all come off the board; a full-model job's do for buckets of BATCH_BYTES or more, while
+# smaller ones leave in batches copied into each worker's window. The full-model case therefore
+# has a 1 MiB bucket (the 64 x 4096 weight), which every step sends alone, off the board.
 @pytest.mark.parametrize(("layerwise", "width", "bucket_numel"), [(False, 4096, 1 << 18), (True, 256, 8192)], ids=["full-model", "layer-wise"])
 def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerwise, width, bucket_numel):
     """Two workers on the nodes' host, every gradient and parameter through shared memory: the same
@@ -140,8 +141,10 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerw
         opt.zero_grad()
     for rank in range(world_size):
         assert moved[rank]["sent"] > 0 and moved[rank]["received"] > 0, f"rank {rank} moved nothing through shared memory: {moved[rank]}"
-        # every step's values of the unbatched bucket at least (the rank maps each board before it pushes)
-        off_the_board = steps * 64 * width * 4 if not layerwise else 1
+        # full model: every step's values of the unbatched bucket; layer-wise: every unit of every step
+        # but the first (the rank maps each board before it pushes the first step's gradients)
+        param_bytes = 4 * sum(p.numel() for p in reference.parameters())
+        off_the_board = (steps - 1) * param_bytes if layerwise else steps * 64 * width * 4
         assert moved[rank]["board"] >= off_the_board, f"rank {rank} read too little from the nodes' boards: {moved[rank]}"
         # the nodes' windows hold a whole step of gradients: each is gathered there and sent with no
         # copy; only rank 0's initial values (a step's bytes) were copied into the windows
