@@ -42,7 +42,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from benchmarks.morph_bench import run
     else:
         raise AssertionError(args.bench)
-    result = run(args)
+    try:
+        result = run(args)
+    except ValueError as exc:  # a setting this machine or these flags cannot run: said, as a usage error
+        print(f"netoptim bench {args.bench}: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2))
     if plot:
         from benchmarks.plot import plot_result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -71,3 +71,18 @@ def memory_bandwidth_gbs(repeats: int, nbytes: int = 256 << 20) -> float:
     source = torch.ones(nbytes // 4)
     seconds = median_seconds(lambda: target.add_(source), repeats)
     return 3 * nbytes / seconds / 1e9
+
+
+def check_node_args(node_args: Sequence[str], nodes: int, *, own_directories: str = "") -> None:
+    """``ValueError`` for a ``--state-dir`` among the flags given to every local node (``--node-arg``)
+    where more than one node, or a benchmark flag that gives each node a directory of its own
+    (``own_directories``, named in the message), would take it: a node clears the state files it
+    finds at start, so nodes sharing one directory would clear each other's."""
+    if not any(arg == "--state-dir" or arg.startswith("--state-dir=") for arg in node_args):
+        return
+    if own_directories:
+        raise ValueError(f"--node-arg=--state-dir: use {own_directories}, which gives each local node a state directory of its own")
+    if nodes > 1:
+        raise ValueError(
+            f"--node-arg=--state-dir would give all {nodes} local nodes one state directory, where each clears the state files it finds at start; use --nodes 1"
+        )

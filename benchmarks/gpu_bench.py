@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import check_node_args
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box
 from benchmarks.gpu_mode_names import MODES, NETOPTIM_MODES
@@ -238,6 +239,7 @@ def _run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     report: dict = {"benchmark": "gpu", "ratio": None}
+    check_node_args(args.node_arg, args.nodes)
     if not torch.cuda.is_available():
         report["status"] = "skipped: torch sees no CUDA device here (a CPU build of torch, or no GPU); no figure"
         _save(report, args.out)

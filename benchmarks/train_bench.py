@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import check_node_args
 from gpu_worker.models import GPTConfig
 
 SIZES = {
@@ -308,6 +309,7 @@ def _median_ratio(runs: dict[str, list[dict]], mode: str, baseline: str) -> floa
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
+    check_node_args(args.node_arg, args.nodes, own_directories="--out-of-core BUDGET")
     report: dict = {
         "benchmark": "train",
         "workers": args.workers,

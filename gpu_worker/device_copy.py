@@ -99,6 +99,12 @@ class HostToDevice:
             )
             self._held: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # sources read in place, until their copy is done
 
+    @property
+    def copied_bytes(self) -> dict[str, int]:
+        """Bytes copied up so far: ``direct`` from page-locked windows and boards, ``staged`` through
+        the pinned buffers."""
+        return {"direct": self.direct_bytes, "staged": self.staged_bytes}
+
     def begin(self) -> None:
         """Before copies into freshly allocated device memory: that memory may have belonged to a
         tensor the compute stream still reads, so the side stream first waits for the compute stream."""

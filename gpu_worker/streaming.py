@@ -135,7 +135,7 @@ class LayerStreamer:
     def device_copy_bytes(self) -> dict[str, int]:
         """On a GPU: unit bytes copied up, ``direct`` from page-locked windows and boards, ``staged``
         through pinned buffers."""
-        return {"direct": self._copier.direct_bytes, "staged": self._copier.staged_bytes}
+        return self._copier.copied_bytes
 
     def connect(self) -> None:
         """Register the job; rank 0 sends initial values unit by unit (materializing, initializing and

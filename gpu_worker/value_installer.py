@@ -53,8 +53,7 @@ class ValueInstaller:
     def device_copy_bytes(self) -> dict[str, int]:
         """Bytes copied up to the GPU: ``direct`` from page-locked windows and boards, ``staged``
         through pinned buffers (zeros on CPU)."""
-        copies = self._device_copies
-        return {"direct": copies.direct_bytes, "staged": copies.staged_bytes} if copies is not None else {"direct": 0, "staged": 0}
+        return self._device_copies.copied_bytes if self._device_copies is not None else {"direct": 0, "staged": 0}
 
     def settle(self) -> None:
         """Once every value is in (the end of a step): wait for the last copies (most landed while

@@ -19,6 +19,18 @@ def _limits_file(path: str) -> dict:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _add_node_arg(parser: argparse.ArgumentParser, which: str, example: str) -> None:
+    """``--node-arg``, repeatable: a flag passed on to ``which`` node(s) of a benchmark."""
+    parser.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help=f"a flag for {which}, as netoptim node takes it (repeat it for more; write it with '=': --node-arg={example}), to compare "
+        "node settings; not --state-dir for more than one node (each clears the state files it finds at start)",
+    )
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     from job.placement import DEFAULT_BUCKET_NUMEL
 
@@ -123,14 +135,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "with this memory budget (netoptim node --state-dir ... --memory-budget BUDGET), to compare with nodes that hold it in memory "
         "(default: in memory)",
     )
-    train.add_argument(
-        "--node-arg",
-        action="append",
-        default=[],
-        metavar="FLAG",
-        help="a flag for every local node of the netoptim modes, as netoptim node takes it (repeat it for more; write it with '=': "
-        "--node-arg=--pass-thread), to compare node settings",
-    )
+    _add_node_arg(train, "every local node of the netoptim modes", "--pass-thread")
     add_gpu_parser(which)
     offload = which.add_parser("offload", help="out-of-core update rate vs the disk's own sequential read+write rate, and vs in memory")
     offload.add_argument("--numel", type=positive_int, default=64 << 20, help="parameters (default: %(default)s, 768 MiB of state)")
@@ -185,13 +190,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default="float32",
         help="dtype of gradients and parameters on the wire (the node keeps fp32 master values either way) (default: %(default)s)",
     )
-    step.add_argument(
-        "--node-arg",
-        action="append",
-        default=[],
-        metavar="FLAG",
-        help="a flag for the node, as netoptim node takes it (repeat it for more; write it with '=': --node-arg=--pass-thread), to compare node settings",
-    )
+    _add_node_arg(step, "the node", "--pass-thread")
     morph = which.add_parser(
         "morph", help="an elastic job shrinking from 4 workers to 2 and growing to 3: bitwise against torch AdamW at the same widths, and each morph's pause"
     )
@@ -295,14 +294,7 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         "each mode's fraction of the offload limit without the 30-60 s (the compute mode must run in this run for it); refused when "
         "that run had another GPU or CPU count",
     )
-    gpu.add_argument(
-        "--node-arg",
-        action="append",
-        default=[],
-        metavar="FLAG",
-        help="a flag for every local node of the netoptim modes, as netoptim node takes it (repeat it for more; write it with '=': "
-        "--node-arg=--no-same-host-board), to compare node settings on one box",
-    )
+    _add_node_arg(gpu, "every local node of the netoptim modes", "--no-same-host-board")
     gpu.add_argument("--worker-cpus", type=positive_int, default=2, help="CPUs left to the training process, pinned there with --pin (default: %(default)s)")
     gpu.add_argument("--copy-bytes", type=size, default=1 << 30, help="bytes per copy when measuring host-device bandwidth (default: 1GiB)")
     gpu.add_argument(

@@ -186,9 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options["pace_window_bytes"] = args.pace_window_kib * 1024
         if args.overlap_forward:
             options |= {"overlap_forward": True, "module": model}
-        if not args.keep_step_gradients:
-            options["keep_step_gradients"] = False
-        optimizer = RemoteAdamW(param_groups(model), push_during_backward=args.push_during_backward, **options)
+        optimizer = RemoteAdamW(param_groups(model), push_during_backward=args.push_during_backward, keep_step_gradients=args.keep_step_gradients, **options)
     start_step = optimizer.remote_step  # non-zero when the nodes already trained this job
     schedule = lr_lambda(args.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step + start_step))

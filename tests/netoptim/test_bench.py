@@ -108,3 +108,22 @@ def test_train_bench_rounds_report_the_median_round_and_median_ratios():
     assert _median_round(ddp[:2])["round"] == 0  # an even count: the lower middle round
     # each round's ratio (1.1, 0.8, 1.3), then their median; not 240 / 200
     assert _median_ratio({"layerwise": layerwise, "ddp": ddp}, "layerwise", "ddp") == 1.1
+
+
+def test_a_state_directory_that_several_nodes_would_share_is_refused():
+    from benchmarks.common import check_node_args
+
+    check_node_args(["--state-dir=/scratch", "--memory-budget=1GiB"], 1)  # one node: its own
+    check_node_args(["--pass-thread"], 4)
+    with pytest.raises(ValueError, match="all 2 local nodes one state directory"):
+        check_node_args(["--state-dir", "/scratch"], 2)
+    with pytest.raises(ValueError, match="use --out-of-core BUDGET"):
+        check_node_args(["--state-dir=/scratch"], 1, own_directories="--out-of-core BUDGET")
+
+
+def test_a_bench_setting_that_cannot_run_is_a_usage_error():
+    result = subprocess.run(
+        [sys.executable, "-m", "netoptim", "bench", "train", "--sizes", "small", "--node-arg=--state-dir=unused"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "netoptim bench train: --node-arg=--state-dir: use --out-of-core BUDGET" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
