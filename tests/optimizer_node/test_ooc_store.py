@@ -1,6 +1,7 @@
 """The out-of-core store on real files: the budget, write-behind, hard-linked checkpoints, and files
 that change under it, in each I/O mode: buffered, ``sync`` (O_DIRECT where the file system takes
-it, retired versions' files reused), and ``sync`` through the page cache (where it does not)."""
+it), and ``sync`` through the page cache (where it does not); in each, retired versions' files are
+reused."""
 
 from __future__ import annotations
 
@@ -166,8 +167,8 @@ def test_a_full_disk_keeps_the_values_in_memory_and_training_goes_on_once_there_
     store.close()
 
 
-def test_sync_writes_reuse_the_retired_versions_file_but_never_a_checkpointed_one(tmp_path):
-    store = OutOfCoreStore(tmp_path / "state", 2 * BUCKET_BYTES, sync=True)
+def test_writes_reuse_the_retired_versions_file_but_never_a_checkpointed_one(tmp_path, io):
+    store = open_store(tmp_path / "state", 2 * BUCKET_BYTES, io)
     filled(store, 4)
 
     def inode(bucket_id: int) -> int:
@@ -243,8 +244,8 @@ def test_adamw_out_of_core_is_bitwise_equal_to_in_memory(tmp_path, io):
     out_of_core.close()
 
 
-def test_a_failed_write_in_place_keeps_the_values_and_the_next_write_goes_to_a_new_file(tmp_path, monkeypatch):
-    store = OutOfCoreStore(tmp_path / "state", 2 * BUCKET_BYTES, sync=True)
+def test_a_failed_write_in_place_keeps_the_values_and_the_next_write_goes_to_a_new_file(tmp_path, monkeypatch, io):
+    store = open_store(tmp_path / "state", 2 * BUCKET_BYTES, io)
     filled(store, 4)
     store.flush()
     transfer = ooc_files._transfer

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 
+import grpc
 import pytest
 import torch
 
 from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+from protos import admin_pb2, admin_pb2_grpc
 
 JOB_OVERHEAD = 40 << 20
 
@@ -68,10 +70,10 @@ def test_a_job_larger_than_the_nodes_ram_is_refused_before_anything_is_allocated
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real 1 MiB filesystem."""
+    """A real 4 MiB filesystem."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
     yield mount_point
@@ -81,7 +83,8 @@ def small_disk(tmp_path):
 def test_a_full_state_disk_stalls_training_with_a_clear_error_and_loses_nothing(start_node, small_disk):
     """The disk fills up under a training node: updates stop, workers time out naming the storage
     error; once the operator frees space the held updates are applied and training ends where a
-    roomy run ends."""
+    roomy run ends. A node writes each next version into the retired version's file, which needs no
+    room; what does is a version a checkpoint holds on to, so the disk fills after a checkpoint."""
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
     budget = 2 * 12 * 4096
 
@@ -101,8 +104,11 @@ def test_a_full_state_disk_stalls_training_with_a_clear_error_and_loses_nothing(
     roomy = opt.gather_parameters()
     opt.close()
 
-    node = start_node("cramped", extra_args=("--state-dir", str(small_disk / "state"), "--memory-budget", str(budget)))
+    checkpoints = ("--checkpoint-dir", str(small_disk / "checkpoints"), "--admin", "127.0.0.1:0")
+    node = start_node("cramped", extra_args=("--state-dir", str(small_disk / "state"), "--memory-budget", str(budget), *checkpoints))
     model, opt = connect(node, 3)
+    admin = admin_pb2_grpc.OptimizerNodeAdminStub(grpc.insecure_channel(node.admin_address))
+    assert admin.Checkpoint(admin_pb2.CheckpointRequest(), timeout=30).step == 0  # links every bucket's file: the next versions need room
     filler = small_disk / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # take every byte left: the next state versions have nowhere to go
     try:
