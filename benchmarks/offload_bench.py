@@ -12,7 +12,9 @@ In one run, over the same number of parameters in buckets of ``--bucket-numel``:
   measured against the budget;
 - in memory: the same loop over :class:`~optimizer_node.storage.InMemoryStore`.
 
-``ratio`` is the out-of-core rate over the disk bound.
+``ratio`` is the out-of-core rate over the disk bound. With ``--io buffered`` and more free RAM than
+state, the page cache keeps what the store writes and serves its reads: the ratio can pass 1, and
+what it then measures is the store's own CPU cost (copies, checksums), not the disk.
 """
 
 from __future__ import annotations
