@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from optimizer_node.storage import StorageError
+from transport.host_memory import trim_host_heap
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,31 @@ def state_buffer(numel: int) -> torch.Tensor:
         except OSError:  # no transparent huge pages in this kernel: 4 KiB pages, smaller requests
             pass
     return torch.frombuffer(mapping, dtype=torch.float32, count=numel, offset=offset)  # the tensor keeps the mapping alive
+
+
+class SpareStateBuffers:
+    """Freed state buffers by size, reused: memory for state is allocated once, up to the budget,
+    instead of being freed to (and fragmenting) the heap at every eviction."""
+
+    def __init__(self) -> None:
+        self._spare: dict[int, list[torch.Tensor]] = {}  # elements -> buffers of that many
+
+    def give(self, flat: torch.Tensor) -> None:
+        """Keep ``flat`` (a bucket's state buffer, no longer in use) for the next bucket of its size."""
+        self._spare.setdefault(flat.numel(), []).append(flat)
+
+    def take(self, numel: int, *, room: int) -> torch.Tensor:
+        """A buffer of ``numel`` fp32: a spare one, else a new one; ``room`` is what the budget has
+        left, which spare buffers of other sizes count against: they are given back first where both
+        would not fit."""
+        spare = self._spare.get(numel)
+        if spare:
+            return spare.pop()
+        spare_bytes = 4 * sum(b.numel() for buffers in self._spare.values() for b in buffers)
+        if spare_bytes and spare_bytes + 4 * numel > room:
+            self._spare.clear()
+            trim_host_heap()
+        return state_buffer(numel)
 
 
 def probe_direct_io(directory: Path) -> bool:

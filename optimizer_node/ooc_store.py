@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from optimizer_node.ooc_files import FileInfo, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
+from optimizer_node.ooc_files import FileInfo, SpareStateBuffers, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
 from optimizer_node.storage import BucketState, BucketStore, StorageError
-from transport.host_memory import map_large_allocations, trim_host_heap
+from transport.host_memory import map_large_allocations
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,7 @@ class OutOfCoreStore(BucketStore):
         )
         map_large_allocations()  # so what is freed (frames, parameters sent) leaves the RSS too
         self._slots: dict[int, _Slot] = {}
-        # Freed state buffers by size, reused: memory for state is allocated once, up to the budget,
-        # instead of being freed to (and fragmenting) the heap at every eviction.
-        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._spare = SpareStateBuffers()
         # Reads and writes on pools of their own: the update waits for a read, never for a write
         # (until room is short), so a read must not queue behind writes that wait out fdatasync.
         self._readers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-read")
@@ -289,14 +287,7 @@ class OutOfCoreStore(BucketStore):
 
     def _buffer(self, numel: int) -> torch.Tensor:
         """A state buffer for a bucket of ``numel``: a spare one, else a new one (the caller made room)."""
-        spare = self._spare.get(numel)
-        if spare:
-            return spare.pop()
-        spare_bytes = sum(BYTES_PER_PARAM * b.numel() // 3 for buffers in self._spare.values() for b in buffers)
-        if spare_bytes and self._resident + spare_bytes + BYTES_PER_PARAM * numel > self.memory_budget:
-            self._spare.clear()  # buckets of other sizes: give their buffers back before growing
-            trim_host_heap()
-        return state_buffer(3 * numel)
+        return self._spare.take(3 * numel, room=self.memory_budget - self._resident)
 
     def _bind(self, slot: _Slot) -> None:
         numel = slot.state.numel
@@ -311,7 +302,7 @@ class OutOfCoreStore(BucketStore):
         slot.state.param = slot.state.exp_avg = slot.state.exp_avg_sq = _EVICTED
         slot.state.grad = slot.state.wire_copy = None
         assert slot.flat is not None
-        self._spare.setdefault(slot.state.numel, []).append(slot.flat)
+        self._spare.give(slot.flat)
         slot.flat = None
         self._resident -= BYTES_PER_PARAM * slot.state.numel
 
@@ -375,7 +366,7 @@ class OutOfCoreStore(BucketStore):
             future.result()
         except (OSError, StorageError) as exc:
             assert slot.flat is not None
-            self._spare.setdefault(slot.state.numel, []).append(slot.flat)
+            self._spare.give(slot.flat)
             slot.flat = None
             self._resident -= BYTES_PER_PARAM * slot.state.numel
             raise StorageError(
