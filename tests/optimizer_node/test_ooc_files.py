@@ -36,7 +36,7 @@ def test_state_buffers_are_aligned_for_direct_io_and_start_on_a_huge_page_when_t
 
 
 @pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("numel", [100, 1024, 1100, (3 << 18) + 5])
+@pytest.mark.parametrize("numel", [100, 1024, 1100, 1 << 18, (3 << 18) + 5])  # 1 << 18: a parameter third of 1 MiB
 def test_a_version_reads_back_as_written_and_an_overwrite_keeps_the_file(tmp_path, direct, numel):
     if direct and not probe_direct_io(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
@@ -44,7 +44,8 @@ def test_a_version_reads_back_as_written_and_an_overwrite_keeps_the_file(tmp_pat
     flat.copy_(torch.randn(3 * numel, generator=torch.Generator().manual_seed(numel)))
     path = tmp_path / "bucket.bin"
     info = write_version(path, flat, 1, sync=True, direct=direct, overwrite=False)
-    assert info.size == 12 * numel and info.crc32 == zlib.crc32(path.read_bytes())
+    written = path.read_bytes()
+    assert info.size == 12 * numel and info.crc32 == zlib.crc32(written) and info.param_crc32 == zlib.crc32(written[: 4 * numel])
     into = state_buffer(3 * numel)
     read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=direct)
     assert torch.equal(into, flat)

@@ -248,16 +248,16 @@ def test_a_failed_write_in_place_keeps_the_values_and_the_next_write_goes_to_a_n
     store = open_store(tmp_path / "state", 2 * BUCKET_BYTES, io)
     filled(store, 4)
     store.flush()
-    transfer = ooc_files._transfer
+    pwrite = os.pwrite
     failures = []
 
-    def failing_once(fd, data, *, write, direct):
-        if write and not failures:
+    def failing_once(fd, data, offset):  # every write of a state file, direct or through the page cache
+        if not failures:
             failures.append(fd)
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return transfer(fd, data, write=write, direct=direct)
+        return pwrite(fd, data, offset)
 
-    monkeypatch.setattr(ooc_files, "_transfer", failing_once)
+    monkeypatch.setattr(ooc_files.os, "pwrite", failing_once)
     update(store, 0, 1.0)  # its retired version's file is taken over and the write fails
     store.flush()
     assert failures and "Input/output error" in store.last_error
