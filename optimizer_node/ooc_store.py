@@ -17,15 +17,13 @@ or an eviction needs it); when it does not, a bucket is written back as soon as 
 its memory freed once the write is done. The daemon says which buckets come next (``prefetch``):
 reads run on I/O threads while it updates another bucket and earlier writes drain, the read
 ``i+1`` / update ``i`` / write ``i-1`` pipeline. All bookkeeping happens on the daemon thread; the I/O
-threads only read or write a buffer they are handed.
+threads only read or write a buffer they are handed. A fetch of a bucket not resident reads only
+its parameter third, kept for the other ranks' fetches while the budget has room
+(:mod:`optimizer_node.fetched_params`).
 
-I/O method (measured by ``netoptim bench offload``; see docs/operations.md): one request per file,
-from two thread pools of ``io_threads`` each, one for reads and one for writes. Without ``sync`` it
-goes through the page cache, a second cache above the budget. With ``sync=True`` every write is
-followed by ``fdatasync``, and the state moves with ``O_DIRECT`` between the disk and page-aligned
-buffers on huge pages (:mod:`optimizer_node.ooc_files`): nothing enters the page cache, so the
-node's footprint stays near the budget, at the disk's real speed; where the file system refuses
-``O_DIRECT``, the page cache of each file is dropped after it is read or written.
+I/O (docs/operations.md): one request per file, from a pool of ``io_threads`` for reads and one for
+writes; without ``sync`` through the page cache, with it ``fdatasync`` after every write and
+``O_DIRECT`` where the file system takes it (:mod:`optimizer_node.ooc_files`).
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from optimizer_node.fetched_params import FetchedParams
 from optimizer_node.ooc_files import FileInfo, SpareStateBuffers, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 from transport.host_memory import map_large_allocations
@@ -98,6 +97,7 @@ class OutOfCoreStore(BucketStore):
         map_large_allocations()  # so what is freed (frames, parameters sent) leaves the RSS too
         self._slots: dict[int, _Slot] = {}
         self._spare = SpareStateBuffers()
+        self._fetched = FetchedParams()  # parameter thirds read for fetches, in what the budget has left
         # Reads and writes on pools of their own: the update waits for a read, never for a write
         # (until room is short), so a read must not queue behind writes that wait out fdatasync.
         self._readers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-read")
@@ -130,6 +130,7 @@ class OutOfCoreStore(BucketStore):
         state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.zeros(()), numel=numel)
         slot = _Slot(state)
         self._slots[bucket_id] = slot
+        self._fetched.drop(bucket_id)
         self._total += BYTES_PER_PARAM * numel
         self._make_resident(slot)
         slot.flat.zero_()  # type: ignore[union-attr]
@@ -149,7 +150,12 @@ class OutOfCoreStore(BucketStore):
         return len(self._slots)
 
     def resident_bytes(self) -> int:
-        return self._resident
+        return self._resident + self._fetched.nbytes
+
+    @property
+    def fetch_reads_saved(self) -> int:
+        """Fetches of a bucket not in memory answered without reading its file again."""
+        return self._fetched.hits
 
     @property
     def total_bytes(self) -> int:
@@ -169,6 +175,7 @@ class OutOfCoreStore(BucketStore):
     def acquire(self, state: BucketState) -> None:
         slot = self._slots[state.bucket_id]
         slot.pins += 1  # pinned first: nothing below may evict it
+        self._fetched.drop(state.bucket_id)  # its values may change now; while resident, fetches read them
         try:
             if slot.writing is not None:  # its last values are still being written: no changes until done
                 self._finish_write(slot)
@@ -190,6 +197,9 @@ class OutOfCoreStore(BucketStore):
         if slot.flat is not None:
             return state.param
         assert slot.file is not None
+        kept = self._fetched.get(state.bucket_id, slot.file.step)  # another rank's fetch read them moments ago
+        if kept is not None:
+            return kept
         param = state_buffer(state.numel)
         try:
             read_checked(
@@ -200,6 +210,7 @@ class OutOfCoreStore(BucketStore):
                 f"bucket {state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
             ) from None
         self.bytes_read += param.numel() * 4
+        self._fetched.keep(state.bucket_id, slot.file.step, param, room=self.memory_budget - self._resident)
         return param
 
     def release(self, state: BucketState, *, dirty: bool) -> None:
@@ -229,6 +240,7 @@ class OutOfCoreStore(BucketStore):
                     self.last_error = str(exc)
 
     def close(self) -> None:
+        self._fetched.clear()
         self.flush()
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
@@ -270,6 +282,7 @@ class OutOfCoreStore(BucketStore):
             target.write_bytes(path.read_bytes())
         slot = _Slot(state, file=describe_file(target, step, param_bytes=4 * numel))
         self._slots[bucket_id] = slot
+        self._fetched.drop(bucket_id)
         self._total += BYTES_PER_PARAM * numel
         return state
 
@@ -287,7 +300,7 @@ class OutOfCoreStore(BucketStore):
 
     def _buffer(self, numel: int) -> torch.Tensor:
         """A state buffer for a bucket of ``numel``: a spare one, else a new one (the caller made room)."""
-        return self._spare.take(3 * numel, room=self.memory_budget - self._resident)
+        return self._spare.take(3 * numel, room=self.memory_budget - self._resident - self._fetched.nbytes)
 
     def _bind(self, slot: _Slot) -> None:
         numel = slot.state.numel
@@ -308,8 +321,10 @@ class OutOfCoreStore(BucketStore):
 
     def _make_room(self, nbytes: int, *, block: bool) -> bool:
         """Free memory until ``nbytes`` more fit the budget; False if that needs waiting and ``block`` is off."""
-        while self._resident + nbytes > self.memory_budget:
+        while self._resident + self._fetched.nbytes + nbytes > self.memory_budget:
             self.poll()
+            if self._fetched.drop_oldest():  # values kept for fetches go before any state
+                continue
             idle = [s for s in self._slots.values() if s.flat is not None and s.pins == 0 and s.reading is None]
             clean = [s for s in idle if not s.dirty and s.writing is None]
             if clean:
