@@ -100,7 +100,8 @@ def _render_status(status: dict) -> str:
     lines = [
         f"node {status['node_id']} (netoptim {status['version']}), up {float(status['uptime_seconds']):.0f} s, data plane {status['data_address']}",
         f"step {status['step']}, {_job_state(status)}" + (f", PAUSED: {status['pause_reason']}" if status["paused"] else ""),
-        f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM)",
+        f"job: {'registered' if status['registered'] else 'none yet'}, {status['world_size']} workers, {status['buckets_owned']} buckets, {int(status['bytes_owned']) / 2**20:.1f} MiB of state ({int(status['bytes_in_ram']) / 2**20:.1f} MiB in RAM"
+        + (f", {int(status['bytes_on_disk']) / 2**20:.1f} MiB on disk)" if int(status.get("bytes_on_disk", 0)) else ")"),
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f}; "
         f"{1e3 * float(last.get('tail_seconds', 0.0)):.1f} after the last gradient)"
         + (f", updates on {status['update_path']}" if status.get("update_path") else ""),

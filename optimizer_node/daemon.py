@@ -92,6 +92,7 @@ class NodeDaemon:
             draining=lambda: self._checkpoints.drain_step is not None,
             last_checkpoint_unix=lambda: (self._checkpoints.last or {}).get("created_unix"),
             shared_memory=self._endpoint.shared_memory,
+            store_io=lambda: self._store.io_counters(),
         )
         self.commands = CommandQueue()  # how the admin service reaches this thread
         # --pass-thread: the update passes run on a thread of their own while this one receives and sends

@@ -74,6 +74,10 @@ def _no_workers() -> Iterable[float]:
     return ()
 
 
+def _no_store_io() -> dict[str, int]:
+    return {"bytes_read": 0, "bytes_written": 0, "fetch_reads_saved": 0}
+
+
 _SAME_HOST_SERIES = (  # (family, name, help, key of ServerEndpoint.shared_memory())
     (GaugeMetricFamily, "netoptim_same_host_windows", "Same-host worker connections whose payloads go through shared windows.", "connections"),
     (
@@ -135,6 +139,14 @@ class _ScrapeTimeCollector(Collector):
         shared = m.shared_memory()
         for family, name, text, key in _SAME_HOST_SERIES:
             yield family(name, text, value=shared[key])
+        io = m.store_io()
+        yield CounterMetricFamily("netoptim_state_read_bytes", "Out of core: bytes of state read from the state files.", value=io["bytes_read"])
+        yield CounterMetricFamily("netoptim_state_written_bytes", "Out of core: bytes of state written to the state files.", value=io["bytes_written"])
+        yield CounterMetricFamily(
+            "netoptim_fetch_reads_saved",
+            "Out of core: fetches answered with parameters another fetch read, without reading a file.",
+            value=io["fetch_reads_saved"],
+        )
         yield from self._non_finite()
 
     def _non_finite(self) -> Iterator[Metric]:
@@ -177,7 +189,9 @@ class NodeMetrics:
     - ``workers_last_seen``: unix time each registered rank was last heard from;
     - ``paused`` / ``draining``: whether an operator paused updates / asked for a drain;
     - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet);
-    - ``shared_memory``: same-host connections with shared windows and the bytes through them.
+    - ``shared_memory``: same-host connections with shared windows and the bytes through them;
+    - ``store_io``: an out-of-core node's state bytes read and written, and fetches answered without
+      a read (:meth:`~optimizer_node.storage.BucketStore.io_counters`).
     """
 
     def __init__(
@@ -189,6 +203,7 @@ class NodeMetrics:
         draining: Callable[[], bool] = _never,
         last_checkpoint_unix: Callable[[], float | None] = _no_checkpoint,
         shared_memory: Callable[[], dict[str, int]] = no_shared_memory,
+        store_io: Callable[[], dict[str, int]] = _no_store_io,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
@@ -197,6 +212,7 @@ class NodeMetrics:
         self.draining = draining
         self.last_checkpoint_unix = last_checkpoint_unix
         self.shared_memory = shared_memory
+        self.store_io = store_io
         self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
         self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
         ProcessCollector(registry=registry)

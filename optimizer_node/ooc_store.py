@@ -152,10 +152,11 @@ class OutOfCoreStore(BucketStore):
     def resident_bytes(self) -> int:
         return self._resident + self._fetched.nbytes
 
-    @property
-    def fetch_reads_saved(self) -> int:
-        """Fetches of a bucket not in memory answered without reading its file again."""
-        return self._fetched.hits
+    def disk_bytes(self) -> int:
+        return sum(slot.file.size for slot in self._slots.values() if slot.file is not None)
+
+    def io_counters(self) -> dict[str, int]:
+        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "fetch_reads_saved": self._fetched.hits}
 
     @property
     def total_bytes(self) -> int:

@@ -154,6 +154,15 @@ class BucketStore(ABC):
         """Bytes of state held in memory now."""
         return sum(state.state_bytes for state in self)
 
+    def disk_bytes(self) -> int:
+        """Bytes of state in files now (each bucket's newest version): none for a store in memory."""
+        return 0
+
+    def io_counters(self) -> dict[str, int]:
+        """State bytes read from and written to files since the store was made, and fetches answered
+        without reading a file; plain integers, so another thread may read them."""
+        return {"bytes_read": 0, "bytes_written": 0, "fetch_reads_saved": 0}
+
     def close(self) -> None:
         """Finish background work and release resources."""
         return None

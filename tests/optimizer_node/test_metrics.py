@@ -106,6 +106,7 @@ def test_metrics_of_a_training_node(start_node, tmp_path):
     # a bucket this small travels in the batches of small buckets after each step, which are copies: the board had the values pulled alone
     assert values["netoptim_same_host_board_referenced_bytes_total"] >= 64 * 32 * 4, "values were read from the board"
     assert values["netoptim_same_host_board_written_bytes_total"] >= 64 * 32 * 4
+    assert values["netoptim_state_read_bytes_total"] == values["netoptim_state_written_bytes_total"] == 0, "the state is in memory"
 
     with grpc.insecure_channel(node.admin_address) as channel:
         admin = admin_pb2_grpc.OptimizerNodeAdminStub(channel)

@@ -297,11 +297,11 @@ def test_a_fetch_read_from_a_file_answers_the_next_ranks_fetch_until_the_bucket_
     first = store.params_for_send(store.get(evicted))
     again = store.params_for_send(store.get(evicted))  # a second rank asks moments later: no second read
     assert torch.all(first == float(evicted)) and again is first
-    assert store.bytes_read == read + 4 * NUMEL and store.fetch_reads_saved == 1
+    assert store.bytes_read == read + 4 * NUMEL and store.io_counters()["fetch_reads_saved"] == 1
     assert store.resident_bytes() <= 3 * BUCKET_BYTES
     update(store, evicted, 1.0)  # a new version: what was kept for fetches is not it
     store.flush()
-    assert torch.all(store.params_for_send(store.get(evicted)) == evicted + 1.0) and store.fetch_reads_saved == 1
+    assert torch.all(store.params_for_send(store.get(evicted)) == evicted + 1.0) and store.io_counters()["fetch_reads_saved"] == 1
     store.close()
 
 
@@ -318,5 +318,5 @@ def test_values_kept_for_fetches_give_way_to_state_and_the_budget_holds(tmp_path
             store.prefetch((bucket_id + 1) % 8)
             update(store, bucket_id, 1.0)
             assert store.resident_bytes() <= 3 * BUCKET_BYTES
-    assert store.fetch_reads_saved > 0
+    assert store.io_counters()["fetch_reads_saved"] > 0
     store.close()

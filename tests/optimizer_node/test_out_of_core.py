@@ -9,10 +9,13 @@ import subprocess
 import grpc
 import pytest
 import torch
+from google.protobuf.json_format import MessageToDict
 
 from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+from netoptim.admin_cli import _render_status
 from protos import admin_pb2, admin_pb2_grpc
+from tests.optimizer_node.test_metrics import scrape
 
 JOB_OVERHEAD = 40 << 20
 
@@ -50,6 +53,33 @@ def test_node_memory_stays_within_its_budget(start_node, tmp_path):
     # window) and the fixed cost of serving a job (kernel and thread start-up, I/O threads, message
     # frames: ~30 MiB measured with all state in memory).
     assert peak <= 1.1 * budget + window + JOB_OVERHEAD
+
+
+def test_status_and_metrics_say_where_the_state_is_and_what_moved_to_and_from_the_disk(start_node, tmp_path):
+    budget = 3 << 20  # 4 buckets' state
+    args = ("--state-dir", str(tmp_path / "state"), "--memory-budget", str(budget), "--admin", "127.0.0.1:0", "--metrics-port", "0")
+    node = start_node(extra_args=args)
+    config = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=128)
+    with torch.device("meta"):
+        model = GPT(config)
+    opt = offload(model, model.blocks, nodes=[node.address], init_fn=gpt_initializer(config), bucket_numel=1 << 16, timeout_s=60)
+    for step in range(2):
+        tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(step))
+        model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1].backward()
+        opt.step()
+    opt.gather_parameters()
+    with grpc.insecure_channel(node.admin_address) as channel:
+        status = admin_pb2_grpc.OptimizerNodeAdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
+    assert status.bytes_owned > 3 * budget
+    assert status.bytes_on_disk == status.bytes_owned, "every bucket's newest version is in its file (the state does not fit the budget)"
+    assert 0 < status.bytes_in_ram <= budget
+    shown = _render_status(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+    assert f"MiB in RAM, {status.bytes_on_disk / 2**20:.1f} MiB on disk)" in shown
+    values = scrape(node.metrics_url)
+    assert values["netoptim_state_read_bytes_total"] >= 2 * status.bytes_owned / 3, "every update read its state back (the parameters of some were in memory)"
+    assert values["netoptim_state_written_bytes_total"] >= 2 * status.bytes_owned
+    assert values["netoptim_fetch_reads_saved_total"] >= 0
+    opt.close()
 
 
 def test_a_budget_below_two_buckets_is_refused_with_what_to_change(start_node, tmp_path):
