@@ -73,6 +73,19 @@ def memory_bandwidth_gbs(repeats: int, nbytes: int = 256 << 20) -> float:
     return 3 * nbytes / seconds / 1e9
 
 
+def vm_bytes(field: str, pid: int | str = "self") -> int:
+    """A memory field of ``/proc/PID/status`` (``VmRSS``, ``VmHWM``: the peak resident size so far), in
+    bytes; 0 where the system has no such file or field."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
 def check_node_args(node_args: Sequence[str], nodes: int, *, own_directories: str = "") -> None:
     """``ValueError`` for a ``--state-dir`` among the flags given to every local node (``--node-arg``)
     where more than one node, or a benchmark flag that gives each node a directory of its own

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.common import vm_bytes
 from benchmarks.gpu_mode_names import DEEPSPEED_MODES, MODES
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from job.placement import DEFAULT_BUCKET_NUMEL
@@ -94,12 +95,7 @@ def batch_for(config: GPTConfig, step: int, settings: ModeSettings, device: torc
 def peak_rss_mb(pids: list[int]) -> tuple[float, float]:
     """Peak resident memory of this process and the sum over the processes ``pids`` (the local nodes),
     MiB. Pages that several of them map (same-host windows, the parameter board) count in each."""
-    nodes = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    nodes += int(line.split()[1]) / 1024
+    nodes = sum(vm_bytes("VmHWM", pid) for pid in pids) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, nodes
 
 

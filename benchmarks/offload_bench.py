@@ -29,18 +29,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.common import vm_bytes
 from optimizer_node.adamw import AdamWHyper, adamw_update
 from optimizer_node.ooc_files import O_DIRECT, probe_direct_io, state_buffer
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.storage import BucketStore, InMemoryStore
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _reset_peak_rss() -> None:
@@ -166,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         _run_steps(warm, 2, grad[:1024], 2, "warm-up", progress=False)
         warm.close()
         _reset_peak_rss()
-        rss_before = _vm("VmRSS")
+        rss_before = vm_bytes("VmRSS")
         store = OutOfCoreStore(Path(workdir) / "state", budget, io_threads=args.io_threads, sync=args.io == "sync")
         _fill(store, num_buckets, initial)
         _run_steps(store, num_buckets, grad, 1, "out of core (warm-up)")
@@ -179,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         store.flush()
         read_per_step = (store.bytes_read - read0) / args.repeats
         written_per_step = (store.bytes_written - written0) / args.repeats
-        ooc_peak = _vm("VmHWM") - rss_before
+        ooc_peak = vm_bytes("VmHWM") - rss_before
         store.close()
 
     memory = InMemoryStore()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import vm_bytes
 from gpu_worker.models import GPTConfig
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=27, n_head=24, n_embd=3072)
@@ -34,14 +35,6 @@ def _proc_io(pid: int) -> dict[str, int]:
             key, value = line.split(":")
             fields[key] = int(value)
     return fields
-
-
-def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, results: mp.Queue, node_pid: int) -> None:
@@ -118,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.start()
             report = results.get(timeout=7200)
             worker.join()
-            report["node_peak_rss_gb"] = _peak_rss(node.process.pid) / 2**30
+            report["node_peak_rss_gb"] = vm_bytes("VmHWM", node.process.pid) / 2**30
             report["node_memory_budget_gb"] = args.memory_budget / 2**30
         finally:
             node.stop()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import check_node_args
+from benchmarks.common import check_node_args, vm_bytes
 from gpu_worker.models import GPTConfig
 
 SIZES = {
@@ -70,12 +70,6 @@ def _process_cpu_s(pids: list[int]) -> float:
             fields = stat.read().rpartition(")")[2].split()
         total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return total
-
-
-def _peak_rss_mb(pid: int) -> float:
-    """The peak resident size of process ``pid`` so far (a local node), in MB."""
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +238,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             reports = [results.get(timeout=args.timeout_s) for _ in workers]
             for worker in workers:
                 worker.join(60)
-            node_peak_rss_mb = max((_peak_rss_mb(pid) for pid in settings["node_pids"]), default=0.0)
+            node_peak_rss_mb = max((vm_bytes("VmHWM", pid) / 2**20 for pid in settings["node_pids"]), default=0.0)
         finally:
             for node in node_processes:
                 node.stop()

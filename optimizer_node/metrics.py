@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from optimizer_node.control import StepTimings
 from optimizer_node.non_finite import NonFiniteStats
+from optimizer_node.storage import no_store_io
 from transport.interface import no_shared_memory
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,6 @@ def _no_checkpoint() -> float | None:
 
 def _no_workers() -> Iterable[float]:
     return ()
-
-
-def _no_store_io() -> dict[str, int]:
-    return {"bytes_read": 0, "bytes_written": 0, "fetch_reads_saved": 0}
 
 
 _SAME_HOST_SERIES = (  # (family, name, help, key of ServerEndpoint.shared_memory())
@@ -203,7 +200,7 @@ class NodeMetrics:
         draining: Callable[[], bool] = _never,
         last_checkpoint_unix: Callable[[], float | None] = _no_checkpoint,
         shared_memory: Callable[[], dict[str, int]] = no_shared_memory,
-        store_io: Callable[[], dict[str, int]] = _no_store_io,
+        store_io: Callable[[], dict[str, int]] = no_store_io,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")

@@ -323,9 +323,9 @@ class OutOfCoreStore(BucketStore):
     def _make_room(self, nbytes: int, *, block: bool) -> bool:
         """Free memory until ``nbytes`` more fit the budget; False if that needs waiting and ``block`` is off."""
         while self._resident + self._fetched.nbytes + nbytes > self.memory_budget:
-            self.poll()
-            if self._fetched.drop_oldest():  # values kept for fetches go before any state
+            if self._fetched.drop_oldest():  # values kept for fetches go before any state (and before a scan of every slot)
                 continue
+            self.poll()
             idle = [s for s in self._slots.values() if s.flat is not None and s.pins == 0 and s.reading is None]
             clean = [s for s in idle if not s.dirty and s.writing is None]
             if clean:

@@ -100,6 +100,11 @@ class BucketState:
         return 4 * self.numel * (3 if self.grad is None else 4)
 
 
+def no_store_io() -> dict[str, int]:
+    """:meth:`BucketStore.io_counters` of a store without files."""
+    return {"bytes_read": 0, "bytes_written": 0, "fetch_reads_saved": 0}
+
+
 class BucketStore(ABC):
     """The node's state, one :class:`BucketState` per owned bucket."""
 
@@ -161,7 +166,7 @@ class BucketStore(ABC):
     def io_counters(self) -> dict[str, int]:
         """State bytes read from and written to files since the store was made, and fetches answered
         without reading a file; plain integers, so another thread may read them."""
-        return {"bytes_read": 0, "bytes_written": 0, "fetch_reads_saved": 0}
+        return no_store_io()
 
     def close(self) -> None:
         """Finish background work and release resources."""
