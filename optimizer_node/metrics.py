@@ -139,11 +139,6 @@ class _ScrapeTimeCollector(Collector):
         io = m.store_io()
         yield CounterMetricFamily("netoptim_state_read_bytes", "Out of core: bytes of state read from the state files.", value=io["bytes_read"])
         yield CounterMetricFamily("netoptim_state_written_bytes", "Out of core: bytes of state written to the state files.", value=io["bytes_written"])
-        yield CounterMetricFamily(
-            "netoptim_fetch_reads_saved",
-            "Out of core: fetches answered with parameters another fetch read, without reading a file.",
-            value=io["fetch_reads_saved"],
-        )
         yield from self._non_finite()
 
     def _non_finite(self) -> Iterator[Metric]:
@@ -187,8 +182,8 @@ class NodeMetrics:
     - ``paused`` / ``draining``: whether an operator paused updates / asked for a drain;
     - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet);
     - ``shared_memory``: same-host connections with shared windows and the bytes through them;
-    - ``store_io``: an out-of-core node's state bytes read and written, and fetches answered without
-      a read (:meth:`~optimizer_node.storage.BucketStore.io_counters`).
+    - ``store_io``: an out-of-core node's state bytes read and written
+      (:meth:`~optimizer_node.storage.BucketStore.io_counters`).
     """
 
     def __init__(

@@ -18,8 +18,7 @@ its memory freed once the write is done. The daemon says which buckets come next
 reads run on I/O threads while it updates another bucket and earlier writes drain, the read
 ``i+1`` / update ``i`` / write ``i-1`` pipeline. All bookkeeping happens on the daemon thread; the I/O
 threads only read or write a buffer they are handed. A fetch of a bucket not resident reads only
-its parameter third, kept for the other ranks' fetches while the budget has room
-(:mod:`optimizer_node.fetched_params`).
+its parameter third.
 
 I/O (docs/operations.md): one request per file, from a pool of ``io_threads`` for reads and one for
 writes; without ``sync`` through the page cache, with it ``fdatasync`` after every write and
@@ -37,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from optimizer_node.fetched_params import FetchedParams
 from optimizer_node.ooc_files import FileInfo, SpareStateBuffers, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 from transport.host_memory import map_large_allocations
@@ -97,7 +95,6 @@ class OutOfCoreStore(BucketStore):
         map_large_allocations()  # so what is freed (frames, parameters sent) leaves the RSS too
         self._slots: dict[int, _Slot] = {}
         self._spare = SpareStateBuffers()
-        self._fetched = FetchedParams()  # parameter thirds read for fetches, in what the budget has left
         # Reads and writes on pools of their own: the update waits for a read, never for a write
         # (until room is short), so a read must not queue behind writes that wait out fdatasync.
         self._readers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-read")
@@ -130,7 +127,6 @@ class OutOfCoreStore(BucketStore):
         state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.zeros(()), numel=numel)
         slot = _Slot(state)
         self._slots[bucket_id] = slot
-        self._fetched.drop(bucket_id)
         self._total += BYTES_PER_PARAM * numel
         self._make_resident(slot)
         slot.flat.zero_()  # type: ignore[union-attr]
@@ -150,13 +146,13 @@ class OutOfCoreStore(BucketStore):
         return len(self._slots)
 
     def resident_bytes(self) -> int:
-        return self._resident + self._fetched.nbytes
+        return self._resident
 
     def disk_bytes(self) -> int:
         return sum(slot.file.size for slot in self._slots.values() if slot.file is not None)
 
     def io_counters(self) -> dict[str, int]:
-        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written, "fetch_reads_saved": self._fetched.hits}
+        return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written}
 
     @property
     def total_bytes(self) -> int:
@@ -176,7 +172,6 @@ class OutOfCoreStore(BucketStore):
     def acquire(self, state: BucketState) -> None:
         slot = self._slots[state.bucket_id]
         slot.pins += 1  # pinned first: nothing below may evict it
-        self._fetched.drop(state.bucket_id)  # its values may change now; while resident, fetches read them
         try:
             if slot.writing is not None:  # its last values are still being written: no changes until done
                 self._finish_write(slot)
@@ -198,9 +193,6 @@ class OutOfCoreStore(BucketStore):
         if slot.flat is not None:
             return state.param
         assert slot.file is not None
-        kept = self._fetched.get(state.bucket_id, slot.file.step)  # another rank's fetch read them moments ago
-        if kept is not None:
-            return kept
         param = state_buffer(state.numel)
         try:
             read_checked(
@@ -211,7 +203,6 @@ class OutOfCoreStore(BucketStore):
                 f"bucket {state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
             ) from None
         self.bytes_read += param.numel() * 4
-        self._fetched.keep(state.bucket_id, slot.file.step, param, room=self.memory_budget - self._resident)
         return param
 
     def release(self, state: BucketState, *, dirty: bool) -> None:
@@ -241,7 +232,6 @@ class OutOfCoreStore(BucketStore):
                     self.last_error = str(exc)
 
     def close(self) -> None:
-        self._fetched.clear()
         self.flush()
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
@@ -283,7 +273,6 @@ class OutOfCoreStore(BucketStore):
             target.write_bytes(path.read_bytes())
         slot = _Slot(state, file=describe_file(target, step, param_bytes=4 * numel))
         self._slots[bucket_id] = slot
-        self._fetched.drop(bucket_id)
         self._total += BYTES_PER_PARAM * numel
         return state
 
@@ -301,7 +290,7 @@ class OutOfCoreStore(BucketStore):
 
     def _buffer(self, numel: int) -> torch.Tensor:
         """A state buffer for a bucket of ``numel``: a spare one, else a new one (the caller made room)."""
-        return self._spare.take(3 * numel, room=self.memory_budget - self._resident - self._fetched.nbytes)
+        return self._spare.take(3 * numel, room=self.memory_budget - self._resident)
 
     def _bind(self, slot: _Slot) -> None:
         numel = slot.state.numel
@@ -322,9 +311,7 @@ class OutOfCoreStore(BucketStore):
 
     def _make_room(self, nbytes: int, *, block: bool) -> bool:
         """Free memory until ``nbytes`` more fit the budget; False if that needs waiting and ``block`` is off."""
-        while self._resident + self._fetched.nbytes + nbytes > self.memory_budget:
-            if self._fetched.drop_oldest():  # values kept for fetches go before any state (and before a scan of every slot)
-                continue
+        while self._resident + nbytes > self.memory_budget:
             self.poll()
             idle = [s for s in self._slots.values() if s.flat is not None and s.pins == 0 and s.reading is None]
             clean = [s for s in idle if not s.dirty and s.writing is None]

@@ -102,7 +102,7 @@ class BucketState:
 
 def no_store_io() -> dict[str, int]:
     """:meth:`BucketStore.io_counters` of a store without files."""
-    return {"bytes_read": 0, "bytes_written": 0, "fetch_reads_saved": 0}
+    return {"bytes_read": 0, "bytes_written": 0}
 
 
 class BucketStore(ABC):
@@ -164,8 +164,8 @@ class BucketStore(ABC):
         return 0
 
     def io_counters(self) -> dict[str, int]:
-        """State bytes read from and written to files since the store was made, and fetches answered
-        without reading a file; plain integers, so another thread may read them."""
+        """State bytes read from and written to files since the store was made; plain integers, so
+        another thread may read them."""
         return no_store_io()
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, reference_whole_batch, run_offloaded
-from tests.optimizer_node.test_metrics import scrape
 from tests.transport.availability import requires_mooncake
 
 log = logging.getLogger(__name__)
@@ -150,8 +149,7 @@ def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_pa
     """A budget of two buckets forces every bucket through its state file at every step."""
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[wire]
     storage = ("--memory-budget", str(2 * 300 * 12)) + (("--sync-state-writes",) if sync else ())
-    ooc_nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), "--metrics-port", "0", *storage)) for i in range(2)]
-    nodes = [node.address for node in ooc_nodes]
+    nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), *storage)).address for i in range(2)]
     config = RunConfig(nodes=nodes, layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype, steps=8)
     out_of_core, _ = run_offloaded(config)
     in_memory, _ = run_offloaded(
@@ -161,8 +159,6 @@ def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_pa
     if clip is None and wire == "float32":
         assert max_difference(out_of_core, reference_averaged(2, fused=True, steps=8)[0]) == 0.0
     assert len(list((tmp_path / "state0").glob("bucket-*.bin"))) > 2, "the state lives in files"
-    if layerwise:  # the two ranks fetch each unit: some answered with what the other's fetch read, and still bitwise
-        assert sum(scrape(node.metrics_url)["netoptim_fetch_reads_saved_total"] for node in ooc_nodes) > 0
 
 
 def test_nodes_weighted_by_bandwidth_hold_shares_in_proportion_and_stay_bitwise(start_node):

@@ -286,37 +286,3 @@ def test_a_budget_too_small_to_overlap_the_io_is_said_at_registration(tmp_path, 
             assert not caplog.records
     finally:
         store.close()
-
-
-def test_a_fetch_read_from_a_file_answers_the_next_ranks_fetch_until_the_bucket_changes(tmp_path, io):
-    store = open_store(tmp_path / "state", 3 * BUCKET_BYTES, io)
-    filled(store, 6)
-    store.flush()
-    evicted = next(b for b in range(6) if store.get(b).param.numel() == 0)
-    read = store.bytes_read
-    first = store.params_for_send(store.get(evicted))
-    again = store.params_for_send(store.get(evicted))  # a second rank asks moments later: no second read
-    assert torch.all(first == float(evicted)) and again is first
-    assert store.bytes_read == read + 4 * NUMEL and store.io_counters()["fetch_reads_saved"] == 1
-    assert store.resident_bytes() <= 3 * BUCKET_BYTES
-    update(store, evicted, 1.0)  # a new version: what was kept for fetches is not it
-    store.flush()
-    assert torch.all(store.params_for_send(store.get(evicted)) == evicted + 1.0) and store.io_counters()["fetch_reads_saved"] == 1
-    store.close()
-
-
-def test_values_kept_for_fetches_give_way_to_state_and_the_budget_holds(tmp_path, io):
-    store = open_store(tmp_path / "state", 3 * BUCKET_BYTES, io)
-    filled(store, 8)
-    store.flush()
-    for step in range(2):
-        for bucket_id in range(8):
-            for _rank in range(2):  # each rank fetches, then the bucket is updated
-                values = store.params_for_send(store.get(bucket_id))
-                assert torch.all(values == bucket_id + float(step)), (step, bucket_id)
-                assert store.resident_bytes() <= 3 * BUCKET_BYTES
-            store.prefetch((bucket_id + 1) % 8)
-            update(store, bucket_id, 1.0)
-            assert store.resident_bytes() <= 3 * BUCKET_BYTES
-    assert store.io_counters()["fetch_reads_saved"] > 0
-    store.close()

@@ -78,7 +78,6 @@ def test_status_and_metrics_say_where_the_state_is_and_what_moved_to_and_from_th
     values = scrape(node.metrics_url)
     assert values["netoptim_state_read_bytes_total"] >= 2 * status.bytes_owned / 3, "every update read its state back (the parameters of some were in memory)"
     assert values["netoptim_state_written_bytes_total"] >= 2 * status.bytes_owned
-    assert values["netoptim_fetch_reads_saved_total"] >= 0
     opt.close()
 
 
