@@ -72,7 +72,7 @@ def test_status_and_metrics_say_where_the_state_is_and_what_moved_to_and_from_th
         status = admin_pb2_grpc.OptimizerNodeAdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
     assert status.bytes_owned > 3 * budget
     assert status.bytes_on_disk == status.bytes_owned, "every bucket's newest version is in its file (the state does not fit the budget)"
-    assert 0 < status.bytes_in_ram <= budget
+    assert status.bytes_in_ram <= budget < status.bytes_owned  # what is resident now (written back and freed at rest: maybe none)
     shown = _render_status(MessageToDict(status, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
     assert f"MiB in RAM, {status.bytes_on_disk / 2**20:.1f} MiB on disk)" in shown
     values = scrape(node.metrics_url)
