@@ -60,7 +60,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="give each worker on the same-host socket a window for its gradients that holds a whole step of what it pushes here "
         "(this node's share of the job's gradients, wire dtype; pages allocated as first written): it gathers them straight into "
-        "shared memory, on a GPU with one device-to-host copy, and this node reads them there (with --same-host-window-mb to spare); not with --state-dir; "
+        "shared memory, on a GPU with one device-to-host copy, and this node reads them there (with --same-host-window-mb to spare); "
         "off: that window is --same-host-window-mb and what does not fit goes on the socket (default: on)",
     )
     node.add_argument(

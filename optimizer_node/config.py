@@ -45,7 +45,8 @@ class NodeConfig:
     same_host_gradient_window: bool = True
     """Give each same-host worker a window for its gradients that holds a whole step of its pushes to
     this node (its share of the job's gradients in the wire dtype; pages allocated as first written),
-    so that it gathers them straight into shared memory; in memory only (not with ``state_dir``).
+    so that it gathers them straight into shared memory (out of core too: the memory plan counts a step
+    of gradients either way, and over the socket they cost the node a copy on ZeroMQ's I/O thread).
     Off: that window is ``same_host_window_mb`` too, and what does not fit goes on the socket."""
 
     same_host_board: bool = True

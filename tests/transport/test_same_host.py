@@ -153,6 +153,56 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerw
         assert max_difference(finals[rank], [p.detach() for p in reference.parameters()]) == 0.0
 
 
+def test_an_out_of_core_node_takes_every_gradient_in_place_from_a_window_sized_to_a_step(start_node, tmp_path):
+    """A node whose state does not fit its memory budget sizes its same-host workers' gradient windows
+    to a step as a node in memory does (the memory plan counts those gradients either way): two
+    workers' gradients all go through shared memory with no copy, and training stays bitwise torch."""
+    model = _wide_model(4096)
+    state_bytes = 12 * sum(p.numel() for p in model.parameters())
+    budget = 6 << 20  # two buckets' state
+    assert state_bytes > 2 * budget
+    # 1 MiB windows: a step's gradients (5 MiB) fit only the window sized to them
+    args = ("--state-dir", str(tmp_path / "state"), "--memory-budget", str(budget), "--same-host-window-mb", "1")
+    nodes = [start_node("ooc", extra_args=args).address]
+    steps, world_size = 3, 2
+    models = [_wide_model(4096) for _ in range(world_size)]
+    finals: dict[int, list[torch.Tensor]] = {}
+    moved: dict[int, dict[str, int]] = {}
+
+    def worker(rank: int) -> None:
+        opt = RemoteAdamW(
+            models[rank].parameters(), lr=1e-2, weight_decay=0.1, nodes=nodes, rank=rank, world_size=world_size, bucket_numel=1 << 18, timeout_s=60
+        )
+        for step in range(steps):
+            _loss(models[rank], step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        moved[rank] = opt.shared_memory_bytes
+        finals[rank] = list(opt.gather_parameters().values())
+        opt.close()
+
+    run_threads(worker, world_size)
+    reference = _wide_model(4096)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(steps):
+        grads = []
+        for rank in range(world_size):
+            replica = copy.deepcopy(reference)
+            _loss(replica, step, rank).backward()
+            grads.append([p.grad for p in replica.parameters()])
+        for param, grad in zip(reference.parameters(), average_in_rank_order(grads), strict=True):
+            param.grad = grad
+        opt.step()
+        opt.zero_grad()
+    step_bytes = 4 * sum(p.numel() for p in reference.parameters())
+    for rank in range(world_size):
+        # Every step after the first wholly in place (in the first, rank 0's initial values, copied
+        # into its window, may still hold room when its gradients come); in a 1 MiB window a step's
+        # 5 MiB could not be.
+        assert moved[rank]["sent_in_place"] >= (steps - 1) * step_bytes, f"rank {rank}: {moved[rank]}"
+        assert max_difference(finals[rank], [p.detach() for p in reference.parameters()]) == 0.0
+
+
 def test_values_loaded_between_steps_replace_what_the_board_held(start_node):
     """Rank 0 loads parameters into the nodes between steps (``load_state_dict``): a worker that joins
     afterwards gets those, not the ones sent for that step before (the board tells them apart by the
