@@ -43,6 +43,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:  # NodeConfig
         state_dir=args.state_dir,
         memory_budget=args.memory_budget,
         sync_state_writes=args.sync_state_writes,
+        state_io_threads=args.state_io_threads,
         non_finite=args.non_finite,
         non_finite_check=args.non_finite_check,
         next_job=args.next_job,

@@ -153,6 +153,15 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="out-of-core mode: fdatasync every state write and drop it from the page cache (bounded page cache, disk-speed updates)",
     )
     node.add_argument(
+        "--state-io-threads",
+        type=int,
+        default=2,
+        metavar="N",
+        help="out-of-core mode: threads that read state files, and as many that write them; each copies and checksums its file, so "
+        "where the page cache or a fast disk serves the state their CPU bounds the node: give more on a host with cores to spare "
+        "(default: %(default)s)",
+    )
+    node.add_argument(
         "--non-finite",
         choices=("refuse", "skip"),
         default="refuse",

@@ -160,6 +160,12 @@ class NodeConfig:
     sync_state_writes: bool = False
     """Out-of-core mode: fdatasync each state write and drop it from the page cache."""
 
+    state_io_threads: int = 2
+    """Out-of-core mode: threads that read state files, and as many that write them. Each read or
+    write is one file, copied and checksummed (CRC-32) on its thread, so where the page cache or a
+    fast disk serves the state these threads' CPU, not the disk, bounds the node; a node with cores
+    to spare (a GPU host's) can give them more."""
+
     non_finite: str = "refuse"
     """What to do with a gradient that holds NaN or inf (checked before it touches any state):
     ``refuse`` answers the push with NON_FINITE (naming rank, bucket and step) and keeps the bucket as
@@ -295,6 +301,8 @@ class NodeConfig:
             raise ValueError("pass_thread is for a node that keeps its state in memory: drop --pass-thread or --state-dir")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("memory_budget must be positive")
+        if not 1 <= self.state_io_threads <= 64:
+            raise ValueError(f"state_io_threads must be in [1, 64], not {self.state_io_threads}")
         if self.next_job not in ("take", "refuse"):
             raise ValueError(f"next_job must be 'take' or 'refuse', not {self.next_job!r}")
         if self.non_finite not in ("refuse", "skip"):

@@ -142,7 +142,8 @@ class NodeDaemon:
     def _new_store(self) -> BucketStore:
         if self.config.state_dir:
             assert self.config.memory_budget is not None
-            return OutOfCoreStore(self.config.state_dir, self.config.memory_budget, sync=self.config.sync_state_writes)
+            config = self.config
+            return OutOfCoreStore(config.state_dir, config.memory_budget, io_threads=config.state_io_threads, sync=config.sync_state_writes)
         return InMemoryStore()
 
     def _reset_job_state(self) -> None:

@@ -140,7 +140,7 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
         # full mode over an out-of-core node also trains bitwise in test_recovery.py's out-of-core crash case
         pytest.param(False, None, "float32", False, marks=pytest.mark.slow),
         (True, None, "float32", False),
-        (True, None, "float32", True),  # --sync-state-writes: each next version overwrites the retired one's file
+        (True, None, "float32", True),  # --sync-state-writes: each next version overwrites the retired one's file; 3 I/O threads each way
         pytest.param(False, 0.05, "float32", False, marks=pytest.mark.slow),
         pytest.param(False, None, "bfloat16", False, marks=pytest.mark.slow),
     ],
@@ -148,8 +148,10 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
 def test_out_of_core_nodes_train_bitwise_like_in_memory_nodes(start_node, tmp_path, layerwise, clip, wire, sync):
     """A budget of two buckets forces every bucket through its state file at every step."""
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[wire]
-    storage = ("--memory-budget", str(2 * 300 * 12)) + (("--sync-state-writes",) if sync else ())
-    nodes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), *storage)).address for i in range(2)]
+    storage = ("--memory-budget", str(2 * 300 * 12)) + (("--sync-state-writes", "--state-io-threads", "3") if sync else ())
+    processes = [start_node(f"ooc{i}", extra_args=("--state-dir", str(tmp_path / f"state{i}"), *storage)) for i in range(2)]
+    nodes = [process.address for process in processes]
+    assert all(f"{3 if sync else 2} I/O threads" in process.log_text() for process in processes)
     config = RunConfig(nodes=nodes, layerwise=layerwise, max_grad_norm=clip, wire_dtype=wire_dtype, steps=8)
     out_of_core, _ = run_offloaded(config)
     in_memory, _ = run_offloaded(

@@ -83,6 +83,7 @@ def test_help_runs_from_the_console():
         (["node", "--memory-budget", "0"], "must be positive"),
         (["node", "--state-dir", "/tmp/x"], "state_dir and memory_budget go together"),
         (["node", "--pass-thread", "--state-dir", "/tmp/x", "--memory-budget", "1GiB"], "drop --pass-thread or --state-dir"),
+        (["node", "--state-io-threads", "0"], "state_io_threads must be in [1, 64]"),
         (["frobnicate"], "invalid choice"),
     ],
 )
