@@ -20,6 +20,7 @@ from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from job.placement import DEFAULT_BUCKET_NUMEL
 from launch.host_cpus import format_cpu_list, run_on
 from launch.processes import free_port
+from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -194,6 +195,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     timed_from = waited = transferred = 0.0
     shared_before: dict[str, int] = {}
     copied_before: dict[str, int] = {}
+    threads_before: dict[int, dict[str, float]] = {}
     for step in range(settings.warmup + settings.steps):
         if step == settings.warmup:
             if cuda:
@@ -203,6 +205,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
                 waited, transferred = stats.fetch_wait_s, stats.fetch_transfer_s
             if settings.node_admins:
                 node_status(settings.node_admins, settle_s=120.0)
+            threads_before = {pid: thread_cpu_seconds(pid) for pid in (os.getpid(), *settings.node_pids)}
             if session is not None:
                 session.take_timings()
                 shared_before = session.shared_memory_bytes
@@ -221,6 +224,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if cuda:
         torch.cuda.synchronize(device)
     step_s = (time.perf_counter() - timed_from) / settings.steps
+    threads_spent = {pid: cpu_seconds_between(before, thread_cpu_seconds(pid), settings.steps) for pid, before in threads_before.items()}
     pss_mb, peak_rss = host_pss_mb(settings.node_pids), peak_rss_mb(settings.node_pids)
     report = {
         "step_s": step_s,
@@ -233,6 +237,10 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
         "host_pss_mb_after_training": pss_mb,
         "worker_cpus": format_cpu_list(os.sched_getaffinity(0)),  # where each process ran: --pin's sets, or all
         "node_cpus": [format_cpu_list(os.sched_getaffinity(pid)) for pid in settings.node_pids],
+        # CPU seconds a timed step by OS thread name ("main": the training loop, a node's serve loop;
+        # the process's own name: threads that kept it, such as torch's and numba's compute threads)
+        "worker_cpu_s_per_step_by_thread": threads_spent.get(os.getpid(), {}),
+        "node_cpu_s_per_step_by_thread": [threads_spent[pid] for pid in settings.node_pids if pid in threads_spent],
     }
     if cuda:
         report["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20

@@ -38,6 +38,7 @@ from job.spec import JobSpec
 from launch.processes import NodeProcess
 from optimizer_node.adamw import AdamWHyper
 from protos import admin_pb2, admin_pb2_grpc
+from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
 
 HYPER = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01)
 
@@ -108,10 +109,12 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
             rows = []
             allocated_before = 0
             update_path = ""
+            threads_before: dict[str, float] = {}
             for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
                 if index == warmup:
                     update_path = settled_update_path(stub)  # the first update started the check
                     allocated_before = session.send_buffers_allocated
+                    threads_before = thread_cpu_seconds(node.process.pid)
                 session.take_timings()
                 started = time.perf_counter()
                 session.finish_step([grad], [HYPER])
@@ -119,6 +122,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
                 if index >= warmup:
                     rows.append((wall, session.take_timings(), node_timings(stub)))
             allocated_after_warmup = session.send_buffers_allocated - allocated_before
+            node_threads = cpu_seconds_between(threads_before, thread_cpu_seconds(node.process.pid), steps)
         finally:
             session.close()
             channel.close()
@@ -133,6 +137,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
         "step_s": round(statistics.median(row[0] for row in rows), 4),
         "worker": phases,
         "node": {name: round(value, 4) for name, value in node.items()},
+        "node_cpu_s_per_step_by_thread": node_threads,  # the mean of the timed steps, by OS thread name ("main": the serve loop)
         "install_gbs": round(2 * numel * 4 / worker.install_s / 1e9, 2) if worker.install_s > 0 else None,
         "send_buffers_allocated_after_warmup": allocated_after_warmup,
     }

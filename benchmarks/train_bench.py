@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.common import check_node_args, vm_bytes
 from gpu_worker.models import GPTConfig
+from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
 
 SIZES = {
     "small": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
@@ -129,10 +130,12 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         torch.cuda.reset_peak_memory_stats(device)
     step_times, step_call_times, loss = [], [], float("nan")
     waited = transferred = cpu_start = node_cpu_start = 0.0
+    node_threads_before: list[dict[str, float]] = []
     for step in range(settings["warmup"] + settings["steps"]):
         if step == settings["warmup"]:
             cpu_start = _cpu_s()
             node_cpu_start = _process_cpu_s(settings["node_pids"]) if rank == 0 else 0.0
+            node_threads_before = [thread_cpu_seconds(pid) for pid in settings["node_pids"]] if rank == 0 else []
             if opt_stats(opt) is not None:
                 waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
         started = time.perf_counter()
@@ -155,6 +158,9 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
             step_call_times.append(finished - stepping)
     cpu_per_step = (_cpu_s() - cpu_start) / settings["steps"]
     node_cpu_per_step = (_process_cpu_s(settings["node_pids"]) - node_cpu_start) / settings["steps"] if rank == 0 else 0.0
+    node_threads = [
+        cpu_seconds_between(before, thread_cpu_seconds(pid), settings["steps"]) for pid, before in zip(settings["node_pids"], node_threads_before, strict=False)
+    ]
     shared = getattr(opt, "shared_memory_bytes", None)
     stats = opt_stats(opt)
     if mode == "ddp":
@@ -171,6 +177,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         "optimizer_step_s": statistics.median(step_call_times),
         "cpu_s_per_step": cpu_per_step,
         "node_cpu_s_per_step": node_cpu_per_step,
+        "node_cpu_s_per_step_by_thread": node_threads,
         "loss": loss,
     }
     if shared is not None:  # payload through same-host shared windows, per step (warm-up steps included)
@@ -257,6 +264,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
     }
     if mode not in LOCAL_MODES:
         summary["node_cpu_s_per_step"] = reports[0]["node_cpu_s_per_step"]  # all local nodes, measured by rank 0
+        summary["node_cpu_s_per_step_by_thread"] = reports[0]["node_cpu_s_per_step_by_thread"]  # each node's, by OS thread name
         summary["peak_rss_mb_per_node"] = node_peak_rss_mb
         if "shared_memory_gb_per_step" in reports[0]:
             summary["shared_memory_gb_per_step_per_worker"] = {

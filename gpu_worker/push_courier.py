@@ -23,6 +23,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from transport.host_threads import name_os_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -70,6 +72,7 @@ class PushCourier:
             self._thread = None
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             item = self._queue.get()
             if item is None:

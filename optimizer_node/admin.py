@@ -31,6 +31,7 @@ from optimizer_node.checkpoint import CheckpointError
 from optimizer_node.control import StepTimings
 from optimizer_node.daemon import NodeDaemon
 from protos import admin_pb2, admin_pb2_grpc
+from transport.host_threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ class AdminServer:
             raise ValueError("TLS needs both a certificate and its key")
         # The token is checked first; its refusal, like every handler, reads the request leniently.
         interceptors = [*([BearerTokenInterceptor(config.token)] if config.token else []), RequestDecodingInterceptor()]
-        executor = futures.ThreadPoolExecutor(max_workers=ADMIN_THREADS, thread_name_prefix="admin")
+        executor = futures.ThreadPoolExecutor(max_workers=ADMIN_THREADS, thread_name_prefix="admin", initializer=name_os_thread)
         self._server = grpc.server(executor, interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -39,6 +39,7 @@ import torch
 from optimizer_node.ooc_files import FileInfo, SpareStateBuffers, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 from transport.host_memory import map_large_allocations
+from transport.host_threads import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,8 @@ class OutOfCoreStore(BucketStore):
         self._spare = SpareStateBuffers()
         # Reads and writes on pools of their own: the update waits for a read, never for a write
         # (until room is short), so a read must not queue behind writes that wait out fdatasync.
-        self._readers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-read")
-        self._writers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-write")
+        self._readers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-read", initializer=name_os_thread)
+        self._writers = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="netoptim-write", initializer=name_os_thread)
         self._resident = 0
         self._total = 0
         self._clock = 0

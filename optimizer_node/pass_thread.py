@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from transport.host_threads import name_os_thread
+
 log = logging.getLogger(__name__)
 
 DEPTH = 2
@@ -123,6 +125,7 @@ class PassThread(Generic[T]):
             self.wake_fd = -1
 
     def _serve(self) -> None:
+        name_os_thread()
         while (job := self._jobs.get()) is not None:
             bucket_id, item = job
             error: BaseException | None = None

@@ -64,6 +64,7 @@ def test_train_bench_compares_ddp_full_and_layerwise():
     assert 0.0 <= entry["layerwise"]["comm_hidden_fraction"] <= 1.0 and entry["layerwise"]["peak_param_mb"] > 0
     assert entry["compute"]["tokens_per_s"] > 0 and "node_cpu_s_per_step" not in entry["compute"]
     assert entry["full"]["peak_rss_mb_per_node"] > 0 and entry["layerwise"]["peak_rss_mb_per_node"] > 0
+    assert entry["layerwise"]["node_cpu_s_per_step_by_thread"][0]["main"] > 0, "the serve loop's CPU, by thread"  # a step of 1.7 s
     assert entry["layerwise_over_compute_only_tokens"] == entry["layerwise"]["tokens_per_s"] / entry["compute"]["tokens_per_s"]
 
 
@@ -84,6 +85,8 @@ def test_step_bench_reports_phases_and_the_cost_of_a_bucket():
         assert result["node"]["update_s"] > 0 and result["node"]["wall_s"] > 0
         assert result["send_buffers_allocated_after_warmup"] >= 0 and result["install_vs_memcpy"] > 0 and result["install_vs_machine_memcpy"] > 0
         assert result["node_update_path"].split(" ")[0] in ("compiled", "torch-ops")  # timed once the node's start-up is over
+        by_thread = result["node_cpu_s_per_step_by_thread"]  # 10 ms ticks: a group may have used none in two small steps
+        assert all(isinstance(name, str) and seconds > 0 for name, seconds in by_thread.items()), by_thread
 
 
 def test_train_bench_gives_each_node_its_own_state_directory(tmp_path):

@@ -16,6 +16,7 @@ from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from netoptim.admin_cli import _render_status
 from protos import admin_pb2, admin_pb2_grpc
 from tests.optimizer_node.test_metrics import scrape
+from transport.host_threads import MAIN_THREAD, thread_cpu_seconds
 
 JOB_OVERHEAD = 40 << 20
 
@@ -78,6 +79,9 @@ def test_status_and_metrics_say_where_the_state_is_and_what_moved_to_and_from_th
     values = scrape(node.metrics_url)
     assert values["netoptim_state_read_bytes_total"] >= 2 * status.bytes_owned / 3, "every update read its state back (the parameters of some were in memory)"
     assert values["netoptim_state_written_bytes_total"] >= 2 * status.bytes_owned
+    # the store's threads carry OS names, so a node's CPU can be told apart by thread (top -H, the benchmarks)
+    threads = thread_cpu_seconds(node.process.pid)
+    assert {MAIN_THREAD, "netoptim-read", "netoptim-write", "admin"} <= threads.keys(), threads
     opt.close()
 
 
