@@ -110,11 +110,13 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
             allocated_before = 0
             update_path = ""
             threads_before: dict[str, float] = {}
+            shared_before: dict[str, int] = {}
             for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
                 if index == warmup:
                     update_path = settled_update_path(stub)  # the first update started the check
                     allocated_before = session.send_buffers_allocated
                     threads_before = thread_cpu_seconds(node.process.pid)
+                    shared_before = session.shared_memory_bytes
                 session.take_timings()
                 started = time.perf_counter()
                 session.finish_step([grad], [HYPER])
@@ -123,6 +125,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
                     rows.append((wall, session.take_timings(), node_timings(stub)))
             allocated_after_warmup = session.send_buffers_allocated - allocated_before
             node_threads = cpu_seconds_between(threads_before, thread_cpu_seconds(node.process.pid), steps)
+            shared = {key: round((value - shared_before.get(key, 0)) / steps / 2**20, 1) for key, value in session.shared_memory_bytes.items()}
         finally:
             session.close()
             channel.close()
@@ -137,7 +140,9 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
         "step_s": round(statistics.median(row[0] for row in rows), 4),
         "worker": phases,
         "node": {name: round(value, 4) for name, value in node.items()},
-        "node_cpu_s_per_step_by_thread": node_threads,  # the mean of the timed steps, by OS thread name ("main": the serve loop)
+        "node_cpu_s_per_step_by_thread": node_threads,
+        # MiB a step through same-host shared memory, of the step's 2 x 4 x numel bytes (the rest on the socket)
+        "shared_memory_mb_per_step": shared,  # the mean of the timed steps, by OS thread name ("main": the serve loop)
         "install_gbs": round(2 * numel * 4 / worker.install_s / 1e9, 2) if worker.install_s > 0 else None,
         "send_buffers_allocated_after_warmup": allocated_after_warmup,
     }

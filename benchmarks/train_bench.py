@@ -201,7 +201,7 @@ def opt_stats(opt: object):
 
 def node_flags(args: argparse.Namespace, state_dir: Path) -> tuple[str, ...]:
     """The flags of one local node: the board switched off, out of core in ``state_dir``, the user's own."""
-    flags: tuple[str, ...] = () if args.same_host_board else ("--no-same-host-board",)
+    flags: tuple[str, ...] = {None: (), True: ("--same-host-board",), False: ("--no-same-host-board",)}[args.same_host_board]
     if args.out_of_core is not None:
         flags += ("--state-dir", str(state_dir), "--memory-budget", str(args.out_of_core))
     return flags + tuple(args.node_arg)
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict:
         "batch": args.batch,
         "seq": args.seq,
         "device": args.device,
-        "same_host_board": args.same_host_board,
+        "same_host_board": args.same_host_board if args.same_host_board is not None else args.out_of_core is None,
         "node_memory_budget": args.out_of_core,  # None: in memory
         "node_args": list(args.node_arg),
     }

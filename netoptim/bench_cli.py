@@ -116,8 +116,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--same-host-board",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="whether the local nodes keep a parameter board their workers read from (netoptim node --same-host-board) (default: on)",
+        default=None,
+        help="whether the local nodes keep a parameter board their workers read from (netoptim node --same-host-board) "
+        "(default: the node's: on in memory, off out of core)",
     )
     train.add_argument(
         "--rounds",

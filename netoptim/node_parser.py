@@ -40,10 +40,12 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     node.add_argument(
         "--same-host-board",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="keep one read-only copy of the parameters sent (the wire dtype) that every worker on this host with shared windows "
-        "installs from, written once per step, instead of a copy into each worker's window at each fetch; costs one more copy "
-        "of this node's share in RAM (not with --state-dir; skipped where the host's available memory cannot hold it) (default: on)",
+        "installs from, written once per step, instead of a copy into each worker's window at each fetch; costs two copies "
+        "of this node's share in the wire dtype in RAM (skipped where the host's available memory cannot hold them). Out of core "
+        "(--state-dir) only when given: then workers install straight from it and fetches of buckets not in memory read no file "
+        "(default: on in memory, off out of core)",
     )
     node.add_argument(
         "--same-host-window-mb",

@@ -49,10 +49,13 @@ class NodeConfig:
     of gradients either way, and over the socket they cost the node a copy on ZeroMQ's I/O thread).
     Off: that window is ``same_host_window_mb`` too, and what does not fit goes on the socket."""
 
-    same_host_board: bool = True
-    """Keep one copy of the values sent (in the wire dtype) in a read-only parameter board that every
-    same-host worker with windows installs from, instead of a copy into each worker's window at each
-    fetch. In memory only (not with ``state_dir``), and only where the host's available memory holds it."""
+    same_host_board: bool | None = None
+    """Keep the values sent (in the wire dtype) in a read-only parameter board that every same-host
+    worker with windows installs from, instead of a copy into each worker's window at each fetch;
+    only where the host's available memory holds it. ``None``: in memory yes, out of core no (two
+    copies of the share in the wire dtype beside the memory budget: in fp32 two thirds of the state);
+    ``True`` out of core too: then the workers install straight from it (a GPU's copies read it in
+    place) and a fetch of a bucket not in memory reads no file. See :attr:`board_wanted`."""
 
     ready_file: str | None = None
     """Where to write ``{"data": ADDRESS, "pid": PID}`` as JSON once the node accepts work."""
@@ -191,6 +194,11 @@ class NodeConfig:
     def exposed_without_curve(self) -> bool:
         """Whether the data plane is reachable from other hosts with no CURVE authentication."""
         return not self.curve_secret_key and reachable_from_network(self.listen)
+
+    @property
+    def board_wanted(self) -> bool:
+        """Whether a registered job gets a parameter board (``same_host_board``, by default in memory only)."""
+        return self.same_host_board if self.same_host_board is not None else not self.state_dir
 
     @property
     def retain_previous(self) -> bool:

@@ -62,7 +62,7 @@ def node_needs(
     out_of_core = None
     if memory_budget is not None:
         resident_fraction = min(1.0, memory_budget / state) if state else 1.0
-        out_of_core = FIXED_OVERHEAD_BYTES + min(memory_budget, state) + int(cast * resident_fraction) + gradients
+        out_of_core = FIXED_OVERHEAD_BYTES + min(memory_budget, state) + int(cast * resident_fraction) + gradients + board_bytes
     return NodeNeeds(params, in_memory, out_of_core, state * (1 + keep_checkpoints))
 
 

@@ -206,6 +206,10 @@ class OutOfCoreStore(BucketStore):
         self.bytes_read += param.numel() * 4
         return param
 
+    def params_resident(self, state: BucketState) -> bool:
+        slot = self._slots[state.bucket_id]
+        return slot.flat is not None and slot.reading is None
+
     def release(self, state: BucketState, *, dirty: bool) -> None:
         slot = self._slots[state.bucket_id]
         assert slot.pins > 0, "release without acquire"

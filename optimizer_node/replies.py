@@ -147,21 +147,7 @@ class ParameterReplies:
     def send_params(self, state: BucketState, job: ActiveJob, peers: list[bytes], meta: dict | None = None, *, batched: bool = False) -> None:
         """The bucket's current values to ``peers``; ``batched``: small ones may wait in the outbox for
         the other buckets updated meanwhile, for the peers that take batches."""
-        params = self._store.params_for_send(state)  # out of core: only the parameter third is read
-        if job.spec.wire_dtype == "float32":
-            payload = params
-        elif params is state.param and (on_board := self.board_values(job, state, state.step)) is not None:
-            payload = on_board  # the update pass cast them onto the board: sent from there, no cast, no copy
-        elif params is state.param:
-            if state.wire_copy is None:
-                state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
-                state.wire_step = -1
-            payload = state.wire_copy
-            if state.wire_step != state.step:  # the update pass cast it already for this step
-                payload.copy_(params)
-                state.wire_step = state.step
-        else:
-            payload = params.to(WIRE_DTYPES[job.spec.wire_dtype])
+        payload = self._payload(state, job)
         batched = batched and self.outbox.takes(payload)
         header = None
         version = (state.bucket_id, (state.revision, state.step))  # what the board holds for it, if it has it
@@ -171,6 +157,25 @@ class ParameterReplies:
             if header is None:
                 header = tensor_header(MsgType.PARAMS, payload, self._config.chunk_bytes, step=state.step, bucket_id=state.bucket_id, meta=meta or {})
             self._send(peer, header, payload, published=version)
+
+    def _payload(self, state: BucketState, job: ActiveJob) -> torch.Tensor:
+        """The bucket's current values in the wire dtype, as they go out."""
+        if not self._store.params_resident(state) and (on_board := self.board_values(job, state, state.step)) is not None:
+            return on_board  # out of core with a board: the update put them there, and no file is read
+        params = self._store.params_for_send(state)  # out of core: only the parameter third is read
+        if job.spec.wire_dtype == "float32":
+            return params
+        if params is not state.param:
+            return params.to(WIRE_DTYPES[job.spec.wire_dtype])
+        if (on_board := self.board_values(job, state, state.step)) is not None:
+            return on_board  # the update pass cast them onto the board: sent from there, no cast, no copy
+        if state.wire_copy is None:
+            state.wire_copy = torch.empty(state.numel, dtype=WIRE_DTYPES[job.spec.wire_dtype])
+            state.wire_step = -1
+        if state.wire_step != state.step:  # else the update pass cast it already for this step
+            state.wire_copy.copy_(params)
+            state.wire_step = state.step
+        return state.wire_copy
 
     def board_slot(self, job: ActiveJob, state: BucketState) -> torch.Tensor | None:
         """Where the update pass may write the bucket's new values in place, in the wire dtype (a
@@ -199,19 +204,22 @@ class ParameterReplies:
 
     def publish_board(self, job: ActiveJob) -> None:
         """A parameter board for this job's values (same-host workers read them there), where the
-        node keeps its state in memory and the host's available memory holds one more copy."""
+        node is to have one (:attr:`NodeConfig.board_wanted`: by default where it keeps its state in
+        memory) and the host's available memory holds it."""
         self._endpoint.drop_board()
-        if not self._config.same_host_board or self._config.state_dir is not None or not self._same_host_address:
+        if not self._config.board_wanted or not self._same_host_address:
             return
         wire_bytes = WIRE_DTYPES[job.spec.wire_dtype].itemsize
         sizes = [bucket.numel * wire_bytes for bucket in job.owned.values()]
         params = sum(bucket.numel for bucket in job.owned.values())
-        needs = node_needs(params, workers=job.spec.world_size, wire_bytes=wire_bytes, layerwise=job.spec.mode == "layerwise", board=True)
+        layerwise = job.spec.mode == "layerwise"
+        needs = node_needs(
+            params, workers=job.spec.world_size, wire_bytes=wire_bytes, layerwise=layerwise, memory_budget=self._config.memory_budget, board=True
+        )
+        ram = needs.ram_out_of_core if needs.ram_out_of_core is not None else needs.ram_in_memory
         available = available_memory()
-        if available is not None and needs.ram_in_memory > available:
-            log.info(
-                "no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", needs.ram_in_memory / 2**30, available / 2**30
-            )
+        if available is not None and ram > available:
+            log.info("no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", ram / 2**30, available / 2**30)
             return
         # two slots a bucket, so the update writes each version beside the one before, which is then
         # what a restarted rank needs (no copy of it in the update pass, no kept 16-bit copy)

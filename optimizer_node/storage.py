@@ -147,6 +147,10 @@ class BucketStore(ABC):
         """The bucket's fp32 parameters to send (read-only use); need not be acquired."""
         return state.param
 
+    def params_resident(self, state: BucketState) -> bool:
+        """Whether :meth:`params_for_send` would find the parameters in memory (no read, no wait)."""
+        return True
+
     def release(self, state: BucketState, *, dirty: bool) -> None:
         """Done with the tensors; ``dirty`` if they were changed."""
         return None

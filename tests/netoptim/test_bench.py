@@ -98,7 +98,8 @@ def test_train_bench_gives_each_node_its_own_state_directory(tmp_path):
     flags = [node_flags(args, tmp_path / f"node{i}-state") for i in range(2)]
     assert flags[0] == ("--no-same-host-board", "--state-dir", str(tmp_path / "node0-state"), "--memory-budget", str(64 << 20), "--pass-thread")
     assert flags[1][2] == str(tmp_path / "node1-state")  # a node clears the state files it finds: never two in one directory
-    assert node_flags(argparse.Namespace(same_host_board=True, out_of_core=None, node_arg=[]), tmp_path) == ()
+    assert node_flags(argparse.Namespace(same_host_board=None, out_of_core=None, node_arg=[]), tmp_path) == ()  # the node's default
+    assert node_flags(argparse.Namespace(same_host_board=True, out_of_core=1 << 30, node_arg=[]), tmp_path)[0] == "--same-host-board"  # out of core too
 
 
 def test_train_bench_rounds_report_the_median_round_and_median_ratios():

@@ -14,6 +14,8 @@ from google.protobuf.json_format import MessageToDict
 from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from netoptim.admin_cli import _render_status
+from optimizer_node.config import NodeConfig
+from optimizer_node.memory_plan import node_needs
 from protos import admin_pb2, admin_pb2_grpc
 from tests.optimizer_node.test_metrics import scrape
 from transport.host_threads import MAIN_THREAD, thread_cpu_seconds
@@ -159,3 +161,15 @@ def test_a_full_state_disk_stalls_training_with_a_clear_error_and_loses_nothing(
     train(model, opt, 3)
     assert all(torch.equal(value, roomy[name]) for name, value in opt.gather_parameters().items())
     opt.close()
+
+
+def test_a_board_out_of_core_counts_in_the_nodes_ram_beside_the_budget():
+    """--same-host-board out of core: two slots a bucket in the wire dtype on top of the budget (the
+    node checks the host's available memory against this before it makes one)."""
+    plain = node_needs(1_000_000, workers=2, memory_budget=64 << 20)
+    with_board = node_needs(1_000_000, workers=2, memory_budget=64 << 20, board=True)
+    assert plain.ram_out_of_core is not None and with_board.ram_out_of_core is not None
+    assert with_board.ram_out_of_core - plain.ram_out_of_core == 2 * 4 * 1_000_000
+    assert NodeConfig(state_dir="/tmp/x", memory_budget=1 << 20).board_wanted is False, "not by default out of core"
+    assert NodeConfig(state_dir="/tmp/x", memory_budget=1 << 20, same_host_board=True).board_wanted is True
+    assert NodeConfig().board_wanted is True and NodeConfig(same_host_board=False).board_wanted is False

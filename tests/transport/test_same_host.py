@@ -14,6 +14,7 @@ import torch
 from gpu_worker import RemoteAdamW, offload
 from gpu_worker.node_connections import reachable_here as _reachable_here
 from tests.gpu_worker.harness import RunConfig, average_in_rank_order, max_difference, reference_averaged, run_offloaded, run_threads
+from tests.optimizer_node.test_metrics import scrape
 from transport.batches import BATCH_BYTES
 
 
@@ -102,12 +103,21 @@ def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
 # unit) all come off the board; a full-model job's do for buckets of BATCH_BYTES or more, while
 # smaller ones leave in batches copied into each worker's window. The full-model case therefore
 # has a 1 MiB bucket (the 64 x 4096 weight), which every step sends alone, off the board.
-@pytest.mark.parametrize(("layerwise", "width", "bucket_numel"), [(False, 4096, 1 << 18), (True, 256, 8192)], ids=["full-model", "layer-wise"])
-def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerwise, width, bucket_numel):
+@pytest.mark.parametrize(
+    ("layerwise", "width", "bucket_numel", "out_of_core"),
+    [(False, 4096, 1 << 18, False), (True, 256, 8192, False), (False, 4096, 1 << 18, True), (True, 256, 8192, True)],
+    ids=["full-model", "layer-wise", "full-model-out-of-core", "layer-wise-out-of-core"],
+)
+def test_training_through_the_shared_windows_is_bitwise_torch(start_node, tmp_path, layerwise, width, bucket_numel, out_of_core):
     """Two workers on the nodes' host, every gradient and parameter through shared memory: the same
-    bits as torch's fused AdamW fed the same averaged gradients in one process."""
+    bits as torch's fused AdamW fed the same averaged gradients in one process. Out of core, with
+    --same-host-board, the nodes' state goes through their files (a budget of two buckets) and the
+    values through their boards, as in memory: a fetch of a bucket not in memory reads no file."""
     assert layerwise or 64 * width * 4 >= BATCH_BYTES, "a full-model job needs a bucket that is not batched"
-    nodes = [start_node(f"w{layerwise}{i}").address for i in range(2)]
+    budget = 2 * 12 * bucket_numel
+    storage = lambda i: ("--state-dir", str(tmp_path / f"state{i}"), "--memory-budget", str(budget), "--same-host-board", "--metrics-port", "0")  # noqa: E731
+    processes = [start_node(f"w{layerwise}{i}", extra_args=storage(i) if out_of_core else ()) for i in range(2)]
+    nodes = [process.address for process in processes]
     steps, world_size = 4, 2
     finals: dict[int, list[torch.Tensor]] = {}
     moved: dict[int, dict[str, int]] = {}
@@ -151,6 +161,13 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, layerw
         copied_steps = 1 if rank == 0 else 0
         assert moved[rank]["sent_in_place"] * (steps + copied_steps) == moved[rank]["sent"] * steps, f"rank {rank}: {moved[rank]}"
         assert max_difference(finals[rank], [p.detach() for p in reference.parameters()]) == 0.0
+    if out_of_core:
+        # what the nodes read is their state for each update (12 bytes a parameter a step, less what the
+        # budget kept) and the initial values' parameters (fetched before an update put them on the board),
+        # not the parameters of every fetch as well (layer-wise: 2 workers x 2 fetches x 4 bytes a step)
+        state_bytes = 12 * sum(p.numel() for p in reference.parameters())
+        read = sum(scrape(process.metrics_url)["netoptim_state_read_bytes_total"] for process in processes)
+        assert 0 < read <= (steps + 1) * state_bytes, f"{read} bytes read in {steps} steps of {state_bytes} bytes of state"
 
 
 def test_an_out_of_core_node_takes_every_gradient_in_place_from_a_window_sized_to_a_step(start_node, tmp_path):
