@@ -93,6 +93,23 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 64, generator=generator), torch.randn(4, 8, generator=generator)
 
 
+def _torch_reference(width: int, steps: int, world_size: int) -> torch.nn.Sequential:
+    """The model after ``steps`` of torch's fused AdamW fed every rank's gradients averaged in rank order."""
+    reference = _wide_model(width)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(steps):
+        grads = []
+        for rank in range(world_size):
+            replica = copy.deepcopy(reference)
+            _loss(replica, step, rank).backward()
+            grads.append([p.grad for p in replica.parameters()])
+        for param, grad in zip(reference.parameters(), average_in_rank_order(grads), strict=True):
+            param.grad = grad
+        opt.step()
+        opt.zero_grad()
+    return reference
+
+
 def _loss(model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
     x, y = _data(step, rank)
     return torch.nn.functional.mse_loss(model(x), y)
@@ -137,18 +154,7 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, tmp_pa
         opt.close()
 
     run_threads(worker, world_size)
-    reference = _wide_model(width)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    for step in range(steps):
-        grads = []
-        for rank in range(world_size):
-            replica = copy.deepcopy(reference)
-            _loss(replica, step, rank).backward()
-            grads.append([p.grad for p in replica.parameters()])
-        for param, grad in zip(reference.parameters(), average_in_rank_order(grads), strict=True):
-            param.grad = grad
-        opt.step()
-        opt.zero_grad()
+    reference = _torch_reference(width, steps, world_size)
     for rank in range(world_size):
         assert moved[rank]["sent"] > 0 and moved[rank]["received"] > 0, f"rank {rank} moved nothing through shared memory: {moved[rank]}"
         # full model: every step's values of the unbatched bucket; layer-wise: every unit of every step
@@ -199,18 +205,7 @@ def test_an_out_of_core_node_takes_every_gradient_in_place_from_a_window_sized_t
         opt.close()
 
     run_threads(worker, world_size)
-    reference = _wide_model(4096)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    for step in range(steps):
-        grads = []
-        for rank in range(world_size):
-            replica = copy.deepcopy(reference)
-            _loss(replica, step, rank).backward()
-            grads.append([p.grad for p in replica.parameters()])
-        for param, grad in zip(reference.parameters(), average_in_rank_order(grads), strict=True):
-            param.grad = grad
-        opt.step()
-        opt.zero_grad()
+    reference = _torch_reference(4096, steps, world_size)
     step_bytes = 4 * sum(p.numel() for p in reference.parameters())
     for rank in range(world_size):
         # Every step after the first wholly in place (in the first, rank 0's initial values, copied
