@@ -233,6 +233,25 @@ def describe_file(path: Path, step: int, *, param_bytes: int) -> FileInfo:
     return FileInfo(step, stat.st_size, stat.st_ino, stat.st_mtime_ns, crc, param_crc)
 
 
+def link_or_copy(source: Path, path: Path, *, durable: bool) -> None:
+    """``path`` as a hard link to ``source`` (no copy: a version never changes once written), or a copy
+    where they lie on different file systems; with ``durable``, on the disk when this returns."""
+    try:
+        os.link(source, path)
+    except OSError:  # another file system: copy instead
+        if durable:
+            os.sync()
+        with open(source, "rb") as reader, open(path, "wb") as writer:
+            while block := reader.read(8 << 20):
+                writer.write(block)
+    if durable:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def reusable(path: Path, info: FileInfo) -> bool:
     """Whether the file of a retired version may take the next one in place: only if nothing else
     links it (a checkpoint's data must not change) and it is still the file the node wrote. A new

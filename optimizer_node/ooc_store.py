@@ -28,7 +28,6 @@ writes; without ``sync`` through the page cache, with it ``fdatasync`` after eve
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +35,17 @@ from pathlib import Path
 
 import torch
 
-from optimizer_node.ooc_files import FileInfo, SpareStateBuffers, describe_file, probe_direct_io, read_checked, reusable, state_buffer, write_version
+from optimizer_node.ooc_files import (
+    FileInfo,
+    SpareStateBuffers,
+    describe_file,
+    link_or_copy,
+    probe_direct_io,
+    read_checked,
+    reusable,
+    state_buffer,
+    write_version,
+)
 from optimizer_node.storage import BucketState, BucketStore, StorageError
 from transport.host_memory import map_large_allocations
 from transport.host_threads import name_os_thread
@@ -250,19 +259,7 @@ class OutOfCoreStore(BucketStore):
             self._start_write(slot)
             self._finish_write(slot)
         assert slot.file is not None
-        source = self._path(state.bucket_id, slot.file.step)
-        try:
-            os.link(source, path)
-        except OSError:  # another filesystem: copy instead
-            os.sync()
-            with open(source, "rb") as reader, open(path, "wb") as writer:
-                while block := reader.read(8 << 20):
-                    writer.write(block)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        link_or_copy(self._path(state.bucket_id, slot.file.step), path, durable=True)
         return {"bytes": slot.file.size, "crc32": slot.file.crc32}
 
     def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
@@ -272,10 +269,7 @@ class OutOfCoreStore(BucketStore):
         )
         state.step = step
         target = self._path(bucket_id, step)
-        try:
-            os.link(path, target)
-        except OSError:
-            target.write_bytes(path.read_bytes())
+        link_or_copy(path, target, durable=False)  # the state directory is scratch: a crash starts from the checkpoint again
         slot = _Slot(state, file=describe_file(target, step, param_bytes=4 * numel))
         self._slots[bucket_id] = slot
         self._total += BYTES_PER_PARAM * numel
