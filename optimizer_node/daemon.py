@@ -131,10 +131,9 @@ class NodeDaemon:
         self.started_at = time.time()
         self.jobs_let_go = 0  # jobs this node finished or was reset from, and let go (a node takes the next job)
         if config.resume:
-            self._job = self._checkpoints.restore()
-            if self._job is not None:
-                self._store.expect_buckets([bucket.numel for bucket in self._job.owned.values()])
-                self.admission.limit_payloads(self._job)
+            restored = self._checkpoints.restore()
+            if restored is not None:  # served as the node that registered it served it: board, windows, limits
+                self.take_job(restored)
                 self.metrics.step_reached(self.step)
         elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
             self._checkpoints.make_directory()

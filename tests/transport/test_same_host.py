@@ -250,3 +250,33 @@ def test_a_node_started_without_the_board_sends_copies(start_node):
     moved = opt.shared_memory_bytes
     assert moved["board"] == 0 and moved["received"] > 0
     opt.close()
+
+
+def test_a_node_resumed_from_a_checkpoint_gives_its_same_host_workers_the_board_and_the_step_window(start_node, tmp_path):
+    """--resume takes the checkpointed job back: the node that comes up serves it as the node that
+    registered it did (parameter board, gradient windows sized to a step), not through copies and
+    the socket."""
+    checkpoints = str(tmp_path / "checkpoints")
+    model = _wide_model(4096)
+
+    def train(address: str, steps: int) -> dict[str, int]:
+        opt = RemoteAdamW(model.parameters(), lr=1e-2, nodes=[address], bucket_numel=1 << 18, timeout_s=60)
+        for step in range(steps):
+            _loss(model, step, 0).backward()
+            opt.step()
+            opt.zero_grad()
+        moved = opt.shared_memory_bytes
+        opt.close()
+        return moved
+
+    # 1 MiB windows: a step's 5 MiB of gradients fit only a window sized to the step
+    first = start_node("first", extra_args=("--checkpoint-dir", checkpoints, "--same-host-window-mb", "1"))
+    train(first.address, 2)
+    assert first.stop() == 0  # SIGTERM: a checkpoint of step 2
+    resumed = start_node("resumed", extra_args=("--checkpoint-dir", checkpoints, "--resume", "--same-host-window-mb", "1"))
+    assert "resumed from" in resumed.log_text()
+    steps = 3
+    moved = train(resumed.address, steps)
+    step_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert moved["board"] >= (steps - 1) * 4 * 4096 * 256, f"values read off the resumed node's board: {moved}"
+    assert moved["sent_in_place"] >= (steps - 1) * step_bytes, f"gradients gathered in the resumed node's window: {moved}"
