@@ -41,9 +41,9 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "--same-host-board",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="keep one read-only copy of the parameters sent (the wire dtype) that every worker on this host with shared windows "
-        "installs from, written once per step, instead of a copy into each worker's window at each fetch; costs two copies "
-        "of this node's share in the wire dtype in RAM (skipped where the host's available memory cannot hold them). Out of core "
+        help="keep a read-only board of the parameters sent (the wire dtype; each bucket's version and the one before) that every "
+        "worker on this host with shared windows installs from, written once per step, instead of a copy into each worker's window "
+        "at each fetch; costs two copies of this node's share in the wire dtype in RAM (skipped where the host's available memory cannot hold them). Out of core "
         "(--state-dir) only when given: then workers install straight from it and fetches of buckets not in memory read no file "
         "(default: on in memory, off out of core)",
     )
