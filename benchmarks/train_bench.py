@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.common import check_node_args, vm_bytes
 from gpu_worker.models import GPTConfig
-from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
+from transport.host_threads import cpu_seconds_between, process_cpu_seconds, thread_cpu_seconds
 
 SIZES = {
     "small": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
@@ -60,17 +60,6 @@ def _cpu_s() -> float:
     """CPU seconds this process used, all its threads (compute, and the transport's or gloo's)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _process_cpu_s(pids: list[int]) -> float:
-    """CPU seconds the processes ``pids`` (the local nodes) used so far, all their threads."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return total
 
 
 def _batch(config: GPTConfig, step: int, rank: int, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +123,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     for step in range(settings["warmup"] + settings["steps"]):
         if step == settings["warmup"]:
             cpu_start = _cpu_s()
-            node_cpu_start = _process_cpu_s(settings["node_pids"]) if rank == 0 else 0.0
+            node_cpu_start = sum(process_cpu_seconds(pid) for pid in settings["node_pids"]) if rank == 0 else 0.0
             node_threads_before = [thread_cpu_seconds(pid) for pid in settings["node_pids"]] if rank == 0 else []
             if opt_stats(opt) is not None:
                 waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
@@ -157,7 +146,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
             step_times.append(finished - started)
             step_call_times.append(finished - stepping)
     cpu_per_step = (_cpu_s() - cpu_start) / settings["steps"]
-    node_cpu_per_step = (_process_cpu_s(settings["node_pids"]) - node_cpu_start) / settings["steps"] if rank == 0 else 0.0
+    node_cpu_per_step = (sum(process_cpu_seconds(pid) for pid in settings["node_pids"]) - node_cpu_start) / settings["steps"] if rank == 0 else 0.0
     node_threads = [
         cpu_seconds_between(before, thread_cpu_seconds(pid), settings["steps"]) for pid, before in zip(settings["node_pids"], node_threads_before, strict=False)
     ]

@@ -219,7 +219,9 @@ class ParameterReplies:
         ram = needs.ram_out_of_core if needs.ram_out_of_core is not None else needs.ram_in_memory
         available = available_memory()
         if available is not None and ram > available:
-            log.info("no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", ram / 2**30, available / 2**30)
+            # asked for by name (--same-host-board): say so louder than when it is only the default
+            level = logging.WARNING if self._config.same_host_board else logging.INFO
+            log.log(level, "no parameter board: this node's share with it needs about %.1f GiB and %.1f GiB are available", ram / 2**30, available / 2**30)
             return
         # two slots a bucket, so the update writes each version beside the one before, which is then
         # what a restarted rank needs (no copy of it in the update pass, no kept 16-bit copy)

@@ -25,7 +25,7 @@ _PR_SET_NAME = 15
 _OS_NAME_BYTES = 15  # the kernel keeps 16 bytes, the last a NUL
 MAIN_THREAD = "main"
 """What :func:`thread_cpu_seconds` calls a process's first thread (a node's serve loop)."""
-_NUMBERED = re.compile(r"[_/-]*\d*$")  # also a name cut inside its number: "netoptim-write_" of "netoptim-write_0"
+_NUMBERED = re.compile(r"[_/-]\d*$")  # a pool's number, or what the kernel's cut left of it ("netoptim-write_"); not "python3.11"
 
 
 @cache
@@ -54,24 +54,45 @@ def thread_group(name: str) -> str:
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user and system) each group of process ``pid``'s live threads used so far, by
+    """CPU seconds each group of process ``pid``'s live threads used so far, by
     :func:`thread_group` of their OS names; its first thread as :data:`MAIN_THREAD`. Threads that
     kept the process's name (torch's and numba's compute threads, unnamed helpers) count under that
     name. A thread that ended is no longer counted: compare groups whose threads live on."""
-    ticks = os.sysconf("SC_CLK_TCK")
     groups: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            seconds = _task_cpu_seconds(task)
             name = MAIN_THREAD if task.name == str(pid) else thread_group((task / "comm").read_text().strip())
         except OSError:  # ended meanwhile
             continue
-        groups[name] = groups.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        groups[name] = groups.get(name, 0.0) + seconds
     return groups
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system, in 10 ms ticks) process ``pid`` used so far, all its threads,
+    ended ones too."""
+    return _ticks_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def _task_cpu_seconds(task: Path) -> float:
+    """CPU seconds of one thread (``/proc/PID/task/TID``): its ``schedstat`` (nanoseconds on a CPU)
+    where the kernel keeps one, else its ticks (a thread that ran less than one in a short step would
+    show none)."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return _ticks_seconds(task / "stat")
+
+
+def _ticks_seconds(stat: Path) -> float:
+    """utime + stime of a ``/proc`` stat file, in seconds."""
+    fields = stat.read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds_between(before: dict[str, float], after: dict[str, float], per: float = 1.0) -> dict[str, float]:
     """Each group's CPU seconds from ``before`` to ``after`` (:func:`thread_cpu_seconds`), divided by
-    ``per`` (steps), largest first; groups that used none left out."""
-    spent = {name: (seconds - before.get(name, 0.0)) / per for name, seconds in after.items()}
-    return {name: round(seconds, 4) for name, seconds in sorted(spent.items(), key=lambda item: -item[1]) if seconds > 0}
+    ``per`` (steps), to 0.1 ms, largest first; groups that used less left out."""
+    spent = {name: round((seconds - before.get(name, 0.0)) / per, 4) for name, seconds in after.items()}
+    return {name: seconds for name, seconds in sorted(spent.items(), key=lambda item: -item[1]) if seconds > 0}

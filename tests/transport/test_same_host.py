@@ -132,7 +132,10 @@ def test_training_through_the_shared_windows_is_bitwise_torch(start_node, tmp_pa
     values through their boards, as in memory: a fetch of a bucket not in memory reads no file."""
     assert layerwise or 64 * width * 4 >= BATCH_BYTES, "a full-model job needs a bucket that is not batched"
     budget = 2 * 12 * bucket_numel
-    storage = lambda i: ("--state-dir", str(tmp_path / f"state{i}"), "--memory-budget", str(budget), "--same-host-board", "--metrics-port", "0")  # noqa: E731
+
+    def storage(i: int) -> tuple[str, ...]:
+        return ("--state-dir", str(tmp_path / f"state{i}"), "--memory-budget", str(budget), "--same-host-board", "--metrics-port", "0")
+
     processes = [start_node(f"w{layerwise}{i}", extra_args=storage(i) if out_of_core else ()) for i in range(2)]
     nodes = [process.address for process in processes]
     steps, world_size = 4, 2
