@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from optimizer_node.storage import BucketState, write_synced
 
@@ -213,7 +214,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path} has format version {manifest.get('format_version')!r}, this netoptim reads {FORMAT_VERSION}")
     buckets = {}
     for name, entry in manifest["files"].items():
-        size, digests = _digest_file(path / name, sha256="sha256" in entry)
+        size, digests = _digest_file(path / name, kinds=[kind for kind in _DIGESTS if kind in entry])
         if size != entry["bytes"] or any(entry.get(kind, value) != value for kind, value in digests.items()):
             raise CheckpointError(f"{path / name} does not match its checksum in the manifest ({size} bytes, {entry['bytes']} expected): the file is damaged")
         numel = entry["numel"]
@@ -228,22 +229,45 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, manifest, buckets)
 
 
-def _digest_file(path: Path, *, sha256: bool, block: int = 8 << 20) -> tuple[int, dict[str, str | int]]:
-    """Size and checksums of a file, read in blocks (never whole into memory)."""
-    digest = hashlib.sha256() if sha256 else None
-    crc = 0
+_DIGESTS: dict[str, Callable[[], Any]] = {
+    "sha256": hashlib.sha256,  # what a node in memory writes
+    "xxh3_64": xxhash.xxh3_64,  # what an out-of-core node's store recorded when it wrote the file
+    "crc32": lambda: _Crc32(),  # an out-of-core node's, before XXH3
+}
+
+
+class _Crc32:
+    """zlib's CRC-32 with a hasher's ``update``, for manifests written before XXH3."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, chunk: bytes) -> None:
+        self.value = zlib.crc32(chunk, self.value)
+
+
+def _digest_file(path: Path, *, kinds: list[str], block: int = 8 << 20) -> tuple[int, dict[str, str | int]]:
+    """Size and the checksums of ``kinds`` (names in :data:`_DIGESTS`) of a file, read in blocks (never
+    whole into memory)."""
+    hashers = {kind: _DIGESTS[kind]() for kind in kinds}
     size = 0
     try:
         with open(path, "rb") as handle:
             while chunk := handle.read(block):
                 size += len(chunk)
-                if digest is not None:
-                    digest.update(chunk)
-                else:
-                    crc = zlib.crc32(chunk, crc)
+                for hasher in hashers.values():
+                    hasher.update(chunk)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    return size, ({"sha256": digest.hexdigest()} if digest is not None else {"crc32": crc})
+    return size, {kind: _result(hasher) for kind, hasher in hashers.items()}
+
+
+def _result(hasher: Any) -> str | int:
+    if isinstance(hasher, _Crc32):
+        return hasher.value
+    if isinstance(hasher, xxhash.xxh3_64):
+        return hasher.intdigest()
+    return hasher.hexdigest()
 
 
 def read_latest(root: Path) -> Checkpoint | None:

@@ -8,7 +8,7 @@ renamed to the new name, when nothing but the store links it (no checkpoint): th
 retired by then (the values in memory are newer), and the file system is spared allocating pages
 and blocks for every write and freeing the old ones; else to a new file, the old name unlinked
 once it is written.
-Every write records the file's size, inode, mtime and CRC-32; a read checks all four, so a file
+Every write records the file's size, inode, mtime and checksum (XXH3); a read checks all four, so a file
 truncated, replaced or edited under the node is an error, not silent garbage.
 
 Residency: a bucket being updated or sent is *acquired* (resident, pinned). Other resident buckets
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from optimizer_node.ooc_files import (
+    DIGEST,
     FileInfo,
     SpareStateBuffers,
     describe_file,
@@ -206,7 +207,7 @@ class OutOfCoreStore(BucketStore):
         param = state_buffer(state.numel)
         try:
             read_checked(
-                self._path(state.bucket_id, slot.file.step), param, slot.file, expected_crc32=slot.file.param_crc32, sync=self.sync, direct=self.direct
+                self._path(state.bucket_id, slot.file.step), param, slot.file, expected_digest=slot.file.param_digest, sync=self.sync, direct=self.direct
             )
         except (OSError, StorageError) as exc:
             raise StorageError(
@@ -260,7 +261,7 @@ class OutOfCoreStore(BucketStore):
             self._finish_write(slot)
         assert slot.file is not None
         link_or_copy(self._path(state.bucket_id, slot.file.step), path, durable=True)
-        return {"bytes": slot.file.size, "crc32": slot.file.crc32}
+        return {"bytes": slot.file.size, DIGEST: slot.file.digest}
 
     def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
         """Adopt a verified checkpoint file as the bucket's current version (a hard link, no copy)."""
@@ -356,7 +357,7 @@ class OutOfCoreStore(BucketStore):
             self._path(slot.state.bucket_id, slot.file.step),
             slot.flat,
             slot.file,
-            expected_crc32=slot.file.crc32,
+            expected_digest=slot.file.digest,
             sync=self.sync,
             direct=self.direct,
         )

@@ -180,7 +180,7 @@ class BucketStore(ABC):
 
     def write_checkpoint_file(self, state: BucketState, path: Path) -> dict[str, int | str]:
         """Put the bucket's state (param, exp_avg, exp_avg_sq as fp32, back to back) in ``path``,
-        durably; returns ``bytes`` and a checksum (``sha256`` or ``crc32``) for the manifest."""
+        durably; returns ``bytes`` and a checksum (``sha256`` or ``xxh3_64``) for the manifest."""
         self.acquire(state)
         try:
             return write_synced(path, [raw_bytes(state.param), raw_bytes(state.exp_avg), raw_bytes(state.exp_avg_sq)])

@@ -4,25 +4,25 @@ writes of every size, including the parts that are not whole blocks."""
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
 import torch
+import xxhash
 
-from optimizer_node import ooc_files
-from optimizer_node.ooc_files import ALIGN, HUGE_PAGE, crc32, probe_direct_io, read_checked, state_buffer, write_version
+from optimizer_node.ooc_files import ALIGN, HUGE_PAGE, describe_file, digest, probe_direct_io, read_checked, state_buffer, state_digests, write_version
 from optimizer_node.storage import StorageError
 
 
-@pytest.mark.parametrize("library", ["libdeflate", "zlib"])
-def test_crc32_is_zlibs_for_any_length_offset_and_start_value(monkeypatch, library):
-    if library == "zlib":
-        monkeypatch.setattr(ooc_files, "_libdeflate_crc32", lambda: None)
-    data = os.urandom((1 << 20) + 7)
-    for start, stop in [(0, 0), (0, 1), (3, 4099), (0, 4096), (5, 12345), (1, len(data))]:
-        for value in (0, 0xDEADBEEF):
-            assert crc32(memoryview(data)[start:stop], value) == zlib.crc32(data[start:stop], value), (start, stop, value)
-    assert crc32(data) == zlib.crc32(data)
+@pytest.mark.parametrize("length", [0, 1, 3, 4096, 12345, (3 << 20) + 12])
+def test_state_digests_are_xxh3_of_the_whole_and_of_the_parameter_third(length):
+    data = os.urandom(length)
+    whole, param = state_digests(memoryview(data))
+    assert whole == digest(data) == xxhash.xxh3_64_intdigest(data)
+    assert param == xxhash.xxh3_64_intdigest(data[: length // 3])
+    if length:
+        flipped = bytearray(data)
+        flipped[length // 2] ^= 1
+        assert digest(bytes(flipped)) != whole
 
 
 @pytest.mark.parametrize("numel", [1, 1000, 3 << 18, (3 << 18) + 5])
@@ -45,21 +45,22 @@ def test_a_version_reads_back_as_written_and_an_overwrite_keeps_the_file(tmp_pat
     path = tmp_path / "bucket.bin"
     info = write_version(path, flat, 1, sync=True, direct=direct, overwrite=False)
     written = path.read_bytes()
-    assert info.size == 12 * numel and info.crc32 == zlib.crc32(written) and info.param_crc32 == zlib.crc32(written[: 4 * numel])
+    assert info.size == 12 * numel and info.digest == digest(written) and info.param_digest == digest(written[: 4 * numel])
+    assert describe_file(path, 1, param_bytes=4 * numel) == info  # a checkpoint's file, adopted, gets the same digests
     into = state_buffer(3 * numel)
-    read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=direct)
+    read_checked(path, into, info, expected_digest=info.digest, sync=True, direct=direct)
     assert torch.equal(into, flat)
     param = state_buffer(numel)
-    read_checked(path, param, info, expected_crc32=info.param_crc32, sync=True, direct=direct)
+    read_checked(path, param, info, expected_digest=info.param_digest, sync=True, direct=direct)
     assert torch.equal(param, flat[:numel])
 
     flat.add_(1.0)
     again = write_version(path, flat, 2, sync=True, direct=direct, overwrite=True)
-    assert again.inode == info.inode and again.size == info.size and again.crc32 != info.crc32
-    read_checked(path, into, again, expected_crc32=again.crc32, sync=True, direct=direct)
+    assert again.inode == info.inode and again.size == info.size and again.digest != info.digest
+    read_checked(path, into, again, expected_digest=again.digest, sync=True, direct=direct)
     assert torch.equal(into, flat)
     with pytest.raises(StorageError, match="changed outside the node"):
-        read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=direct)
+        read_checked(path, into, info, expected_digest=info.digest, sync=True, direct=direct)
 
 
 def test_a_buffer_that_is_not_aligned_goes_through_the_page_cache(tmp_path):
@@ -68,5 +69,5 @@ def test_a_buffer_that_is_not_aligned_goes_through_the_page_cache(tmp_path):
     path = tmp_path / "bucket.bin"
     info = write_version(path, flat, 1, sync=True, direct=True, overwrite=False)
     into = torch.empty(3 * 1024 + 1)[1:]
-    read_checked(path, into, info, expected_crc32=info.crc32, sync=True, direct=True)
+    read_checked(path, into, info, expected_digest=info.digest, sync=True, direct=True)
     assert torch.equal(into, flat)

@@ -6,15 +6,18 @@ reused."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
+import zlib
 
 import pytest
 import torch
+import xxhash
 
 from optimizer_node import ooc_files
 from optimizer_node.adamw import AdamWHyper, adamw_update
-from optimizer_node.checkpoint import read_checkpoint, write_checkpoint
+from optimizer_node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.storage import InMemoryStore, StorageError
 
@@ -97,6 +100,37 @@ def test_checkpoints_hard_link_the_state_files(tmp_path, io):
     assert torch.all(state.param == 4.0) and torch.all(state.exp_avg == 2.0) and state.step == 1
     store.close()
     restored.close()
+
+
+def test_an_out_of_core_checkpoint_is_verified_by_the_digest_its_store_recorded(tmp_path, io):
+    """The manifest takes the store's own XXH3 of each file (no second read at checkpoint time); a byte
+    flipped in a file fails the checkpoint, and a manifest of the CRC-32 era still verifies."""
+    store = open_store(tmp_path / "state", 2 * BUCKET_BYTES, io)
+    filled(store, 3)
+    for bucket_id in range(3):
+        update(store, bucket_id, 1.0)
+    root = tmp_path / "checkpoints"
+    manifest = write_checkpoint(root, step=1, states=list(store), meta={}, keep=2, write_file=store.write_checkpoint_file)
+    store.close()
+    newest = root / "step-0000000001"
+    for name, entry in manifest["files"].items():
+        assert entry["xxh3_64"] == xxhash.xxh3_64_intdigest((newest / name).read_bytes()) and "crc32" not in entry
+    assert read_checkpoint(newest).step == 1
+
+    crc_era = json.loads((newest / "manifest.json").read_text())
+    for name, entry in crc_era["files"].items():
+        entry["crc32"] = zlib.crc32((newest / name).read_bytes())
+        del entry["xxh3_64"]
+    (newest / "manifest.json").write_text(json.dumps(crc_era))
+    assert read_checkpoint(newest).step == 1
+
+    bucket = newest / "bucket-000001.bin"
+    data = bytearray(bucket.read_bytes())
+    data[5] ^= 0x10
+    bucket.unlink()  # a hard link to the store's file: write a damaged copy in its place
+    bucket.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        read_checkpoint(newest)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "edit-keeping-size-and-mtime", "replace"])
