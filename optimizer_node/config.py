@@ -165,7 +165,7 @@ class NodeConfig:
 
     state_io_threads: int = 2
     """Out-of-core mode: threads that read state files, and as many that write them. Each read or
-    write is one file, copied and checksummed (CRC-32) on its thread, so where the page cache or a
+    write is one file, copied and checksummed (XXH3-64) on its thread, so where the page cache or a
     fast disk serves the state these threads' CPU, not the disk, bounds the node; a node with cores
     to spare (a GPU host's) can give them more."""
 

@@ -17,8 +17,6 @@ python3 - <<'PY'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 PY
-# libdeflate makes the out-of-core store's checksums ~3x faster than zlib's (optimizer_node/ooc_files.py)
-echo "libdeflate: $(ldconfig -p | grep -c 'libdeflate.so') found"
 # The node's compiled kernels first, timed (numba caches them on disk): on a fresh machine this takes
 # tens of seconds, which the test session would otherwise spend at its start, outside pytest's clock.
 start=$(date +%s)
