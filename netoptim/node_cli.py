@@ -11,6 +11,7 @@ import signal
 import threading
 
 from launch.host_cpus import CpuPlacement, format_cpu_list, run_on, usable_cpus
+from launch.thread_wait import apply_update_thread_wait, resolve_update_thread_wait
 from netoptim.node_configs import admin_config_from_args, node_config_from_args
 from netoptim.node_start import NodeStartError, bind_servers, start_daemon
 
@@ -20,15 +21,28 @@ log = logging.getLogger("netoptim")
 def run_node(args: argparse.Namespace) -> int:
     """``netoptim node``: exit 0 after a clean stop, 2 for invalid flags, 1 when the node cannot start
     (an address in use, a missing ``--resume`` directory, an unreadable checkpoint)."""
-    import torch
-
-    from optimizer_node.faults import CrashPoints
-
     if getattr(args, "print_config", False):
         from job.config_file import ConfigSources, describe
 
         print(describe(args, args.node_parser, getattr(args, "config_sources", None) or ConfigSources(), secret_dests=frozenset({"admin_token"})))
         return 0
+    placement = CpuPlacement(cpus=args.cpus, numa_node=args.numa_node)
+    try:
+        cpus = placement.resolve()
+    except ValueError as exc:
+        log.error("invalid node configuration: %s", exc)
+        return 2
+    wait = resolve_update_thread_wait(args.update_threads_wait, own_cpus=cpus is not None)
+    if not apply_update_thread_wait(wait):  # before torch loads the OpenMP runtime the update threads run on
+        log.log(
+            logging.INFO if args.update_threads_wait == "auto" else logging.WARNING,
+            "this process loaded OpenMP before the node started: its update threads keep the wait policy it loaded with, not %r",
+            wait,
+        )
+    import torch
+
+    from optimizer_node.faults import CrashPoints
+
     config = node_config_from_args(args)
     try:
         config.validate()
@@ -40,21 +54,16 @@ def run_node(args: argparse.Namespace) -> int:
     except OSError as exc:  # --resume with a checkpoint directory that is not there
         log.error("cannot resume: %s: %s; check --checkpoint-dir, or leave out --resume to start fresh", exc.strerror, exc.filename)
         return 1
-    placement = CpuPlacement(cpus=args.cpus, numa_node=args.numa_node)
-    try:
-        cpus = placement.resolve()
-    except ValueError as exc:
-        log.error("invalid node configuration: %s", exc)
-        return 2
     if cpus is not None:  # before the daemon starts its threads and first writes its state
         run_on(cpus, args.threads, pass_thread=args.pass_thread)
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(
-        "node config: %s (torch threads: %d; CPUs: %s)",
+        "node config: %s (torch threads: %d; CPUs: %s; update threads %s between passes)",
         dataclasses.asdict(config),
         torch.get_num_threads(),
         format_cpu_list(cpus) if cpus is not None else f"any of {format_cpu_list(usable_cpus())}",
+        wait,
     )
     try:
         servers = bind_servers(args, admin_config)

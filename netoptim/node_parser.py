@@ -92,6 +92,14 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "I/O from 4 CPUs up, two with --pass-thread; otherwise torch's choice)",
     )
     node.add_argument(
+        "--update-threads-wait",
+        choices=["auto", "sleep", "spin"],
+        default="auto",
+        help="what the update threads do between passes: sleep (the CPU goes to whatever else runs on it; a pass wakes them) or "
+        "spin (ready at once, each keeping its CPU busy 10-20 ms after every pass); auto: spin on CPUs of the node's own "
+        "(--cpus/--numa-node), sleep on CPUs it shares with workers, unless OMP_WAIT_POLICY is set (default: %(default)s)",
+    )
+    node.add_argument(
         "--cpus",
         default=None,
         metavar="LIST",

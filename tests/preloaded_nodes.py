@@ -7,13 +7,15 @@ there: nothing has been started, only imported). What runs in the child is the s
 through the same entry point (:func:`netoptim.cli.console`), in a process of its own with its own pid,
 its output in the node's log file: SIGTERM, SIGKILL and restarts behave as for any other process.
 Only the environment is set from the caller's at each start; what a library reads from it at import
-(OpenMP's thread count, for one) is the server's, which the node's ``--threads`` overrides anyway.
+(OpenMP's thread count, for one) is the server's, which the node's ``--threads`` overrides anyway;
+OpenMP's wait policy is the one ``netoptim node`` picks for nodes that share their CPUs (sleep).
 ``NETOPTIM_TEST_FRESH_NODES=1`` starts every node in a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver as forkserver
 import os
 import signal
 import subprocess
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launch.processes import ChildProcess, popen_launcher
+from launch.thread_wait import POLICY_ENV
 
 PRELOAD = ["torch", "numpy", "numba", "zmq", "grpc", "netoptim.cli", "netoptim.node_cli", "optimizer_node.daemon"]
 """What the fork server imports before it forks the first node."""
@@ -77,10 +80,27 @@ class PreloadedNodeLauncher:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(PRELOAD)
             self._context = context
+            _start_server_with_sleeping_update_threads()
         # daemon: a node a test leaves running is stopped when the test process ends
         process = self._context.Process(target=run_command, args=(list(command[3:]), str(log_file), dict(os.environ)), daemon=True)
         process.start()
         return ForkedNode(process, command)
+
+
+def _start_server_with_sleeping_update_threads() -> None:
+    """Start the fork server with ``OMP_WAIT_POLICY=PASSIVE``: its torch import loads OpenMP, which
+    reads the policy then, once, for every node forked from it. The tests' nodes share the machine's
+    CPUs with their workers, where ``netoptim node`` has its update threads sleep between passes
+    (launch/thread_wait.py); this process's own environment stays as it was."""
+    previous = os.environ.get(POLICY_ENV)
+    os.environ[POLICY_ENV] = "PASSIVE"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ[POLICY_ENV]
+        else:
+            os.environ[POLICY_ENV] = previous
 
 
 def run_command(argv: list[str], log_file: str, environment: dict[str, str]) -> None:

@@ -6,8 +6,35 @@ module one implementation. :func:`create_transport` picks a backend from an addr
 
 from __future__ import annotations
 
-from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
-from transport.wire import ErrorCode, Header, MsgType, WireError
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transport.interface import ClientEndpoint, Message, SendHandle, ServerEndpoint, Transport
+    from transport.wire import ErrorCode, Header, MsgType, WireError
+
+# The names below load their modules (and torch) on first use: checking an address, as ``netoptim
+# node``'s flags do, must not import torch, whose OpenMP runtime reads its settings once, at load
+# (launch/thread_wait.py).
+_LAZY = {
+    "ClientEndpoint": "transport.interface",
+    "Message": "transport.interface",
+    "SendHandle": "transport.interface",
+    "ServerEndpoint": "transport.interface",
+    "Transport": "transport.interface",
+    "ErrorCode": "transport.wire",
+    "Header": "transport.wire",
+    "MsgType": "transport.wire",
+    "WireError": "transport.wire",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transport' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 _SCHEMES = {"tcp": "zmq", "ipc": "zmq", "mooncake": "mooncake", "mooncake+rdma": "mooncake"}
 
