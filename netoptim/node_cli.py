@@ -32,7 +32,8 @@ def run_node(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid node configuration: %s", exc)
         return 2
-    wait = resolve_update_thread_wait(args.update_threads_wait, own_cpus=cpus is not None)
+    # Out of core, the store's reader and writer threads run on the node's CPUs beside the update threads.
+    wait = resolve_update_thread_wait(args.update_threads_wait, own_cpus=cpus is not None and not args.state_dir)
     if not apply_update_thread_wait(wait):  # before torch loads the OpenMP runtime the update threads run on
         log.log(
             logging.INFO if args.update_threads_wait == "auto" else logging.WARNING,

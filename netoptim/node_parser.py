@@ -97,7 +97,8 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="what the update threads do between passes: sleep (the CPU goes to whatever else runs on it; a pass wakes them) or "
         "spin (ready at once, each keeping its CPU busy 10-20 ms after every pass); auto: spin on CPUs of the node's own "
-        "(--cpus/--numa-node), sleep on CPUs it shares with workers, unless OMP_WAIT_POLICY is set (default: %(default)s)",
+        "(--cpus/--numa-node, in memory), sleep on CPUs they share with workers or, with --state-dir, with the store's I/O "
+        "threads, unless OMP_WAIT_POLICY is set (default: %(default)s)",
     )
     node.add_argument(
         "--cpus",

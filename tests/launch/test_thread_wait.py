@@ -79,10 +79,13 @@ def test_sleeping_update_threads_leave_the_cpus_idle_between_passes_and_spinning
 
 
 @pytest.mark.fresh_nodes
-def test_a_node_sleeps_on_shared_cpus_and_spins_on_its_own(start_node):
+def test_a_node_sleeps_on_shared_cpus_and_spins_on_its_own(start_node, tmp_path):
     shared = start_node(name="shared")
     pinned = start_node(name="pinned", extra_args=("--cpus", str(min(os.sched_getaffinity(0)))))
     chosen = start_node(name="chosen", extra_args=("--update-threads-wait", "spin"))
-    for node, wait in ((shared, "sleep"), (pinned, "spin"), (chosen, "spin")):
+    out_of_core = start_node(
+        name="ooc", extra_args=("--cpus", str(min(os.sched_getaffinity(0))), "--state-dir", str(tmp_path / "state"), "--memory-budget", "64MiB")
+    )
+    for node, wait in ((shared, "sleep"), (pinned, "spin"), (chosen, "spin"), (out_of_core, "sleep")):
         log = node.log_text()
         assert f"update threads {wait} between passes" in log and "loaded OpenMP before" not in log, log[-2000:]
