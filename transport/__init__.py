@@ -33,7 +33,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'transport' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups find it without this hook
+    return value
 
 
 _SCHEMES = {"tcp": "zmq", "ipc": "zmq", "mooncake": "mooncake", "mooncake+rdma": "mooncake"}
