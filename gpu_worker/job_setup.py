@@ -80,6 +80,7 @@ def job_from_groups(
     world_size: int,
     bucket_numel: int | None,
     wire_dtype: torch.dtype,
+    bucket_layout: int | None = None,
     max_grad_norm: float | None,
     rule: str,
     local_size: int,
@@ -87,7 +88,8 @@ def job_from_groups(
 ) -> tuple[JobSpec, list[torch.Tensor]]:
     """The job's spec and its parameters in layout order. Layer-wise (``units``), the layout is
     ordered by unit, each unit in buckets of its own; ``bucket_numel`` ``None`` takes the default
-    for the model's size and the node count."""
+    for the model's size and the node count, ``bucket_layout`` ``None`` the mode's (layer-wise: 2,
+    no parameter that fits a bucket split in two; full model: 1)."""
     specs, tensors = layout_from_groups(param_groups)
     unit_starts: list[int] = []
     if units is not None:
@@ -107,6 +109,7 @@ def job_from_groups(
         rule=rule,
         local_size=local_size,
         node_weights=tuple(float(b) for b in node_bandwidths) if node_bandwidths else (),
+        bucket_layout=bucket_layout if bucket_layout is not None else (1 if units is None else 2),
     )
     return job, tensors
 

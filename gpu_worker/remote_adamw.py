@@ -54,6 +54,11 @@ class RemoteAdamW(RemoteOptimizer):
             ``torch.nn.utils.clip_grad_norm_``; ``last_grad_norm`` then holds the norm before clipping.
         bucket_numel: elements per transfer/update unit. Default: 4M (16 MiB of fp32), halved down to
             1M while a node would get fewer than 16 buckets (``default_bucket_numel``).
+        bucket_layout: how parameters are cut into buckets: 1 fills each bucket, splitting a parameter
+            where it fills; 2 never splits a parameter that fits in one bucket (a layer-wise CPU worker
+            then computes on each as a view of the node's parameter board). Default: 2 layer-wise, 1
+            for the full model. Every rank of a job gives the same; to resume a checkpoint of a job
+            started before there were two, give 1.
         timeout_s: how long a wait for the nodes may go without progress (the nodes alive, the step
             not moving: a missing rank, a paused node) before a ``TimeoutError`` that names what is
             missing.

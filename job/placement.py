@@ -97,7 +97,13 @@ class BucketSpec:
 
 
 def plan_buckets(
-    params: Sequence[ParamSpec], bucket_numel: int, num_nodes: int, unit_starts: Sequence[int] = (), node_weights: Sequence[float] = ()
+    params: Sequence[ParamSpec],
+    bucket_numel: int,
+    num_nodes: int,
+    unit_starts: Sequence[int] = (),
+    node_weights: Sequence[float] = (),
+    *,
+    whole_params: bool = False,
 ) -> list[BucketSpec]:
     """Split ``params`` into buckets and assign each to one of ``num_nodes`` nodes.
 
@@ -106,8 +112,10 @@ def plan_buckets(
     wherever the param group changes, so groups may interleave (layer-wise jobs order parameters by
     unit). ``node_weights`` (one per node, positive; empty: all equal) weighs each node's share, for
     example by its link's bandwidth: a bucket goes to the node whose elements divided by its weight are
-    fewest, so a node twice as fast holds (and moves) about twice as many. Deterministic in its
-    inputs. Raises ``ValueError`` for a non-positive size or node count, for duplicate parameter
+    fewest, so a node twice as fast holds (and moves) about twice as many. With ``whole_params`` a
+    parameter that fits in one bucket never spans two (the bucket before it closes early): a
+    layer-wise CPU worker then computes on every such parameter as a view of the node's board,
+    where one split in two is copied out of it. Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count, for duplicate parameter
     names, for unit starts out of range, or for weights that are not one positive number per node.
     """
     if node_weights and (len(node_weights) != num_nodes or not all(math.isfinite(w) and w > 0 for w in node_weights)):
@@ -139,6 +147,8 @@ def plan_buckets(
         if spec.group != current_group or index in boundaries:
             close_bucket()
             current_group = spec.group
+        if whole_params and current and spec.numel <= bucket_numel and current_numel + spec.numel > bucket_numel:
+            close_bucket()
         offset = 0
         while offset < spec.numel:
             space = bucket_numel - current_numel

@@ -70,6 +70,8 @@ class JobLimits:
 
 
 MODES = ("full", "layerwise")
+BUCKET_LAYOUTS = (1, 2)
+"""How a job cuts its parameters into buckets (:attr:`JobSpec.bucket_layout`)."""
 """``full``: every worker holds the whole model and the node sends each bucket's new values to every
 worker as soon as it is updated. ``layerwise``: workers hold a window of units and fetch each
 bucket when they need it (the node answers a PULL for step ``s`` once the bucket reached ``s``)."""
@@ -93,6 +95,10 @@ class JobSpec:
     local_size: int = 1
     # Relative share of each node (e.g. its link's bandwidth), for the placement; empty: equal shares.
     node_weights: tuple[float, ...] = ()
+    # How parameters are cut into buckets (BUCKET_LAYOUTS): 1, filled to bucket_numel, a parameter
+    # split wherever a bucket fills; 2, a parameter that fits in one bucket never split (layer-wise
+    # jobs). Part of the spec so that a checkpoint resumes in the layout it was written in.
+    bucket_layout: int = 1
 
     @property
     def workers(self) -> int:
@@ -127,6 +133,8 @@ class JobSpec:
             raise ValueError("unit_starts are for layer-wise jobs only")
         if self.rule not in RULES:
             raise ValueError(f"rule {self.rule!r} is not one of {list(RULES)}")
+        if self.bucket_layout not in BUCKET_LAYOUTS:
+            raise ValueError(f"bucket_layout must be one of {list(BUCKET_LAYOUTS)}, got {self.bucket_layout!r}")
 
     def check_limits(self, limits: JobLimits) -> None:
         """:class:`LimitError` when the job is over ``limits``, ``ValueError`` for a layout no plan
@@ -170,7 +178,7 @@ class JobSpec:
         return plan
 
     def plan(self) -> list[BucketSpec]:
-        return plan_buckets(self.params, self.bucket_numel, self.num_nodes, self.unit_starts, self.node_weights)
+        return plan_buckets(self.params, self.bucket_numel, self.num_nodes, self.unit_starts, self.node_weights, whole_params=self.bucket_layout == 2)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -185,6 +193,7 @@ class JobSpec:
             "rule": self.rule,
             **({"local_size": self.local_size} if self.local_size != 1 else {}),
             **({"node_weights": list(self.node_weights)} if self.node_weights else {}),
+            **({"bucket_layout": self.bucket_layout} if self.bucket_layout != 1 else {}),
         }
 
     @classmethod
@@ -219,6 +228,9 @@ class JobSpec:
         if not isinstance(local_size, int) or isinstance(local_size, bool):
             raise ValueError("job spec field local_size must be an integer")
         node_weights = raw.get("node_weights", [])
+        bucket_layout = raw.get("bucket_layout", 1)  # absent: the layout before there were two
+        if not isinstance(bucket_layout, int) or isinstance(bucket_layout, bool):
+            raise ValueError("job spec field bucket_layout must be an integer")
         if (
             not isinstance(node_weights, list)
             or len(node_weights) > ints["num_nodes"]
@@ -243,6 +255,7 @@ class JobSpec:
             rule=rule,
             local_size=local_size,
             node_weights=tuple(float(w) for w in node_weights),
+            bucket_layout=bucket_layout,
         )
         spec.validate()
         return spec
@@ -254,7 +267,7 @@ class JobSpec:
             return False
         if any(
             getattr(self, name) != getattr(other, name)
-            for name in ("rule", "world_size", "local_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm")
+            for name in ("rule", "world_size", "local_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "bucket_layout")
         ):
             return False
         groups = {param.group for param in self.params}
@@ -267,10 +280,26 @@ class JobSpec:
         """A sentence describing the first difference from ``other``, or ``None``."""
         if self.mode != other.mode:
             return f"the job was registered in {self.mode} mode, this worker runs in {other.mode} mode; every rank of a job must use the same mode"
-        for name in ("rule", "world_size", "local_size", "num_nodes", "node_weights", "bucket_numel", "wire_dtype", "max_grad_norm", "unit_starts"):
+        for name in (
+            "rule",
+            "world_size",
+            "local_size",
+            "num_nodes",
+            "node_weights",
+            "bucket_numel",
+            "wire_dtype",
+            "max_grad_norm",
+            "unit_starts",
+            "bucket_layout",
+        ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine == theirs:
                 continue
+            if name == "bucket_layout":
+                return (
+                    f"bucket_layout differs: registered {mine}, got {theirs} (the job was started by a netoptim that cut its buckets "
+                    f"another way, e.g. a checkpoint resumed); give the optimizer bucket_layout={mine} to join this job"
+                )
             if name == "bucket_numel":  # RemoteAdamW's default follows the model's size and the node count
                 return f"bucket_numel differs: registered {mine}, got {theirs}; give the optimizer bucket_numel={mine} to join this job"
             return f"{name} differs: registered {mine!r}, got {theirs!r}"

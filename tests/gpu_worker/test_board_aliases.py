@@ -20,11 +20,12 @@ from transport.wire import MsgType, tensor_header
 CHUNK = 256  # bytes a chunk: every test payload spans several chunks
 
 
-def _train(node_address: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[bool], int]:
+def _train(node_address: str, steps: int = 3, **options: object) -> tuple[dict[str, torch.Tensor], list[bool], int]:
     """One worker, layer-wise; returns its final parameters, whether each block parameter lay in a
     read-only shared window at each block's forward, and the bytes it held between steps."""
     model = make_gpt()
-    opt = offload(model, model.blocks, nodes=[node_address], prefetch=1, bucket_numel=1 << 16, lr=3e-3, weight_decay=0.1, timeout_s=60)
+    options = {"bucket_numel": 1 << 16, **options}
+    opt = offload(model, model.blocks, nodes=[node_address], prefetch=1, lr=3e-3, weight_decay=0.1, timeout_s=60, **options)
     in_board: list[bool] = []
 
     def probe(block: torch.nn.Module, _args: object) -> None:
@@ -56,6 +57,22 @@ def test_a_cpu_worker_computes_from_the_board_and_trains_as_copies_do(start_node
     assert from_board.keys() == copied.keys()
     for name in copied:
         assert torch.equal(from_board[name], copied[name]), f"{name} differs between in-place and copied values"
+
+
+def test_no_block_parameter_is_split_between_buckets_so_every_one_is_a_view(start_node):
+    """4096-element buckets cut three of each block's parameters in two in the first layout (a worker
+    copies those out of the board); layer-wise jobs take the second, where none is cut and those
+    three are views, and the values are bitwise those of the first. (A bias alone in a bucket of its
+    own is sent with other small buckets, copied, in either layout.)"""
+    names = [name for name, _ in make_gpt().blocks[0].named_parameters()]
+    whole, in_board, _ = _train(start_node("whole").address, bucket_numel=4096)
+    split, in_board_split, _ = _train(start_node("split").address, bucket_numel=4096, bucket_layout=1)
+    copied = {names[i % len(names)] for i, view in enumerate(in_board) if not view}
+    copied_split = {names[i % len(names)] for i, view in enumerate(in_board_split) if not view}
+    assert {"attn.proj.weight", "mlp.0.weight", "mlp.2.weight"} <= copied_split, copied_split
+    assert not any(name.endswith("weight") for name in copied), copied
+    for name in split:
+        assert torch.equal(whole[name], split[name]), f"{name} differs between the layouts"
 
 
 @pytest.fixture

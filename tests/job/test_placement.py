@@ -42,3 +42,36 @@ def test_a_different_bucket_size_is_refused_with_the_size_to_give():
     joining = dataclasses.replace(registered, bucket_numel=1 << 22)
     assert registered.mismatch(joining) == "bucket_numel differs: registered 1048576, got 4194304; give the optimizer bucket_numel=1048576 to join this job"
     assert registered.mismatch(dataclasses.replace(registered, world_size=2)) == "world_size differs: registered 1, got 2"
+
+
+def test_whole_params_close_a_bucket_before_a_parameter_that_fits_one():
+    specs = [ParamSpec(f"p{i}", (numel,), "float32", 0) for i, numel in enumerate([3000, 3000, 9000, 100, 4096, 64])]
+    split = plan_buckets(specs, 4096, 1)
+    whole = plan_buckets(specs, 4096, 1, whole_params=True)
+    pieces = {index: [] for index in range(len(specs))}
+    for bucket in whole:
+        assert bucket.numel == sum(s.numel for s in bucket.segments) <= 4096
+        for segment in bucket.segments:
+            pieces[segment.param_index].append((segment.param_offset, segment.numel))
+    for index, spec in enumerate(specs):  # every element once, in order
+        offsets = sorted(pieces[index])
+        assert [o for o, _ in offsets] == [sum(n for _, n in offsets[:k]) for k in range(len(offsets))] and sum(n for _, n in offsets) == spec.numel
+        if spec.numel <= 4096:
+            assert len(offsets) == 1, f"{spec.name} fits a bucket, yet spans {len(offsets)}"
+    assert len(pieces[2]) == 3, "a parameter larger than a bucket is split as before"
+    assert any(len([s for b in split for s in b.segments if s.param_index == i]) > 1 for i in (1, 4)), "without it, the same parameters split"
+
+
+def test_the_bucket_layout_travels_over_the_wire_and_a_spec_without_it_is_layout_1():
+    layered = JobSpec(world_size=1, num_nodes=1, bucket_numel=4096, wire_dtype="float32", max_grad_norm=None, params=tuple(params(5, 3000)), bucket_layout=2)
+    assert JobSpec.from_wire(layered.to_wire()) == layered
+    assert [b.numel for b in layered.plan()] == [3000] * 5
+    earlier = dataclasses.replace(layered, bucket_layout=1)
+    assert "bucket_layout" not in earlier.to_wire() and JobSpec.from_wire(earlier.to_wire()).bucket_layout == 1
+    assert earlier.mismatch(layered) == (
+        "bucket_layout differs: registered 1, got 2 (the job was started by a netoptim that cut its buckets another way, e.g. a checkpoint "
+        "resumed); give the optimizer bucket_layout=1 to join this job"
+    )
+    for bad in (3, True, "2"):
+        with pytest.raises(ValueError, match="bucket_layout"):
+            JobSpec.from_wire({**layered.to_wire(), "bucket_layout": bad})
