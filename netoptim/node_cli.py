@@ -33,12 +33,13 @@ def run_node(args: argparse.Namespace) -> int:
         log.error("invalid node configuration: %s", exc)
         return 2
     # Out of core, the store's reader and writer threads run on the node's CPUs beside the update threads.
-    wait = resolve_update_thread_wait(args.update_threads_wait, own_cpus=cpus is not None and not args.state_dir)
-    if not apply_update_thread_wait(wait):  # before torch loads the OpenMP runtime the update threads run on
+    wanted = resolve_update_thread_wait(args.update_threads_wait, own_cpus=cpus is not None and not args.state_dir)
+    wait = wanted if apply_update_thread_wait(wanted) else "as OpenMP was loaded"  # before torch loads OpenMP
+    if wait != wanted:
         log.log(
             logging.INFO if args.update_threads_wait == "auto" else logging.WARNING,
             "this process loaded OpenMP before the node started: its update threads keep the wait policy it loaded with, not %r",
-            wait,
+            wanted,
         )
     import torch
 
@@ -60,7 +61,7 @@ def run_node(args: argparse.Namespace) -> int:
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(
-        "node config: %s (torch threads: %d; CPUs: %s; update threads %s between passes)",
+        "node config: %s (torch threads: %d; CPUs: %s; update threads between passes: %s)",
         dataclasses.asdict(config),
         torch.get_num_threads(),
         format_cpu_list(cpus) if cpus is not None else f"any of {format_cpu_list(usable_cpus())}",

@@ -125,4 +125,4 @@ def test_a_node_pinned_with_cpus_serves_a_job_with_every_thread_on_them(start_no
     finally:
         opt.close()
     assert cpus_of_every_thread(node.process.pid) == {str(cpu)}
-    assert f"torch threads: 1; CPUs: {cpu}; update threads spin between passes)" in node.log_text()
+    assert f"torch threads: 1; CPUs: {cpu}; update threads between passes: " in node.log_text()
