@@ -140,9 +140,9 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
         "step_s": round(statistics.median(row[0] for row in rows), 4),
         "worker": phases,
         "node": {name: round(value, 4) for name, value in node.items()},
-        "node_cpu_s_per_step_by_thread": node_threads,
+        "node_cpu_s_per_step_by_thread": node_threads,  # the mean of the timed steps, by OS thread name ("main": the serve loop)
         # MiB a step through same-host shared memory, of the step's 2 x 4 x numel bytes (the rest on the socket)
-        "shared_memory_mb_per_step": shared,  # the mean of the timed steps, by OS thread name ("main": the serve loop)
+        "shared_memory_mb_per_step": shared,
         "install_gbs": round(2 * numel * 4 / worker.install_s / 1e9, 2) if worker.install_s > 0 else None,
         "send_buffers_allocated_after_warmup": allocated_after_warmup,
     }

@@ -115,8 +115,9 @@ def plan_buckets(
     fewest, so a node twice as fast holds (and moves) about twice as many. With ``whole_params`` a
     parameter that fits in one bucket never spans two (the bucket before it closes early): a
     layer-wise CPU worker then computes on every such parameter as a view of the node's board,
-    where one split in two is copied out of it. Deterministic in its inputs. Raises ``ValueError`` for a non-positive size or node count, for duplicate parameter
-    names, for unit starts out of range, or for weights that are not one positive number per node.
+    where one split in two is copied out of it. Deterministic in its inputs. Raises ``ValueError``
+    for a non-positive size or node count, for duplicate parameter names, for unit starts out of
+    range, or for weights that are not one positive number per node.
     """
     if node_weights and (len(node_weights) != num_nodes or not all(math.isfinite(w) and w > 0 for w in node_weights)):
         raise ValueError(f"node_weights must be {num_nodes} positive numbers, one per node, got {list(node_weights)}")

@@ -70,11 +70,11 @@ class JobLimits:
 
 
 MODES = ("full", "layerwise")
-BUCKET_LAYOUTS = (1, 2)
-"""How a job cuts its parameters into buckets (:attr:`JobSpec.bucket_layout`)."""
 """``full``: every worker holds the whole model and the node sends each bucket's new values to every
 worker as soon as it is updated. ``layerwise``: workers hold a window of units and fetch each
 bucket when they need it (the node answers a PULL for step ``s`` once the bucket reached ``s``)."""
+BUCKET_LAYOUTS = (1, 2)
+"""How a job cuts its parameters into buckets (:attr:`JobSpec.bucket_layout`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,7 @@ class JobSpec:
             raise ValueError("unit_starts are for layer-wise jobs only")
         if self.rule not in RULES:
             raise ValueError(f"rule {self.rule!r} is not one of {list(RULES)}")
-        if self.bucket_layout not in BUCKET_LAYOUTS:
+        if type(self.bucket_layout) is not int or self.bucket_layout not in BUCKET_LAYOUTS:  # True and 2.0 compare equal to 1 and 2
             raise ValueError(f"bucket_layout must be one of {list(BUCKET_LAYOUTS)}, got {self.bucket_layout!r}")
 
     def check_limits(self, limits: JobLimits) -> None:

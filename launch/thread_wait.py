@@ -15,11 +15,8 @@ it at ``import torch`` (numba's loop and torch's intra-op threads share that one
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-
-log = logging.getLogger(__name__)
 
 WAIT_CHOICES = ("auto", "sleep", "spin")
 POLICY_ENV = "OMP_WAIT_POLICY"

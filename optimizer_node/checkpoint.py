@@ -214,7 +214,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path} has format version {manifest.get('format_version')!r}, this netoptim reads {FORMAT_VERSION}")
     buckets = {}
     for name, entry in manifest["files"].items():
-        size, digests = _digest_file(path / name, kinds=[kind for kind in _DIGESTS if kind in entry])
+        kinds = [kind for kind in _DIGESTS if kind in entry]
+        if not kinds:  # nothing to check it against: a file that changed would be read as good
+            raise CheckpointError(f"{path / MANIFEST}: {name} has no checksum ({', '.join(_DIGESTS)}); the manifest is damaged")
+        size, digests = _digest_file(path / name, kinds=kinds)
         if size != entry["bytes"] or any(entry.get(kind, value) != value for kind, value in digests.items()):
             raise CheckpointError(f"{path / name} does not match its checksum in the manifest ({size} bytes, {entry['bytes']} expected): the file is damaged")
         numel = entry["numel"]
@@ -229,13 +232,6 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, manifest, buckets)
 
 
-_DIGESTS: dict[str, Callable[[], Any]] = {
-    "sha256": hashlib.sha256,  # what a node in memory writes
-    "xxh3_64": xxhash.xxh3_64,  # what an out-of-core node's store recorded when it wrote the file
-    "crc32": lambda: _Crc32(),  # an out-of-core node's, before XXH3
-}
-
-
 class _Crc32:
     """zlib's CRC-32 with a hasher's ``update``, for manifests written before XXH3."""
 
@@ -246,10 +242,18 @@ class _Crc32:
         self.value = zlib.crc32(chunk, self.value)
 
 
+_DIGESTS: dict[str, tuple[Callable[[], Any], Callable[[Any], str | int]]] = {
+    "sha256": (hashlib.sha256, lambda hasher: hasher.hexdigest()),  # what a node in memory writes
+    "xxh3_64": (xxhash.xxh3_64, lambda hasher: hasher.intdigest()),  # what an out-of-core store recorded as it wrote the file
+    "crc32": (_Crc32, lambda hasher: hasher.value),  # an out-of-core node's, before XXH3
+}
+"""The checksums a manifest entry may carry: how to start one, and its value once fed the file."""
+
+
 def _digest_file(path: Path, *, kinds: list[str], block: int = 8 << 20) -> tuple[int, dict[str, str | int]]:
     """Size and the checksums of ``kinds`` (names in :data:`_DIGESTS`) of a file, read in blocks (never
     whole into memory)."""
-    hashers = {kind: _DIGESTS[kind]() for kind in kinds}
+    hashers = {kind: _DIGESTS[kind][0]() for kind in kinds}
     size = 0
     try:
         with open(path, "rb") as handle:
@@ -259,15 +263,7 @@ def _digest_file(path: Path, *, kinds: list[str], block: int = 8 << 20) -> tuple
                     hasher.update(chunk)
     except OSError as exc:
         raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
-    return size, {kind: _result(hasher) for kind, hasher in hashers.items()}
-
-
-def _result(hasher: Any) -> str | int:
-    if isinstance(hasher, _Crc32):
-        return hasher.value
-    if isinstance(hasher, xxhash.xxh3_64):
-        return hasher.intdigest()
-    return hasher.hexdigest()
+    return size, {kind: _DIGESTS[kind][1](hasher) for kind, hasher in hashers.items()}
 
 
 def read_latest(root: Path) -> Checkpoint | None:

@@ -75,3 +75,6 @@ def test_the_bucket_layout_travels_over_the_wire_and_a_spec_without_it_is_layout
     for bad in (3, True, "2"):
         with pytest.raises(ValueError, match="bucket_layout"):
             JobSpec.from_wire({**layered.to_wire(), "bucket_layout": bad})
+    for bad in (True, 2.0):  # equal to 1 and 2, but not layouts: a worker's own spec is refused before it registers
+        with pytest.raises(ValueError, match="bucket_layout must be one of"):
+            dataclasses.replace(layered, bucket_layout=bad).validate()

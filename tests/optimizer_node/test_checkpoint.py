@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -102,3 +103,13 @@ def test_buckets_at_different_steps_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="between steps"):
         write_checkpoint(tmp_path, step=2, states=states, meta={}, keep=3, write_file=store.write_checkpoint_file)
     assert list_checkpoints(tmp_path) == [] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_manifest_entry_without_a_checksum_is_refused(tmp_path):
+    write(tmp_path, 1)
+    directory = tmp_path / "step-0000000001"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    del manifest["files"]["bucket-000000.bin"]["sha256"]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"bucket-000000\.bin has no checksum"):
+        read_checkpoint(directory)
