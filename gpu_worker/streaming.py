@@ -35,7 +35,7 @@ from gpu_worker.layout import GradsOf, finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
 from job.hyper import AdamWHyper
-from transport.host_memory import keep_freed_heap, map_large_allocations, trim_host_heap
+from transport.host_memory import StepHeap, keep_freed_heap, map_large_allocations, trim_host_heap
 from transport.interface import Message
 from transport.wire import WIRE_DTYPES
 
@@ -122,12 +122,14 @@ class LayerStreamer:
         # Parameters, frames and activations come and go every step. Below 32 MiB (glibc's largest
         # threshold) they come from the heap, where the next unit reuses what the last one freed
         # without faulting its pages in again (up to the units that may be held at once, kept mapped
-        # for it); the heap is trimmed once a step, which keeps the RSS flat. Mapping every
-        # allocation of 1 MiB or more instead (returned to the OS at once) kept the RSS 25% lower but
-        # made layer-wise steps 20-25% slower on CPU: page faults on every fetch.
+        # for it). Between steps the heap keeps what a step freed for the next one, trimmed only
+        # where the RSS creeps (StepHeap). Mapping every allocation of 1 MiB or more (returned to the
+        # OS at once) kept the RSS 25% lower but made layer-wise steps 20-25% slower on CPU: page
+        # faults on every fetch.
         map_large_allocations(_MAPPED_FROM_BYTES)
         unit_bytes = max((sum(self.params[i].numel() * self.params[i].element_size() for i in unit.params) for unit in self.units.values()), default=0)
         keep_freed_heap(max(_MAPPED_FROM_BYTES, (plan.prefetch + 2) * unit_bytes))
+        self._heap = StepHeap()
 
     # ---------------------------------------------------------------- setup
 
@@ -387,7 +389,7 @@ class LayerStreamer:
         self._pushes.send_all()
         self.session.advance([b.bucket_id for b in self.session.buckets])
         self.session.release_send_buffers()
-        trim_host_heap()
+        self._heap.step_done()
         self.step += 1
 
     def gather(self) -> dict[str, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 Workers in layer-wise mode and out-of-core nodes free megabytes of tensors all the time. glibc keeps
 freed heap pages mapped (its mmap threshold grows with the sizes freed), so without a trim the
-resident size creeps towards everything ever allocated, although little is held.
+resident size creeps towards everything ever allocated, although little is held. A process that
+allocates the same sizes every step keeps them instead (:class:`StepHeap`), and trims only where
+its resident size creeps.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 
 @functools.cache
@@ -59,3 +62,51 @@ def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
     this is not glibc."""
     mallopt = _mallopt()
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1)
+
+
+def resident_bytes() -> int:
+    """This process's resident set size, in bytes (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class StepHeap:
+    """Keeps what a step freed on the heap for the next step, which allocates the same sizes again,
+    and trims the heap only where the resident size creeps past what the first step kept.
+
+    Trimming after every step gives the pages back, and the next step faults every one of them in
+    again (a layer-wise worker of an 85M GPT on CPU: ~60,000 faults, 0.07 s of CPU a step). Not
+    trimming at all lets glibc's free lists drift (a slow creep, ~0.1 MB a step measured on a small
+    GPT). Here the RSS after the ``settle_steps``-th step is the mark (the first steps still grow
+    the heap as allocations find their places): a step that ends more than ``slack_bytes`` or an
+    eighth of the mark (the larger) above it trims the heap, and the mark is set again as at the
+    start."""
+
+    def __init__(self, slack_bytes: int = 32 << 20, settle_steps: int = 3) -> None:
+        if slack_bytes < 0:
+            raise ValueError(f"slack_bytes must be at least 0, got {slack_bytes}")
+        if settle_steps < 1:
+            raise ValueError(f"settle_steps must be at least 1, got {settle_steps}")
+        self.slack_bytes = slack_bytes
+        self.settle_steps = settle_steps
+        self._settling = 0  # steps since the start or the last trim, until the mark is set
+        self._mark: int | None = None
+        self.trims = 0  # trims done (counted for tests and logs)
+
+    def step_done(self) -> bool:
+        """Call once a step, after the step freed what it held; returns whether the heap was trimmed."""
+        rss = resident_bytes()
+        if self._mark is None:
+            self._settling += 1
+            if self._settling >= self.settle_steps:
+                self._mark, self._settling = rss, 0
+            return False
+        if rss <= self._mark + max(self.slack_bytes, self._mark // 8):
+            return False
+        trim_host_heap()
+        self.trims += 1
+        self._mark = None
+        return True
