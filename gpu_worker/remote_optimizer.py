@@ -24,6 +24,7 @@ from gpu_worker.streaming import StreamStats
 from gpu_worker.units import UnitPlan
 from job.discovery import NodeSource, discover_nodes
 from job.hyper import AdamWHyper, validate_for_rule
+from transport.host_memory import StepHeap, keep_step_heap
 
 
 def adam_style_hyper(group: dict[str, Any]) -> AdamWHyper:
@@ -134,6 +135,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hypers=self._hypers_of_step,
             sync_enabled=lambda: self._sync_enabled,
         )
+        # A CPU worker's gradients come and go every step: the next step reuses their pages (a
+        # layer-wise worker's streamer keeps its own heap).
+        host_bytes = sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
+        self._heap: StepHeap | None = keep_step_heap(host_bytes) if self._streamer is None and host_bytes else None
         self._buffers: BufferBroadcast | None = None
         try:
             if module is not None and broadcast_buffers and world_size > 1 and any(True for _ in module.buffers()):
@@ -299,6 +304,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 self._session.begin_step(grads, hypers)  # the next forward installs the values (forward_waits)
             else:
                 self._session.finish_step(grads, hypers)
+            if self._heap is not None:
+                self._heap.step_done()
         finally:
             self._step_hypers = None
             self._hooks.readiness.new_step()

@@ -35,14 +35,11 @@ from gpu_worker.layout import GradsOf, finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize
 from job.hyper import AdamWHyper
-from transport.host_memory import StepHeap, keep_freed_heap, map_large_allocations, trim_host_heap
+from transport.host_memory import keep_step_heap, trim_host_heap
 from transport.interface import Message
 from transport.wire import WIRE_DTYPES
 
 log = logging.getLogger(__name__)
-
-_MAPPED_FROM_BYTES = 32 << 20
-"""Allocations this large get their own mapping, freed to the OS at once; smaller ones reuse the heap."""
 
 
 @dataclass(eq=False)
@@ -126,10 +123,8 @@ class LayerStreamer:
         # where the RSS creeps (StepHeap). Mapping every allocation of 1 MiB or more (returned to the
         # OS at once) kept the RSS 25% lower but made layer-wise steps 20-25% slower on CPU: page
         # faults on every fetch.
-        map_large_allocations(_MAPPED_FROM_BYTES)
         unit_bytes = max((sum(self.params[i].numel() * self.params[i].element_size() for i in unit.params) for unit in self.units.values()), default=0)
-        keep_freed_heap(max(_MAPPED_FROM_BYTES, (plan.prefetch + 2) * unit_bytes))
-        self._heap = StepHeap()
+        self._heap = keep_step_heap((plan.prefetch + 2) * unit_bytes)
 
     # ---------------------------------------------------------------- setup
 
