@@ -108,7 +108,13 @@ def _use_threads(kernels: SimpleNamespace, threads: int | None = None) -> int:
     """Run numba's parallel loops from this thread on ``threads`` (default :func:`loop_threads`); the count."""
     threads = threads or loop_threads()
     if _calling_thread.__dict__.get("threads") != threads:  # numba's count is per calling thread
+        torch_threads = torch.get_num_threads()
         kernels.numba.set_num_threads(threads)
+        # The first call in a thread starts numba's OpenMP pool, which sets that thread's OpenMP count
+        # to all the CPUs numba may use: torch's ops there, and loop_threads() after it, would then
+        # run on every CPU, not on the node's --threads.
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
         _calling_thread.threads = threads
     return threads
 
