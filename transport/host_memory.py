@@ -35,12 +35,21 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
 M_TRIM_THRESHOLD = -1
 
 
+MALLOPT_MAX = 2**31 - 1
+"""mallopt takes a C int: a larger value (a threshold of 2 GiB or more) is clamped to this, not let wrap
+around (4 GiB would have become 0: trim at every free)."""
+
+
 def _mallopt() -> object | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).mallopt if name else None
+        mallopt = ctypes.CDLL(name).mallopt if name else None
     except (OSError, AttributeError):
         return None
+    if mallopt is not None:
+        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)  # an int out of range raises, never wraps
+        mallopt.restype = ctypes.c_int
+    return mallopt
 
 
 def keep_freed_heap(max_bytes: int) -> bool:
@@ -51,7 +60,7 @@ def keep_freed_heap(max_bytes: int) -> bool:
     allocates the next one's, then copied into fresh pages at a quarter of the speed (measured: 2.5
     against 9 GB/s). Returns False where this is not glibc."""
     mallopt = _mallopt()
-    return bool(mallopt is not None and mallopt(M_TRIM_THRESHOLD, max_bytes) == 1)
+    return bool(mallopt is not None and mallopt(M_TRIM_THRESHOLD, min(max_bytes, MALLOPT_MAX)) == 1)
 
 
 def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
@@ -61,7 +70,7 @@ def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
     state, gradient frames, parameters sent) keeps every byte it ever freed. Returns False where
     this is not glibc."""
     mallopt = _mallopt()
-    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1)
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, min(threshold_bytes, MALLOPT_MAX)) == 1)
 
 
 def resident_bytes() -> int:

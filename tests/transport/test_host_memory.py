@@ -62,3 +62,33 @@ def test_a_negative_slack_or_no_settling_step_is_refused():
         StepHeap(slack_bytes=-1)
     with pytest.raises(ValueError, match="settle_steps"):
         StepHeap(settle_steps=0)
+
+
+KEEP_PROGRAM = r"""
+import json, os, sys
+from transport.host_memory import keep_freed_heap, map_large_allocations
+
+statm = os.open("/proc/self/statm", os.O_RDONLY)
+page = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident() -> int:  # read into a small object (Python's own pools, not the heap): nothing lands above the block
+    return int(os.pread(statm, 64, 0).split()[1]) * page
+
+
+assert map_large_allocations(32 << 20) and keep_freed_heap(int(sys.argv[1]))
+block = bytearray(b"\x01") * (16 << 20)  # from the heap's top (under the 32 MiB threshold), every page touched
+held = resident()
+del block  # freed at the top of the heap: kept if the trim threshold is above 16 MiB
+after = resident()
+print(json.dumps({"held": held, "after": after}))
+"""
+
+
+@pytest.mark.parametrize("kept", [64 << 20, 4 << 30, 6 << 30])
+def test_a_kept_heap_of_2_gib_or_more_is_kept_not_wrapped_to_nothing(kept):
+    """mallopt takes a C int: 4 GiB used to wrap around to 0, a trim at every free."""
+    done = subprocess.run([sys.executable, "-c", KEEP_PROGRAM, str(kept)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["after"] >= result["held"] - (1 << 20), result
