@@ -51,6 +51,6 @@ def test_a_cpu_worker_s_resident_size_stays_flat_over_steps(node, mode):
     rss = json.loads(done.stdout.strip().splitlines()[-1])
     settled = max(rss[WARMUP - 2 : WARMUP])
     grown = max(rss[WARMUP:]) - settled
-    # StepHeap lets the heap drift up to 32 MiB before it trims (glibc's free lists drift a few MiB
+    # StepHeap lets the heap drift by 32 MiB or an eighth before it trims (glibc's free lists drift a few MiB
     # in 20 steps of the full model); a step's gradients kept by mistake would be 13 MB a step here
     assert grown <= 32 << 20, f"the worker's RSS grew by {grown / 2**20:.1f} MiB after warm-up: {[round(r / 2**20) for r in rss]} MiB"
