@@ -217,7 +217,9 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             []
             if mode in LOCAL_MODES
             else [
-                NodeProcess(workdir, name=f"node{i}", threads=args.node_threads, extra_args=node_flags(args, Path(workdir) / f"node{i}-state")).start()
+                NodeProcess(
+                    workdir, name=f"node{i}", threads=args.node_threads, nice=args.node_nice, extra_args=node_flags(args, Path(workdir) / f"node{i}-state")
+                ).start()
                 for i in range(args.nodes)
             ]
         )
@@ -312,6 +314,7 @@ def run(args: argparse.Namespace) -> dict:
         "same_host_board": args.same_host_board if args.same_host_board is not None else args.out_of_core is None,
         "node_memory_budget": args.out_of_core,  # None: in memory
         "node_args": list(args.node_arg),
+        "node_nice": args.node_nice,
     }
     if args.device == "cuda":
         if not torch.cuda.is_available():

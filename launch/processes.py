@@ -79,6 +79,7 @@ class NodeProcess:
         extra_args: Sequence[str] = (),
         log_level: str = "INFO",
         threads: int = 1,
+        nice: int = 0,
     ) -> None:
         self.ready_file = Path(workdir) / f"{name}.ready.json"
         self.log_file = Path(workdir) / f"{name}.log"
@@ -96,6 +97,7 @@ class NodeProcess:
             "--node-id",
             name,
             *([] if "--threads" in extra_args else ["--threads", str(threads)]),
+            *([] if not nice or "--nice" in extra_args else ["--nice", str(nice)]),
             *extra_args,
         ]
         self.process: ChildProcess | None = None

@@ -114,6 +114,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--node-threads", type=positive_int, default=1, help="update threads per local node (more only where cores are free for them) (default: %(default)s)"
     )
     train.add_argument(
+        "--node-nice",
+        type=int,
+        default=10,
+        metavar="N",
+        help="niceness of the local nodes (netoptim node --nice), which share the workers' cores: at 0 a node's updates land on "
+        "whichever worker is behind (default: %(default)s)",
+    )
+    train.add_argument(
         "--same-host-board",
         action=argparse.BooleanOptionalAction,
         default=None,

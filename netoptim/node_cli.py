@@ -11,6 +11,7 @@ import signal
 import threading
 
 from launch.host_cpus import CpuPlacement, format_cpu_list, run_on, usable_cpus
+from launch.niceness import apply_niceness
 from launch.thread_wait import apply_update_thread_wait, resolve_update_thread_wait
 from netoptim.node_configs import admin_config_from_args, node_config_from_args
 from netoptim.node_start import NodeStartError, bind_servers, start_daemon
@@ -29,7 +30,8 @@ def run_node(args: argparse.Namespace) -> int:
     placement = CpuPlacement(cpus=args.cpus, numa_node=args.numa_node)
     try:
         cpus = placement.resolve()
-    except ValueError as exc:
+        apply_niceness(args.nice)  # before the node starts its threads, which inherit it
+    except (ValueError, PermissionError) as exc:
         log.error("invalid node configuration: %s", exc)
         return 2
     # Out of core, the store's reader and writer threads run on the node's CPUs beside the update threads.
@@ -61,10 +63,11 @@ def run_node(args: argparse.Namespace) -> int:
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(
-        "node config: %s (torch threads: %d; CPUs: %s; update threads between passes: %s)",
+        "node config: %s (torch threads: %d; CPUs: %s; niceness: %d; update threads between passes: %s)",
         dataclasses.asdict(config),
         torch.get_num_threads(),
         format_cpu_list(cpus) if cpus is not None else f"any of {format_cpu_list(usable_cpus())}",
+        args.nice,
         wait,
     )
     try:
