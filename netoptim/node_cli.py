@@ -63,11 +63,11 @@ def run_node(args: argparse.Namespace) -> int:
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(
-        "node config: %s (torch threads: %d; CPUs: %s; niceness: %d; update threads between passes: %s)",
+        "node config: %s (niceness: %d; torch threads: %d; CPUs: %s; update threads between passes: %s)",
         dataclasses.asdict(config),
+        args.nice,
         torch.get_num_threads(),
         format_cpu_list(cpus) if cpus is not None else f"any of {format_cpu_list(usable_cpus())}",
-        args.nice,
         wait,
     )
     try:
