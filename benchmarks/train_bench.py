@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.common import check_node_args, vm_bytes
 from gpu_worker.models import GPTConfig
+from transport.host_memory import resident_bytes
 from transport.host_threads import cpu_seconds_between, process_cpu_seconds, thread_cpu_seconds
 
 SIZES = {
@@ -49,11 +50,6 @@ NODE_BYTES_PER_PARAM = 16  # fp32 params, two moments, a reduction buffer
 def param_count(config: GPTConfig) -> int:
     per_block = 12 * config.n_embd**2 + 13 * config.n_embd
     return config.n_layer * per_block + (2 * config.vocab_size + config.block_size + 2) * config.n_embd
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _cpu_s() -> float:
@@ -94,7 +90,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
-    start_rss = _rss_mb()
+    start_rss = resident_bytes() / 2**20
     options = dict(nodes=nodes, rank=rank, world_size=world_size, lr=1e-4, timeout_s=600, bucket_numel=settings["bucket_numel"])
     if mode == "ddp":
         dist.init_process_group("nccl" if cuda else "gloo", init_method=dist_url, rank=rank, world_size=world_size)

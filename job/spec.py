@@ -295,15 +295,18 @@ class JobSpec:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine == theirs:
                 continue
-            if name == "bucket_layout":
-                return (
-                    f"bucket_layout differs: registered {mine}, got {theirs} (the job was started by a netoptim that cut its buckets "
-                    f"another way, e.g. a checkpoint resumed); give the optimizer bucket_layout={mine} to join this job"
-                )
-            if name == "bucket_numel":  # RemoteAdamW's default follows the model's size and the node count
-                return f"bucket_numel differs: registered {mine}, got {theirs}; give the optimizer bucket_numel={mine} to join this job"
+            if name in _JOIN_BY_GIVING:  # an optimizer argument whose default may differ from the job's
+                return f"{name} differs: registered {mine}, got {theirs}{_JOIN_BY_GIVING[name]}; give the optimizer {name}={mine} to join this job"
             return f"{name} differs: registered {mine!r}, got {theirs!r}"
         return first_difference(self.params, other.params)
+
+
+_JOIN_BY_GIVING = {
+    "bucket_numel": "",  # RemoteAdamW's default follows the model's size and the node count
+    "bucket_layout": " (the job was started by a netoptim that cut its buckets another way, e.g. a checkpoint resumed)",
+}
+"""Spec fields a worker sets through an optimizer argument, and why one may differ: the mismatch says
+which value to give."""
 
 
 def _check_param_format(index: int, param: ParamSpec) -> None:

@@ -17,12 +17,18 @@ import os
 NICE_RANGE = range(-20, 20)
 
 
+def check_niceness(niceness: int) -> int:
+    """``niceness`` if it is one (-20..19), else ``ValueError`` saying the range."""
+    if niceness not in NICE_RANGE:
+        raise ValueError(f"a niceness goes from -20 (most CPU) to 19 (least), not {niceness}")
+    return niceness
+
+
 def apply_niceness(niceness: int) -> None:
     """Give every thread of this process the CPU niceness ``niceness`` (Linux's is per thread: the
     threads started later inherit it). ``ValueError`` outside -20..19; ``PermissionError``, saying
     so, for a niceness below the current one without the right to raise priority."""
-    if niceness not in NICE_RANGE:
-        raise ValueError(f"a niceness goes from -20 (most CPU) to 19 (least), not {niceness}")
+    check_niceness(niceness)
     try:
         threads = [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:  # no /proc: the calling thread, as POSIX has it for the whole process

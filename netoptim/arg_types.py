@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
+from launch.niceness import check_niceness
+
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``."""
@@ -23,6 +25,18 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+def niceness(text: str) -> int:
+    """An argparse type: a CPU niceness, -20 (most CPU) to 19 (least)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    try:
+        return check_niceness(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port_number(text: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from netoptim.arg_types import choice_list, non_negative_int, positive_int, positive_int_list, size, size_list
+from netoptim.arg_types import choice_list, niceness, non_negative_int, positive_int, positive_int_list, size, size_list
 from netoptim.cluster_cli import add_cluster_flags
 from netoptim.plan_cli import add_model_flags
 
@@ -115,7 +115,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument(
         "--node-nice",
-        type=int,
+        type=niceness,
         default=10,
         metavar="N",
         help="niceness of the local nodes (netoptim node --nice), which share the workers' cores: at 0 a node's updates land on "

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from launch.thread_wait import WAIT_CHOICES
 from netoptim.admin_cli import TOKEN_ENV
-from netoptim.arg_types import address, non_negative_int, port_number, positive_int, size
+from netoptim.arg_types import address, niceness, non_negative_int, port_number, positive_int, size
 
 
 def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -93,7 +94,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     node.add_argument(
         "--update-threads-wait",
-        choices=["auto", "sleep", "spin"],
+        choices=WAIT_CHOICES,
         default="auto",
         help="what the update threads do between passes: sleep (the CPU goes to whatever else runs on it; a pass wakes them) or "
         "spin (ready at once, each keeping its CPU busy 10-20 ms after every pass); auto: spin on CPUs of the node's own "
@@ -102,7 +103,7 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     node.add_argument(
         "--nice",
-        type=int,
+        type=niceness,
         default=0,
         metavar="N",
         help="CPU niceness of the node, -20 (most CPU) to 19 (least): on cores it shares with CPU workers, 10 keeps its updates "

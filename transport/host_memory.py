@@ -43,6 +43,7 @@ MALLOPT_MAX = 2**31 - 1
 around (4 GiB would have become 0: trim at every free)."""
 
 
+@functools.cache
 def _mallopt() -> object | None:
     name = ctypes.util.find_library("c")
     try:

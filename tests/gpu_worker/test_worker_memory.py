@@ -11,10 +11,11 @@ import sys
 import pytest
 
 PROGRAM = r"""
-import json, os, sys
+import json, sys
 import torch
 from gpu_worker import RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+from transport.host_memory import resident_bytes
 
 config = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256)
 torch.manual_seed(0)
@@ -26,7 +27,6 @@ if sys.argv[3] == "layerwise":
 else:
     model = GPT(config)
     opt = RemoteAdamW(model.named_parameters(), **options)
-page = os.sysconf("SC_PAGE_SIZE")
 rss = []
 for step in range(int(sys.argv[2])):
     data = torch.randint(0, config.vocab_size, (8, config.block_size + 1), generator=torch.Generator().manual_seed(step))
@@ -34,8 +34,7 @@ for step in range(int(sys.argv[2])):
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    with open("/proc/self/statm") as statm:
-        rss.append(int(statm.read().split()[1]) * page)
+    rss.append(resident_bytes())
 opt.close()
 print(json.dumps(rss))
 """
