@@ -106,68 +106,73 @@ def average_existing_gradients(params: list[torch.Tensor]) -> None:
 
 
 def main(rank: int, store_port: int, runs: list[tuple[str, str, str, str, str]]) -> None:
-    """Every run of ``runs`` (scenario, system, marker file, node address, output) in turn; the ranks
-    meet at the test's TCPStore on ``store_port``, each run under a prefix of its own."""
-    store = dist.TCPStore("127.0.0.1", store_port, WORLD_SIZE, is_master=False, timeout=timedelta(seconds=60))
-    for scenario_name, system, marker, node, out in runs:
-        Path(marker).with_suffix(f".rank{rank}.running").touch()  # for the test's account of a run that hangs
-        run(rank, scenario_name, system, dist.PrefixStore(f"{scenario_name}-{system}", store), node, out.format(rank=rank))
+    """Every run of ``runs`` (scenario, system, marker file, node address, output) in turn, in one gloo
+    group the ranks form at the test's TCPStore on ``store_port``.
 
-
-def run(rank: int, scenario_name: str, system: str, store: dist.Store, node: str, out: str) -> None:
-    """One rank of one scenario under ``system`` ("torch" or "netoptim"); writes ``out``."""
-    from gpu_worker import RemoteAdamW
-
+    One group for all runs: a group destroyed and formed again in the same process is a known hang in
+    torch (now and then a rank's old group, still held by the DDP wrapper it had made, did not finish
+    tearing down for a minute while the other rank waited to form the next one)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", store_port, WORLD_SIZE, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     try:
-        scenario = SCENARIOS[scenario_name]
-        torch.manual_seed(0)
-        model = scenario.build()
-        trunk = getattr(model, "trunk", None)
-        if trunk is not None and scenario.frozen_until > 0:
-            trunk.requires_grad_(False)
-        groups = param_groups(model)
-        if system == "torch":
-            named = [{**g, "params": [p for _, p in g["params"]]} for g in groups]
-            opt: torch.optim.Optimizer = torch.optim.AdamW(named, lr=1e-2, fused=True)
-            forward = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if scenario.ddp else model
-        else:
-            opt = RemoteAdamW(groups, lr=1e-2, nodes=[node], rank=rank, world_size=WORLD_SIZE, module=model, timeout_s=60)
-            forward = model
-        # torch's schedulers cover the groups they were made with: none when a group joins mid-run
-        lambdas = [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** (s // 3)]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambdas) if scenario.add_group_at < 0 else None
-        for step in range(STEPS):
-            if trunk is not None and step == scenario.frozen_until:
-                trunk.requires_grad_(True)  # unfrozen: its moments start at zero, its step count at 0
-            if step == scenario.add_group_at:
-                late = list(model.late.named_parameters(prefix="late"))
-                opt.add_param_group({"params": late if system == "netoptim" else [p for _, p in late], "lr": 5e-3, "weight_decay": 0.2})
-            x, y = data(step, rank, scenario.input_shape)
-            loss = (forward(x, rank) - y).pow(2).mean()
-            loss.backward()
-            if system == "torch" and not scenario.ddp:
-                average_existing_gradients(list(model.parameters()))
-            opt.step()
-            model.zero_grad()  # every parameter's, also those no param group holds yet
-            if scheduler is not None:
-                scheduler.step()
-            if scenario.eval_every and step % scenario.eval_every == scenario.eval_every - 1:
-                model.eval()
-                with torch.no_grad():
-                    forward(data(1000 + step, rank, scenario.input_shape)[0], rank)
-                model.train()
-        state = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
-        state.update({f"buffer.{n}": b.detach().clone() for n, b in model.named_buffers()})
-        torch.save(state, Path(out))
-        if system == "netoptim":
-            opt.close()  # type: ignore[attr-defined]
+        for scenario_name, system, marker, node, out in runs:
+            Path(marker).with_suffix(f".rank{rank}.running").touch()  # for the test's account of a run that hangs
+            run(rank, scenario_name, system, node, out.format(rank=rank))
+            dist.barrier()  # every collective of this run done on both ranks before the next begins
     finally:
         # Both ranks past their last collective before either tears the group down (a store barrier,
-        # not a gloo one): a rank that returned from the last all-reduce and closed its group first
+        # not a gloo one): a rank that returned from the last collective and closed its group first
         # left the other waiting for the rest of it until gloo's timeout.
         store.set(f"done/{rank}", b"1")
         store.wait([f"done/{peer}" for peer in range(WORLD_SIZE)], timedelta(seconds=60))
         dist.destroy_process_group()
+
+
+def run(rank: int, scenario_name: str, system: str, node: str, out: str) -> None:
+    """One rank of one scenario under ``system`` ("torch" or "netoptim"); writes ``out``."""
+    from gpu_worker import RemoteAdamW
+
+    scenario = SCENARIOS[scenario_name]
+    torch.manual_seed(0)
+    model = scenario.build()
+    trunk = getattr(model, "trunk", None)
+    if trunk is not None and scenario.frozen_until > 0:
+        trunk.requires_grad_(False)
+    groups = param_groups(model)
+    if system == "torch":
+        named = [{**g, "params": [p for _, p in g["params"]]} for g in groups]
+        opt: torch.optim.Optimizer = torch.optim.AdamW(named, lr=1e-2, fused=True)
+        forward = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if scenario.ddp else model
+    else:
+        opt = RemoteAdamW(groups, lr=1e-2, nodes=[node], rank=rank, world_size=WORLD_SIZE, module=model, timeout_s=60)
+        forward = model
+    # torch's schedulers cover the groups they were made with: none when a group joins mid-run
+    lambdas = [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** (s // 3)]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambdas) if scenario.add_group_at < 0 else None
+    for step in range(STEPS):
+        if trunk is not None and step == scenario.frozen_until:
+            trunk.requires_grad_(True)  # unfrozen: its moments start at zero, its step count at 0
+        if step == scenario.add_group_at:
+            late = list(model.late.named_parameters(prefix="late"))
+            opt.add_param_group({"params": late if system == "netoptim" else [p for _, p in late], "lr": 5e-3, "weight_decay": 0.2})
+        x, y = data(step, rank, scenario.input_shape)
+        loss = (forward(x, rank) - y).pow(2).mean()
+        loss.backward()
+        if system == "torch" and not scenario.ddp:
+            average_existing_gradients(list(model.parameters()))
+        opt.step()
+        model.zero_grad()  # every parameter's, also those no param group holds yet
+        if scheduler is not None:
+            scheduler.step()
+        if scenario.eval_every and step % scenario.eval_every == scenario.eval_every - 1:
+            model.eval()
+            with torch.no_grad():
+                forward(data(1000 + step, rank, scenario.input_shape)[0], rank)
+            model.train()
+    state = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"buffer.{n}": b.detach().clone() for n, b in model.named_buffers()})
+    torch.save(state, Path(out))
+    if system == "netoptim":
+        opt.close()  # type: ignore[attr-defined]
