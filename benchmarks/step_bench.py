@@ -12,7 +12,7 @@ Per bucket count the report gives the median step and, from the same steps, each
 worker (gather, send, wait, install; what the worker spends outside them is "other") and on the
 node (reduce, update, send, read through its admin service), the marginal cost of one bucket against
 the fewest buckets (milliseconds per bucket per step), the send buffers allocated after warm-up
-(none is the goal), the node's update path (timing starts once its compiled loop is checked: the
+(none is the goal), the node's update path after the timed steps (timing starts once its compiled loop is checked: the
 torch ops it uses meanwhile are its first seconds, not its steady state), and the install rate against a ``copy_`` between two buffers of the same size
 on the same thread count (``install_vs_memcpy``; a buffer of ``--numel`` may sit in the caches) and
 against the machine's memcpy bandwidth, 256 MiB buffers on every core (``install_vs_machine_memcpy``).
@@ -108,12 +108,11 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
             session.connect()
             rows = []
             allocated_before = 0
-            update_path = ""
             threads_before: dict[str, float] = {}
             shared_before: dict[str, int] = {}
             for index in tqdm(range(warmup + steps), desc=f"{len(session.buckets)} buckets", leave=False):
                 if index == warmup:
-                    update_path = settled_update_path(stub)  # the first update started the check
+                    settled_update_path(stub)  # the first update started the check
                     allocated_before = session.send_buffers_allocated
                     threads_before = thread_cpu_seconds(node.process.pid)
                     shared_before = session.shared_memory_bytes
@@ -124,6 +123,7 @@ def measure(numel: int, buckets: int, steps: int, warmup: int, wire_dtype: str =
                 if index >= warmup:
                     rows.append((wall, session.take_timings(), node_timings(stub)))
             allocated_after_warmup = session.send_buffers_allocated - allocated_before
+            update_path = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).update_path  # the choice the timed steps led to
             node_threads = cpu_seconds_between(threads_before, thread_cpu_seconds(node.process.pid), steps)
             shared = {key: round((value - shared_before.get(key, 0)) / steps / 2**20, 1) for key, value in session.shared_memory_bytes.items()}
         finally:

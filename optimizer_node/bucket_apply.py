@@ -188,7 +188,7 @@ class BucketApply:
         timings = self._clock.current
         timings.passes.append(pending.pass_s)
         if pending.applied.changed:
-            self._update_paths.record(pending.applied.compiled, state.numel, pending.pass_s)
+            self._update_paths.record(state.bucket_id, pending.applied.compiled, state.numel, pending.pass_s)
         kept_step = state.step
         state.step += 1
         state.wire_step = state.step if pending.wire is not None and pending.board is None else -1

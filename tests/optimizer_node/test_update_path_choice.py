@@ -11,21 +11,30 @@ import torch
 
 from gpu_worker import RemoteAdamW
 from optimizer_node import compiled_update
-from optimizer_node.update_path_choice import COMPILED_MARGIN, TRIAL_MAX_UPDATES, TRIAL_MIN_NUMEL, TRIAL_MIN_UPDATES, TRIAL_NUMEL, UpdatePathChoice
+from optimizer_node.update_path_choice import (
+    COMPILED_MARGIN,
+    TRIAL_MAX_UPDATES,
+    TRIAL_MIN_NUMEL,
+    TRIAL_MIN_UPDATES,
+    TRIAL_NUMEL,
+    WARM_UPDATES,
+    UpdatePathChoice,
+)
 from protos import admin_pb2, admin_pb2_grpc
 
 
 def run_trial(compiled_s: float, torch_ops_s: float, numel: int = TRIAL_NUMEL // TRIAL_MIN_UPDATES) -> UpdatePathChoice:
-    """Feed the choice updates that took ``compiled_s`` / ``torch_ops_s`` on the path it asked for."""
+    """Feed the choice updates that took ``compiled_s`` / ``torch_ops_s`` on the path it asked for,
+    after each bucket's first WARM_UPDATES, which took 10 s: they fault fresh memory in and are not timed."""
     choice = UpdatePathChoice(enabled=True)
     asked = []
-    for step in range(TRIAL_MIN_UPDATES):  # two buckets a step
+    for step in range(WARM_UPDATES + TRIAL_MIN_UPDATES):  # two buckets a step
         for bucket_id in range(2):
             compiled = choice.wants_compiled(bucket_id, step, numel)
             asked.append((bucket_id, compiled))
-            choice.record(compiled, numel, compiled_s if compiled else torch_ops_s)
-    assert choice.chosen is not None
-    assert asked == [(0, True), (1, False), (0, False), (1, True)] * (TRIAL_MIN_UPDATES // 2), "each bucket takes each path in turn"
+            choice.record(bucket_id, compiled, numel, 10.0 if step < WARM_UPDATES else compiled_s if compiled else torch_ops_s)
+            assert (choice.chosen is None) == (step < WARM_UPDATES + TRIAL_MIN_UPDATES - 1 or bucket_id == 0)
+    assert asked == [(0, True), (1, False), (0, False), (1, True)] * ((WARM_UPDATES + TRIAL_MIN_UPDATES) // 2), "each bucket takes each path in turn"
     return choice
 
 
@@ -43,14 +52,17 @@ def test_small_buckets_and_an_out_of_core_node_take_no_part():
     choice = UpdatePathChoice(enabled=True)
     for step in range(1000):
         assert choice.wants_compiled(0, step, TRIAL_MIN_NUMEL - 1), "small buckets take the loop throughout"
-        choice.record(True, TRIAL_MIN_NUMEL - 1, 1.0)
+        choice.record(0, True, TRIAL_MIN_NUMEL - 1, 1.0)
     assert choice.chosen is None and choice.describe() == "compiled"
     never_compiled = UpdatePathChoice(enabled=True)  # e.g. clipping every step: the loop never takes an update
-    for _ in range(TRIAL_MAX_UPDATES):
-        never_compiled.record(False, TRIAL_MIN_NUMEL, 1.0)
+    for update in range(TRIAL_MAX_UPDATES + WARM_UPDATES):
+        assert never_compiled.chosen is None
+        never_compiled.record(update % 4, False, TRIAL_MIN_NUMEL, 1.0)  # four buckets, each's first WARM_UPDATES untimed
+    for update in range(TRIAL_MAX_UPDATES + WARM_UPDATES, TRIAL_MAX_UPDATES + 4 * WARM_UPDATES):
+        never_compiled.record(update % 4, False, TRIAL_MIN_NUMEL, 1.0)
     assert never_compiled.chosen == "torch-ops" and not never_compiled.wants_compiled(0, 0, TRIAL_NUMEL)
     out_of_core = UpdatePathChoice(enabled=False)
-    out_of_core.record(True, TRIAL_NUMEL, 1.0)
+    out_of_core.record(0, True, TRIAL_NUMEL, 1.0)
     assert not out_of_core.wants_compiled(0, 0, TRIAL_NUMEL) and out_of_core.describe() == "torch-ops (out of core)"
 
 
@@ -61,7 +73,7 @@ def update_path(admin_address: str) -> str:
 
 def test_a_node_times_both_paths_while_it_trains_bitwise_and_keeps_one(start_node):
     node = start_node(extra_args=("--admin", "127.0.0.1:0"))
-    numel, buckets = 8 << 20, 4  # each path updates half the buckets of a step: the trial takes 8 steps
+    numel, buckets = 8 << 20, 4  # each path updates half the buckets of a step: the trial takes 8 steps after 2 untimed
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(numel, generator=generator)
     grads = [torch.randn(numel, generator=generator) for _ in range(3)]
@@ -80,7 +92,7 @@ def test_a_node_times_both_paths_while_it_trains_bitwise_and_keeps_one(start_nod
         deadline = time.monotonic() + 180
         while "checking" in update_path(node.admin_address) and time.monotonic() < deadline:
             time.sleep(0.2)
-        steps = max(2 * TRIAL_NUMEL // numel, TRIAL_MIN_UPDATES)
+        steps = WARM_UPDATES + max(2 * TRIAL_NUMEL // numel, TRIAL_MIN_UPDATES)  # step 0 was a first update
         for index in range(1, steps + 1):
             step(index)
             assert torch.equal(offloaded.detach(), reference.detach()), f"step {index}: the paths must give the same bits"
