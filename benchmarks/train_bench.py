@@ -233,6 +233,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             for worker in workers:
                 worker.join(60)
             node_peak_rss_mb = max((vm_bytes("VmHWM", pid) / 2**20 for pid in settings["node_pids"]), default=0.0)
+            update_paths = [chosen_update_path(node.log_text()) for node in node_processes]
         finally:
             for node in node_processes:
                 node.stop()
@@ -253,6 +254,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         summary["node_cpu_s_per_step"] = reports[0]["node_cpu_s_per_step"]  # all local nodes, measured by rank 0
         summary["node_cpu_s_per_step_by_thread"] = reports[0]["node_cpu_s_per_step_by_thread"]  # each node's, by OS thread name
         summary["peak_rss_mb_per_node"] = node_peak_rss_mb
+        summary["node_update_paths"] = update_paths
         if "shared_memory_gb_per_step" in reports[0]:
             summary["shared_memory_gb_per_step_per_worker"] = {
                 key: statistics.mean(r["shared_memory_gb_per_step"][key] for r in reports) for key in ("sent", "received", "board")
@@ -269,6 +271,12 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         if not args.overlap_forward:  # step() waits for every bucket (overlapped, the waits are in the next forward)
             summary["comm_exposed_s_per_step"] = summary["optimizer_step_s"]
     return summary
+
+
+def chosen_update_path(node_log: str) -> str:
+    """The update path a node chose (its log's "update path: ..." line), or why there is none."""
+    chosen = [line.split("update path: ", 1)[1] for line in node_log.splitlines() if "update path: " in line]
+    return chosen[-1] if chosen else "none chosen: the run ended while the node still timed both paths (or it had no numba)"
 
 
 def _fits(mode: str, numel: int, args: argparse.Namespace) -> str | None:
