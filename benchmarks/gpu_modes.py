@@ -32,7 +32,7 @@ class ModeSettings:
 
     batch: int = 16
     seq: int = 64
-    warmup: int = 2
+    warmup: int = 3  # a node times its update paths from each bucket's third update on
     steps: int = 5
     prefetch: int = 2
     bucket_numel: int = DEFAULT_BUCKET_NUMEL

@@ -88,7 +88,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: %(default)s)")
     train.add_argument("--batch", type=positive_int, default=4, help="sequences per worker per step (default: %(default)s)")
     train.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence (at most the model's block size) (default: %(default)s)")
-    train.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first (default: %(default)s)")
+    train.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=3,
+        help="untimed steps first: a node's first two updates of a bucket fault its memory in, and from the third it times its two update paths and keeps the faster (default: %(default)s)",
+    )
     train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
     train.add_argument(
@@ -247,7 +252,12 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     )
     gpu.add_argument("--batch", type=positive_int, default=16, help="sequences per step (default: %(default)s)")
     gpu.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence, at most 64 (the models' block size) (default: %(default)s)")
-    gpu.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default: %(default)s)")
+    gpu.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=3,
+        help="untimed steps first: a node's first two updates of a bucket fault its memory in, and from the third it times its two update paths and keeps the faster (default: %(default)s)",
+    )
     gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
     gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
     gpu.add_argument(
