@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import check_node_args, vm_bytes
+from benchmarks.gpu_modes import node_status
 from gpu_worker.models import GPTConfig
 from transport.host_memory import resident_bytes
 from transport.host_threads import cpu_seconds_between, process_cpu_seconds, thread_cpu_seconds
@@ -214,7 +215,11 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             if mode in LOCAL_MODES
             else [
                 NodeProcess(
-                    workdir, name=f"node{i}", threads=args.node_threads, nice=args.node_nice, extra_args=node_flags(args, Path(workdir) / f"node{i}-state")
+                    workdir,
+                    name=f"node{i}",
+                    threads=args.node_threads,
+                    nice=args.node_nice,
+                    extra_args=("--admin", "127.0.0.1:0", *node_flags(args, Path(workdir) / f"node{i}-state")),  # the admin: the update path
                 ).start()
                 for i in range(args.nodes)
             ]
@@ -233,7 +238,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
             for worker in workers:
                 worker.join(60)
             node_peak_rss_mb = max((vm_bytes("VmHWM", pid) / 2**20 for pid in settings["node_pids"]), default=0.0)
-            update_paths = [chosen_update_path(node.log_text()) for node in node_processes]
+            update_paths = [status["update_path"] for status in node_status([node.admin_address for node in node_processes])]
         finally:
             for node in node_processes:
                 node.stop()
@@ -271,12 +276,6 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         if not args.overlap_forward:  # step() waits for every bucket (overlapped, the waits are in the next forward)
             summary["comm_exposed_s_per_step"] = summary["optimizer_step_s"]
     return summary
-
-
-def chosen_update_path(node_log: str) -> str:
-    """The update path a node chose (its log's "update path: ..." line), or why there is none."""
-    chosen = [line.split("update path: ", 1)[1] for line in node_log.splitlines() if "update path: " in line]
-    return chosen[-1] if chosen else "none chosen: the run ended while the node still timed both paths (or it had no numba)"
 
 
 def _fits(mode: str, numel: int, args: argparse.Namespace) -> str | None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 
 NICE_RANGE = range(-20, 20)
+SHARED_CORES_NICENESS = 10
+"""What ``netoptim demo`` and ``bench train`` give their local nodes, which share the workers' cores."""
 
 
 def check_niceness(niceness: int) -> int:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from launch.niceness import SHARED_CORES_NICENESS
 from netoptim.arg_types import choice_list, niceness, non_negative_int, positive_int, positive_int_list, size, size_list
 from netoptim.cluster_cli import add_cluster_flags
 from netoptim.plan_cli import add_model_flags
+
+WARMUP_HELP = (
+    "untimed steps first: a node's first two updates of a bucket fault its memory in, and from the third it times its two "
+    "update paths and keeps the faster (default: %(default)s)"
+)
 
 
 def _limits_file(path: str) -> dict:
@@ -92,7 +98,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--warmup",
         type=non_negative_int,
         default=3,
-        help="untimed steps first: a node's first two updates of a bucket fault its memory in, and from the third it times its two update paths and keeps the faster (default: %(default)s)",
+        help=WARMUP_HELP,
     )
     train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
@@ -121,7 +127,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--node-nice",
         type=niceness,
-        default=10,
+        default=SHARED_CORES_NICENESS,
         metavar="N",
         help="niceness of the local nodes (netoptim node --nice), which share the workers' cores: at 0 a node's updates land on "
         "whichever worker is behind (default: %(default)s)",
@@ -256,7 +262,7 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         "--warmup",
         type=non_negative_int,
         default=3,
-        help="untimed steps first: a node's first two updates of a bucket fault its memory in, and from the third it times its two update paths and keeps the faster (default: %(default)s)",
+        help=WARMUP_HELP,
     )
     gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
     gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")

@@ -6,14 +6,14 @@ import argparse
 import sys
 import tempfile
 
+from launch.niceness import SHARED_CORES_NICENESS
 from launch.processes import NodeProcess, run_workers
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """``netoptim demo``: local node(s) and worker processes training a small GPT."""
     with tempfile.TemporaryDirectory(prefix="netoptim-demo-") as workdir:
-        # nice 10: the nodes share the workers' cores (see launch.niceness)
-        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING", nice=10) for i in range(args.nodes)]
+        nodes = [NodeProcess(workdir, name=f"node{i}", log_level="WARNING", nice=SHARED_CORES_NICENESS) for i in range(args.nodes)]
         try:
             for node in nodes:
                 node.start()

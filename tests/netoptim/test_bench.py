@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from benchmarks.train_bench import chosen_update_path
 from tests.transport.availability import requires_mooncake
 
 
@@ -66,8 +65,9 @@ def test_train_bench_compares_ddp_full_and_layerwise():
     assert entry["compute"]["tokens_per_s"] > 0 and "node_cpu_s_per_step" not in entry["compute"]
     assert entry["full"]["peak_rss_mb_per_node"] > 0 and entry["layerwise"]["peak_rss_mb_per_node"] > 0
     assert entry["layerwise"]["node_cpu_s_per_step_by_thread"][0]["main"] > 0, "the serve loop's CPU, by thread"  # a step of 1.7 s
-    # a small model's one step: its 1M-element buckets are too few for the trial to end
-    assert entry["full"]["node_update_paths"] == [chosen_update_path("")] and chosen_update_path("x update path: compiled (y)") == "compiled (y)"
+    # each node's update path as its admin service says it (one step of a small model: the trial has not ended)
+    for mode in ("full", "layerwise"):
+        assert len(entry[mode]["node_update_paths"]) == 1 and entry[mode]["node_update_paths"][0].startswith(("compiled", "torch-ops")), entry[mode]
     assert entry["layerwise_over_compute_only_tokens"] == entry["layerwise"]["tokens_per_s"] / entry["compute"]["tokens_per_s"]
 
 
