@@ -12,12 +12,18 @@ either (on a 2-core node the update and the checksums need it). The buffers star
 boundary so that each request is as large as the device takes (see :func:`state_buffer`). What is
 not whole blocks (the end of an odd-sized bucket, a buffer that is not aligned) goes through the
 page cache.
+
+Buffered I/O moves a file in pieces that stay in a core's cache between the copy and the checksum
+(:data:`READ_PIECE`, :data:`WRITE_PIECE`): a read hashes each piece the kernel just copied in, a write
+hashes each piece and hands it to the kernel while it is still cached, so the state's bytes cross
+the memory bus once each way instead of twice.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -37,6 +43,11 @@ log = logging.getLogger(__name__)
 ALIGN = mmap.PAGESIZE
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0: not Linux; direct I/O is never used
 HUGE_PAGE = 2 << 20  # transparent huge page size on x86-64 and most arm64 kernels
+# Pieces of a buffered read or write, hashed while the kernel's copy left them in cache. Measured on
+# a 48 MiB state file in the page cache, one thread: reads 16.1 GB/s in 512 KiB pieces against 15.1
+# whole (copy, then hash), writes 17.3 GB/s in 1 MiB pieces against 9.2 whole (hash, then copy).
+READ_PIECE = 512 << 10
+WRITE_PIECE = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,49 @@ def state_digests(data: memoryview) -> tuple[int, int]:
     param = hasher.intdigest()
     hasher.update(data[len(data) // 3 :])
     return hasher.intdigest(), param
+
+
+def _pieces(length: int, piece: int, cut: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` pieces of at most ``piece`` bytes covering ``0 .. length``, one of them ending
+    at ``cut`` (where the parameter third's digest is taken)."""
+    bounds = sorted({*range(0, length, piece), cut, length})
+    return [(start, stop) for start, stop in itertools.pairwise(bounds) if start < stop]
+
+
+def _write_hashing(fd: int, data: memoryview) -> tuple[int, int]:
+    """Write ``data`` at the start of the file through the page cache, piece by piece, each hashed just
+    before the kernel copies it; returns :func:`state_digests` of ``data``."""
+    hasher = xxhash.xxh3_64()
+    third = len(data) // 3
+    param = hasher.intdigest()  # of nothing: a file of under 3 bytes has an empty parameter third
+    for start, stop in _pieces(len(data), WRITE_PIECE, third):
+        view = data[start:stop]
+        hasher.update(view)
+        if stop == third:
+            param = hasher.intdigest()
+        done = start
+        while done < stop:
+            moved = os.pwrite(fd, data[done:stop], done)
+            if moved <= 0:  # a regular file takes every byte or raises; do not spin if one does not
+                raise OSError(errno.EIO, f"a write of {stop - done} bytes moved none")
+            done += moved
+    return hasher.intdigest(), param
+
+
+def _read_hashing(fd: int, data: memoryview) -> tuple[int, int]:
+    """Read the start of the file into ``data`` through the page cache, piece by piece, each hashed
+    while the kernel's copy left it in cache; returns the bytes read (short at the file's end) and
+    their digest."""
+    hasher = xxhash.xxh3_64()
+    done = 0
+    for _start, stop in _pieces(len(data), READ_PIECE, 0):
+        while done < stop:
+            moved = os.preadv(fd, [data[done:stop]], done)
+            if moved == 0:
+                return done, hasher.intdigest()
+            hasher.update(data[done : done + moved])
+            done += moved
+    return done, hasher.intdigest()
 
 
 def state_buffer(numel: int) -> torch.Tensor:
@@ -175,14 +229,17 @@ def write_version(path: Path, flat: torch.Tensor, step: int, *, sync: bool, dire
     (a retired version the store reuses). With ``sync`` the data is on the disk and out of the page
     cache when this returns. A failed write removes the file."""
     data = memoryview(flat.numpy()).cast("B")
-    whole, param = state_digests(data)
     direct = _direct_ok(direct, data, flat)
     flags = os.O_WRONLY | (0 if overwrite else os.O_CREAT | os.O_EXCL) | (O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if overwrite and os.fstat(fd).st_size != len(data):
             os.ftruncate(fd, len(data))
-        _, cached = _transfer(fd, data, write=True, direct=direct)
+        if direct:  # the device reads the buffer: nothing is in cache to hash, so hash first
+            whole, param = state_digests(data)
+            _, cached = _transfer(fd, data, write=True, direct=True)
+        else:
+            (whole, param), cached = _write_hashing(fd, data), True
         if sync:
             os.fdatasync(fd)  # also for direct writes: the new blocks' metadata and the disk's cache
             if cached:
@@ -206,12 +263,16 @@ def read_checked(path: Path, into: torch.Tensor, expected: FileInfo, *, expected
         stat = os.fstat(fd)
         if (stat.st_size, stat.st_ino, stat.st_mtime_ns) != (expected.size, expected.inode, expected.mtime_ns):
             raise StorageError(f"{path} was changed outside the node (size {stat.st_size}, expected {expected.size})")
-        got, cached = _transfer(fd, data, write=False, direct=direct)
+        if direct:
+            got, cached = _transfer(fd, data, write=False, direct=True)
+            found = digest(data[:got])
+        else:
+            (got, found), cached = _read_hashing(fd, data), True
         if sync and cached:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    if got != len(data) or digest(data) != expected_digest:
+    if got != len(data) or found != expected_digest:
         raise StorageError(f"{path} does not hold what the node wrote (its checksum differs)")
 
 

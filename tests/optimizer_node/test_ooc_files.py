@@ -3,13 +3,15 @@ writes of every size, including the parts that are not whole blocks."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
 import torch
 import xxhash
 
-from optimizer_node.ooc_files import ALIGN, HUGE_PAGE, describe_file, digest, probe_direct_io, read_checked, state_buffer, state_digests, write_version
+from optimizer_node import ooc_files
+from optimizer_node.ooc_files import ALIGN, HUGE_PAGE, _pieces, describe_file, digest, probe_direct_io, read_checked, state_buffer, state_digests, write_version
 from optimizer_node.storage import StorageError
 
 
@@ -71,3 +73,34 @@ def test_a_buffer_that_is_not_aligned_goes_through_the_page_cache(tmp_path):
     into = torch.empty(3 * 1024 + 1)[1:]
     read_checked(path, into, info, expected_digest=info.digest, sync=True, direct=True)
     assert torch.equal(into, flat)
+
+
+@pytest.mark.parametrize(("length", "piece", "cut"), [(0, 8, 0), (5, 8, 1), (24, 8, 8), (25, 8, 8), (100, 8, 33), (3 << 20, 1 << 20, 1 << 20)])
+def test_buffered_io_pieces_tile_the_file_and_one_ends_at_the_parameter_third(length, piece, cut):
+    pieces = _pieces(length, piece, cut)
+    bounds = [0, *(stop for _, stop in pieces)]
+    assert pieces == list(itertools.pairwise(bounds)) and bounds[-1] == length  # contiguous, from 0 to the end
+    assert all(0 < stop - start <= piece for start, stop in pieces)
+    assert cut == 0 or any(stop == cut for _, stop in pieces)
+
+
+def test_a_buffered_version_hashes_what_it_wrote_and_what_it_read_across_pieces(tmp_path, monkeypatch):
+    numel = (3 << 16) + 7  # small pieces below: many of them, the parameter third inside one
+    monkeypatch.setattr(ooc_files, "READ_PIECE", 4096)
+    monkeypatch.setattr(ooc_files, "WRITE_PIECE", 12288)
+    flat = state_buffer(3 * numel)
+    flat.copy_(torch.randn(3 * numel, generator=torch.Generator().manual_seed(3)))
+    path = tmp_path / "bucket.bin"
+    info = write_version(path, flat, 1, sync=False, direct=False, overwrite=False)
+    written = path.read_bytes()
+    assert written == flat.numpy().tobytes()
+    assert (info.digest, info.param_digest) == (xxhash.xxh3_64_intdigest(written), xxhash.xxh3_64_intdigest(written[: 4 * numel]))
+    into = state_buffer(3 * numel)
+    read_checked(path, into, info, expected_digest=info.digest, sync=False, direct=False)
+    assert torch.equal(into, flat)
+    with path.open("r+b") as handle:  # one bit flipped in a later piece, size and times kept
+        handle.seek(len(written) - 5000)
+        handle.write(bytes([written[-5000] ^ 1]))
+    os.utime(path, ns=(info.mtime_ns, info.mtime_ns))
+    with pytest.raises(StorageError, match="checksum differs"):
+        read_checked(path, into, info, expected_digest=info.digest, sync=False, direct=False)
