@@ -52,6 +52,21 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _OPEN_WINDOWS: weakref.WeakSet[SharedWindow] = weakref.WeakSet()
 
 
+SHMEM_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shared_huge_pages() -> str | None:
+    """The host's policy for transparent huge pages in shared memory (``never``, ``advise``,
+    ``always``, ``within_size``, ...), as the kernel reports it; ``None`` where it does not."""
+    try:
+        with open(SHMEM_HUGE_PAGES) as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None
+
+
 def window_holding(address: int, nbytes: int) -> SharedWindow | None:
     """The open window of this process that holds ``nbytes`` from ``address``, if one does (how a
     device copy learns that its source is a window it may page-lock once and read directly)."""
@@ -128,6 +143,18 @@ class SharedWindow:
         process that maps the window; they read as zeros until written again."""
         assert self._map is not None and offset % mmap.PAGESIZE == 0, "whole pages of an open window"
         self._map.madvise(mmap.MADV_REMOVE, offset, nbytes)
+
+    def advise_huge_pages(self) -> bool:
+        """Ask for this mapping to be backed and mapped in 2 MiB pages (``MADV_HUGEPAGE``); whether the
+        kernel took the advice. It holds only where the host lets shared memory have transparent huge
+        pages on advice (:func:`shared_huge_pages`): then a page fault maps 2 MiB, not 64 KiB."""
+        if self._map is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return False
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            return False
+        return True
 
     def drop_pages(self, offset: int, nbytes: int) -> None:
         """Take whole pages out of this process's page tables only (``MADV_DONTNEED``): they stay in

@@ -13,8 +13,10 @@ import torch
 import zmq
 
 from tests.transport.test_shared_windows import CHUNK, Link, joined
+from transport import shm_window
 from transport.same_host_shm import BOARD, HANDSHAKE, SharedClient
 from transport.shm_board import SLOT_HEADER_BYTES, BoardPublisher, BoardReader, board_bytes, slot_bytes
+from transport.shm_window import shared_huge_pages
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
 from transport.zmq_backend import ZmqTransport
 
@@ -232,16 +234,38 @@ def test_a_stale_or_wrong_board_answer_is_ignored():
     assert HANDSHAKE == b"H"
 
 
-def _resident_kib(address: int) -> int:
-    """Resident KiB of this process's mapping that starts at ``address``."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The words after ``field:`` for this process's mapping that starts at ``address``."""
     with open("/proc/self/smaps") as smaps:
         inside = False
         for line in smaps:
             if "-" in line.split()[0] and ":" not in line.split()[0]:
                 inside = int(line.split("-")[0], 16) == address
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
+            elif inside and line.startswith(f"{field}:"):
+                return line.split()[1:]
     raise AssertionError("no such mapping")
+
+
+def _resident_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that starts at ``address``."""
+    return int(_smaps_field(address, "Rss")[0])
+
+
+def test_both_sides_map_the_board_asking_for_huge_pages(tmp_path, monkeypatch):
+    publisher = BoardPublisher(board_bytes([4 << 20]), "netoptim-test-board")
+    try:
+        reader = BoardReader.open(publisher.describe())
+        for window in (publisher.window, reader.window):  # VM_HUGEPAGE: the kernel may back and map it in 2 MiB pages
+            assert "hg" in _smaps_field(window.address, "VmFlags")
+        reader.close()
+    finally:
+        publisher.close()
+    setting = tmp_path / "shmem_enabled"
+    setting.write_text("always within_size [advise] never deny force\n")
+    monkeypatch.setattr(shm_window, "SHMEM_HUGE_PAGES", str(setting))
+    assert shared_huge_pages() == "advise"
+    setting.unlink()
+    assert shared_huge_pages() is None
 
 
 def test_releasing_a_read_takes_the_boards_pages_out_of_the_readers_resident_size(board_link):
@@ -252,7 +276,9 @@ def test_releasing_a_read_takes_the_boards_pages_out_of_the_readers_resident_siz
     copy = joined(message).clone()
     assert _resident_kib(address) >= 4000
     message.release()
-    assert _resident_kib(address) < 64  # only the slot's partial edge pages may stay
+    # only the slot's partial edge pages may stay: 4 KiB ones, or where the host gives shared memory
+    # huge pages, the parts of the two 2 MiB pages at its edges that lie outside it
+    assert _resident_kib(address) < (64 if shared_huge_pages() in (None, "never", "deny") else 4096 + 64)
     assert torch.equal(joined(message), copy) and message.still_current()  # the pages are the node's: read again, they come back
 
 
