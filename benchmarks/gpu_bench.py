@@ -47,6 +47,7 @@ from benchmarks.gpu_table import table
 from benchmarks.train_bench import param_count
 from gpu_worker.models import GPTConfig
 from launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, update_threads, usable_cpus
+from transport.shm_window import shared_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +269,7 @@ def _run(args: argparse.Namespace) -> dict:
         "gpu_memory_gb": properties.total_memory / 1e9,
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
+        "shared_memory_huge_pages": shared_huge_pages(),  # the board's pages (page-locked for the GPU's copies)
         "settings": {**asdict(settings), "nodes": args.nodes, "node_args": list(args.node_arg), **split.describe()},
         "sizes": {},
     }

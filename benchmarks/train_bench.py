@@ -36,6 +36,7 @@ from benchmarks.gpu_modes import node_status
 from gpu_worker.models import GPTConfig
 from transport.host_memory import resident_bytes
 from transport.host_threads import cpu_seconds_between, process_cpu_seconds, thread_cpu_seconds
+from transport.shm_window import shared_huge_pages
 
 SIZES = {
     "small": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
@@ -318,6 +319,8 @@ def run(args: argparse.Namespace) -> dict:
         "node_memory_budget": args.out_of_core,  # None: in memory
         "node_args": list(args.node_arg),
         "node_nice": args.node_nice,
+        # the host's policy: "never" leaves the board in 4 KiB pages, which layer-wise workers fault in again every step
+        "shared_memory_huge_pages": shared_huge_pages(),
     }
     if args.device == "cuda":
         if not torch.cuda.is_available():
