@@ -11,6 +11,7 @@ import signal
 import threading
 
 from launch.host_cpus import CpuPlacement, format_cpu_list, run_on, usable_cpus
+from launch.huge_pages import apply_huge_pages
 from launch.niceness import apply_niceness
 from launch.thread_wait import apply_update_thread_wait, resolve_update_thread_wait
 from netoptim.node_configs import admin_config_from_args, node_config_from_args
@@ -43,6 +44,7 @@ def run_node(args: argparse.Namespace) -> int:
             "this process loaded OpenMP before the node started: its update threads keep the wait policy it loaded with, not %r",
             wanted,
         )
+    huge_pages = apply_huge_pages(args.huge_pages)  # before torch's first large allocation
     import torch
 
     from optimizer_node.faults import CrashPoints
@@ -63,12 +65,13 @@ def run_node(args: argparse.Namespace) -> int:
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(
-        "node config: %s (niceness: %d; torch threads: %d; CPUs: %s; update threads between passes: %s)",
+        "node config: %s (niceness: %d; torch threads: %d; CPUs: %s; update threads between passes: %s; huge pages: %s)",
         dataclasses.asdict(config),
         args.nice,
         torch.get_num_threads(),
         format_cpu_list(cpus) if cpus is not None else f"any of {format_cpu_list(usable_cpus())}",
         wait,
+        huge_pages,
     )
     try:
         servers = bind_servers(args, admin_config)

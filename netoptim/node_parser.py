@@ -80,6 +80,15 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         help="I/O threads moving the data plane's bytes; give the connections per node your workers open (default: %(default)s)",
     )
     node.add_argument(
+        "--huge-pages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the node's tensors of 2 MiB and more (its state, the update pass's buffers) in transparent huge pages where the "
+        "host grants them on advice (/sys/kernel/mm/transparent_hugepage/enabled: madvise or always): the update pass streams "
+        "them with far fewer TLB misses (7%% faster in bench optimizer); THP_MEM_ALLOC_ENABLE in the environment, where set, "
+        "decides instead (default: on)",
+    )
+    node.add_argument(
         "--pass-thread",
         action="store_true",
         help="run the update passes on a thread of their own, so the node receives gradients and sends new values while a pass runs "

@@ -88,4 +88,6 @@ def test_a_node_sleeps_on_shared_cpus_and_spins_on_its_own(start_node, tmp_path)
     )
     for node, wait in ((shared, "sleep"), (pinned, "spin"), (chosen, "spin"), (out_of_core, "sleep")):
         log = node.log_text()
-        assert f"update threads between passes: {wait})" in log and "loaded OpenMP before" not in log, log[-2000:]
+        assert f"update threads between passes: {wait};" in log and "loaded OpenMP before" not in log, log[-2000:]
+        said = ("huge pages: on (--huge-pages", "huge pages: asked for (--huge-pages) but not granted", "in the environment says")
+        assert any(words in log for words in said), log[-2000:]
