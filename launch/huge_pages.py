@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from transport.host_memory import kernel_choice
+
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 ANONYMOUS_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -24,13 +26,7 @@ ANONYMOUS_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/enabled"
 def anonymous_huge_pages() -> str | None:
     """The host's policy for transparent huge pages in private memory (``always``, ``madvise``,
     ``never``); ``None`` where the kernel does not say."""
-    try:
-        with open(ANONYMOUS_HUGE_PAGES) as handle:
-            words = handle.read().split()
-    except OSError:
-        return None
-    chosen = [word[1:-1] for word in words if word.startswith("[")]
-    return chosen[0] if chosen else None
+    return kernel_choice(ANONYMOUS_HUGE_PAGES)
 
 
 def apply_huge_pages(wanted: bool, environ: dict[str, str] | None = None) -> str:

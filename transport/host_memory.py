@@ -67,6 +67,19 @@ def keep_freed_heap(max_bytes: int) -> bool:
     return bool(mallopt is not None and mallopt(M_TRIM_THRESHOLD, min(max_bytes, MALLOPT_MAX)) == 1)
 
 
+def kernel_choice(path: str) -> str | None:
+    """The chosen word of a kernel setting that lists its choices with the chosen one in brackets
+    (``always [madvise] never``, as ``/sys/kernel/mm/transparent_hugepage/*`` does); ``None`` where
+    the file is not there or names none."""
+    try:
+        with open(path) as handle:
+            words = handle.read().split()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in words if word.startswith("[") and word.endswith("]")]
+    return chosen[0] if chosen else None
+
+
 def map_large_allocations(threshold_bytes: int = 1 << 20) -> bool:
     """Serve every allocation of ``threshold_bytes`` or more with its own mapping, returned to the OS
     when freed (glibc only). glibc otherwise raises its threshold up to 32 MiB after large frees and

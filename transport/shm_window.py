@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import msgpack
 import torch
 
+from transport.host_memory import kernel_choice
 from transport.wire import ErrorCode, Payload, WireError
 
 UNIT_BYTES = 4 << 10
@@ -58,13 +59,7 @@ SHMEM_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 def shared_huge_pages() -> str | None:
     """The host's policy for transparent huge pages in shared memory (``never``, ``advise``,
     ``always``, ``within_size``, ...), as the kernel reports it; ``None`` where it does not."""
-    try:
-        with open(SHMEM_HUGE_PAGES) as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
-    return chosen[0] if chosen else None
+    return kernel_choice(SHMEM_HUGE_PAGES)
 
 
 def window_holding(address: int, nbytes: int) -> SharedWindow | None:
