@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PipelineError, TimeoutError) as exc:
         log.error("%s", exc)
         print(f"rank {rank}: stopping: {exc}", flush=True)
+        trainer.close()  # the nodes learn this rank left; the process group is left as it is (see below)
         return 1
     finally:
         progress.close()
@@ -171,5 +173,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_after_a_broken_group(status: int) -> None:
+    """Exit with ``status`` at once, skipping the interpreter's teardown: after a peer rank is gone
+    the process group cannot be destroyed (its collectives wait on the dead link), and left to the
+    interpreter's exit, gloo's threads were now and then still joinable when their C++ objects went,
+    which aborts the process (SIGABRT, "terminate called without an active exception") instead of
+    exiting with the status that says this rank stopped for a peer."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if code:
+        exit_after_a_broken_group(code)
+    raise SystemExit(code)
