@@ -16,6 +16,7 @@ or ``always``; with ``never`` the advice changes nothing.
 from __future__ import annotations
 
 import os
+import sys
 
 from transport.host_memory import kernel_choice
 
@@ -29,10 +30,12 @@ def anonymous_huge_pages() -> str | None:
     return kernel_choice(ANONYMOUS_HUGE_PAGES)
 
 
-def apply_huge_pages(wanted: bool, environ: dict[str, str] | None = None) -> str:
+def apply_huge_pages(wanted: bool, environ: dict[str, str] | None = None, *, torch_loaded: bool | None = None) -> str:
     """Ask torch for huge pages (``wanted``) or not, through ``environ`` (default: this process's),
     unless ``THP_MEM_ALLOC_ENABLE`` is set there already, which then decides. Returns what the node
-    logs at start: whether its large tensors get huge pages, and why."""
+    logs at start: whether its large tensors get huge pages, and why (torch reads the variable once,
+    at its first allocation: a process that loaded it already keeps what it read; ``torch_loaded``
+    says whether it did, default: whether this process imported it)."""
     environ = os.environ if environ is None else environ
     given = environ.get(THP_ENV)
     if given is None:
@@ -41,6 +44,8 @@ def apply_huge_pages(wanted: bool, environ: dict[str, str] | None = None) -> str
     why = f"as {THP_ENV}={given} in the environment says" if given is not None else ("--huge-pages" if wanted else "--no-huge-pages")
     if not asked:
         return f"off ({why})"
+    if "torch" in sys.modules if torch_loaded is None else torch_loaded:  # it read the variable at its first allocation, at its import
+        return f"asked for ({why}) too late: torch was loaded before; set {THP_ENV}=1 in the node's environment"
     policy = anonymous_huge_pages()
     if policy in ("madvise", "always"):
         return f"on ({why}; the host's transparent huge pages: {policy})"

@@ -29,16 +29,16 @@ def test_the_choice_is_set_for_torch_unless_the_environment_made_it(monkeypatch,
     monkeypatch.setattr(huge_pages, "ANONYMOUS_HUGE_PAGES", str(policy))
     assert anonymous_huge_pages() == "madvise"
     environ: dict[str, str] = {}
-    assert apply_huge_pages(True, environ) == "on (--huge-pages; the host's transparent huge pages: madvise)" and environ == {THP_ENV: "1"}
+    assert apply_huge_pages(True, environ, torch_loaded=False) == "on (--huge-pages; the host's transparent huge pages: madvise)" and environ == {THP_ENV: "1"}
     environ = {}
-    assert apply_huge_pages(False, environ) == "off (--no-huge-pages)" and environ == {THP_ENV: "0"}
+    assert apply_huge_pages(False, environ, torch_loaded=False) == "off (--no-huge-pages)" and environ == {THP_ENV: "0"}
     environ = {THP_ENV: "0"}
-    assert apply_huge_pages(True, environ) == f"off (as {THP_ENV}=0 in the environment says)" and environ == {THP_ENV: "0"}
+    assert apply_huge_pages(True, environ, torch_loaded=False) == f"off (as {THP_ENV}=0 in the environment says)" and environ == {THP_ENV: "0"}
     policy.write_text("always madvise [never]\n")
-    said = apply_huge_pages(True, {})
+    said = apply_huge_pages(True, {}, torch_loaded=False)
     assert said.startswith("asked for (--huge-pages) but not granted") and "'madvise' grants them" in said
     policy.unlink()
-    assert anonymous_huge_pages() is None and "is not there" in apply_huge_pages(True, {})
+    assert anonymous_huge_pages() is None and "is not there" in apply_huge_pages(True, {}, torch_loaded=False)
 
 
 @pytest.mark.parametrize("choice", ["on", "off"])
@@ -51,3 +51,9 @@ def test_a_fresh_interpreter_gets_huge_pages_for_large_tensors_where_the_host_gr
         assert huge_kib >= 32 << 10, f"{huge_kib} KiB of 64 MiB in huge pages with {choice} and the host's {policy}"
     else:
         assert huge_kib == 0, f"{huge_kib} KiB in huge pages with {choice} and the host's {policy}"
+
+
+def test_asking_after_torch_loaded_says_it_is_too_late():
+    assert "torch" in sys.modules  # this test process's
+    said = apply_huge_pages(True, {})
+    assert said.startswith("asked for (--huge-pages) too late") and f"{THP_ENV}=1" in said
