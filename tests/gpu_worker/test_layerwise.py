@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from tests.gpu_worker.harness import run_threads
+from tests.ports import restartable_address
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)
 STEPS = 4
@@ -201,7 +202,7 @@ def test_layerwise_and_full_model_workers_cannot_share_a_job(start_node):
 
 
 def test_a_node_that_dies_mid_fetch_is_a_clear_error(start_node):
-    node = start_node()
+    node = start_node(listen=restartable_address())  # no other test's node gets its port while this worker retries it
     model = make_gpt()
     opt = offload(model, model.blocks, nodes=[node.address], bucket_numel=4096, timeout_s=2)
     model(*tokens(0, 0, 1))[1].backward()

@@ -13,6 +13,7 @@ from gpu_worker import RemoteAdamW
 from gpu_worker.session import BYE_WAIT_S
 from job.placement import default_bucket_numel
 from tests.gpu_worker.harness import run_threads
+from tests.ports import restartable_address
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
@@ -210,7 +211,8 @@ def test_accumulating_outside_no_sync_is_an_error(node):
     opt.close()
 
 
-def test_a_node_that_dies_mid_training_is_named(node):
+def test_a_node_that_dies_mid_training_is_named(start_node):
+    node = start_node(listen=restartable_address())  # no other test's node gets its port while this worker retries it
     model = torch.nn.Linear(4, 2)
     opt = RemoteAdamW(model.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
     node.process.kill()

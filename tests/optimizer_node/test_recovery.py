@@ -17,6 +17,7 @@ from netoptim import cli
 from optimizer_node.faults import EXIT_STATUS
 from protos import admin_pb2, admin_pb2_grpc
 from tests.gpu_worker.harness import run_threads
+from tests.ports import restartable_address
 
 STEPS = 8
 WORLD = 2
@@ -80,7 +81,9 @@ def test_resume_after_a_crash_ends_where_an_uninterrupted_run_ends(start_node, t
     checkpoints = str(tmp_path / "checkpoints")
     # Out of core: a budget of two of the three buckets, so state really goes through its files.
     storage = ("--state-dir", str(tmp_path / "state"), "--memory-budget", str(2 * 128 * 12)) if out_of_core else ()
-    node = start_node("doomed", extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", crash_at, *storage))
+    node = start_node(
+        "doomed", listen=restartable_address(), extra_args=("--checkpoint-dir", checkpoints, "--checkpoint-every", "2", "--crash-at", crash_at, *storage)
+    )
     # The node does not come back on its own; the lost connection, not the timeout, tells the workers.
     params, errors = train(node.address, timeout_s=30, reconnect_s=2)
     assert params is None and errors, "the node should have died mid-training"
