@@ -89,6 +89,7 @@ def test_an_operator_asks_a_rank_to_leave_and_the_job_goes_on_narrower(start_nod
     ElasticGroup.create(store, ["a", "b", "c"])
     steps, widths, finals, errors = 8, {}, {}, []
     reached = threading.Event()
+    asked = threading.Event()  # the members wait for the operator's request after step 2: else, on a busy machine, all 8 steps were done first
 
     def member(name: str) -> None:
         try:
@@ -111,6 +112,7 @@ def test_an_operator_asks_a_rank_to_leave_and_the_job_goes_on_narrower(start_nod
                 step += 1
                 if step == 2:
                     reached.set()
+                    assert asked.wait(30), "the operator's request was not made"
             finals[name] = (step, [p.detach().clone() for p in model.parameters()])
             opt.close()
         except BaseException as exc:
@@ -120,7 +122,10 @@ def test_an_operator_asks_a_rank_to_leave_and_the_job_goes_on_narrower(start_nod
     for thread in threads:
         thread.start()
     assert reached.wait(30)
-    reply = stub.Morph(admin_pb2.MorphRequest(leave=[2], reason="spot reclaim"), timeout=10)
+    try:
+        reply = stub.Morph(admin_pb2.MorphRequest(leave=[2], reason="spot reclaim"), timeout=10)
+    finally:
+        asked.set()
     assert list(reply.told) == [2] and reply.world_size == 3
     for thread in threads:
         thread.join(60)
