@@ -112,7 +112,9 @@ def small_disk(tmp_path):
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
     yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=False)
+    # lazily: this runs before start_node's teardown stops the node, whose state files there are still
+    # open, and a plain umount then failed ("target is busy") and left the mount behind
+    subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
 
 
 def test_a_full_state_disk_stalls_training_with_a_clear_error_and_loses_nothing(start_node, small_disk):
