@@ -40,9 +40,10 @@ def apply_huge_pages(wanted: bool, environ: dict[str, str] | None = None, *, tor
     given = environ.get(THP_ENV)
     if given is None:
         environ[THP_ENV] = "1" if wanted else "0"
-    asked = environ[THP_ENV].strip() == "1"
+    if given is not None and given not in ("0", "1"):  # torch warns and ignores anything else: no huge pages
+        return f"off ({THP_ENV}={given!r} in the environment, which torch ignores: it takes 0 or 1)"
     why = f"as {THP_ENV}={given} in the environment says" if given is not None else ("--huge-pages" if wanted else "--no-huge-pages")
-    if not asked:
+    if environ[THP_ENV] != "1":
         return f"off ({why})"
     if "torch" in sys.modules if torch_loaded is None else torch_loaded:  # it read the variable at its first allocation, at its import
         return f"asked for ({why}) too late: torch was loaded before; set {THP_ENV}=1 in the node's environment"

@@ -17,7 +17,7 @@ from optimizer_node.memory_plan import available_memory, node_needs
 from optimizer_node.params_outbox import ParamsOutbox
 from optimizer_node.storage import BucketState, BucketStore
 from transport.shm_board import board_bytes
-from transport.shm_window import SHMEM_HUGE_PAGES, shared_huge_pages
+from transport.shm_window import shared_pages_said
 from transport.wire import WIRE_DTYPES, ErrorCode, MsgType, WireError, tensor_header
 
 if TYPE_CHECKING:
@@ -228,11 +228,5 @@ class ParameterReplies:
         # what a restarted rank needs (no copy of it in the update pass, no kept 16-bit copy)
         nbytes = board_bytes(sizes * 2)
         if self._endpoint.publish_board(nbytes, slots_per_key=2):
-            huge = shared_huge_pages()
-            if huge in ("advise", "always", "within_size", "force"):
-                pages = "2 MiB pages"
-            elif huge is None:
-                pages = "4 KiB pages (this kernel has no transparent huge pages)"
-            else:  # workers fault the board's pages in again every step (they drop them after use)
-                pages = f"4 KiB pages (shared memory's huge pages are '{huge}' in {SHMEM_HUGE_PAGES}: 'advise' spares workers most of their page faults on it)"
-            log.info("same-host workers read parameters from a board of %.1f MiB, in %s", nbytes / 2**20, pages)
+            # in 4 KiB pages, workers fault the board in again every step (they drop its pages after use)
+            log.info("same-host workers read parameters from a board of %.1f MiB, in %s", nbytes / 2**20, shared_pages_said())

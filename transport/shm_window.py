@@ -54,12 +54,25 @@ _OPEN_WINDOWS: weakref.WeakSet[SharedWindow] = weakref.WeakSet()
 
 
 SHMEM_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+SHMEM_HUGE_ON_ADVICE = frozenset({"advise", "always", "within_size", "force"})
+"""Policies under which a mapping that advises huge pages (:meth:`SharedWindow.advise_huge_pages`) gets them."""
 
 
 def shared_huge_pages() -> str | None:
     """The host's policy for transparent huge pages in shared memory (``never``, ``advise``,
     ``always``, ``within_size``, ...), as the kernel reports it; ``None`` where it does not."""
     return kernel_choice(SHMEM_HUGE_PAGES)
+
+
+def shared_pages_said() -> str:
+    """Which pages a window that advises huge ones gets on this host, and where they are 4 KiB, how
+    to change that: for a node's log."""
+    policy = shared_huge_pages()
+    if policy in SHMEM_HUGE_ON_ADVICE:
+        return "2 MiB pages"
+    if policy is None:
+        return "4 KiB pages (this kernel has no transparent huge pages)"
+    return f"4 KiB pages (shared memory's huge pages are '{policy}' in {SHMEM_HUGE_PAGES}: 'advise' spares workers most of their page faults on it)"
 
 
 def window_holding(address: int, nbytes: int) -> SharedWindow | None:

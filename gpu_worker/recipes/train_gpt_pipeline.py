@@ -148,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PipelineError, TimeoutError) as exc:
         log.error("%s", exc)
         print(f"rank {rank}: stopping: {exc}", flush=True)
-        trainer.close()  # the nodes learn this rank left; the process group is left as it is (see below)
+        try:
+            trainer.close()  # the nodes learn this rank left; the process group is left as it is (see below)
+        except Exception as close_error:  # the status must still say why this rank stopped
+            log.error("closing the optimizer after that failed too: %s", close_error)
         return 1
     finally:
         progress.close()

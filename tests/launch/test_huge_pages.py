@@ -57,3 +57,10 @@ def test_asking_after_torch_loaded_says_it_is_too_late():
     assert "torch" in sys.modules  # this test process's
     said = apply_huge_pages(True, {})
     assert said.startswith("asked for (--huge-pages) too late") and f"{THP_ENV}=1" in said
+
+
+@pytest.mark.parametrize("given", ["yes", " 1", "2"])
+def test_a_value_torch_ignores_is_said_to_leave_huge_pages_off(given):
+    environ = {THP_ENV: given}
+    said = apply_huge_pages(True, environ, torch_loaded=False)
+    assert said.startswith("off (") and "which torch ignores" in said and environ == {THP_ENV: given}

@@ -16,7 +16,7 @@ from tests.transport.test_shared_windows import CHUNK, Link, joined
 from transport import shm_window
 from transport.same_host_shm import BOARD, HANDSHAKE, SharedClient
 from transport.shm_board import SLOT_HEADER_BYTES, BoardPublisher, BoardReader, board_bytes, slot_bytes
-from transport.shm_window import shared_huge_pages
+from transport.shm_window import SHMEM_HUGE_ON_ADVICE, shared_huge_pages, shared_pages_said
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
 from transport.zmq_backend import ZmqTransport
 
@@ -263,9 +263,11 @@ def test_both_sides_map_the_board_asking_for_huge_pages(tmp_path, monkeypatch):
     setting = tmp_path / "shmem_enabled"
     setting.write_text("always within_size [advise] never deny force\n")
     monkeypatch.setattr(shm_window, "SHMEM_HUGE_PAGES", str(setting))
-    assert shared_huge_pages() == "advise"
+    assert shared_huge_pages() == "advise" and shared_pages_said() == "2 MiB pages"
+    setting.write_text("always within_size advise [never] deny force\n")
+    assert shared_pages_said().startswith("4 KiB pages (shared memory's huge pages are 'never'")
     setting.unlink()
-    assert shared_huge_pages() is None
+    assert shared_huge_pages() is None and "no transparent huge pages" in shared_pages_said()
 
 
 def test_releasing_a_read_takes_the_boards_pages_out_of_the_readers_resident_size(board_link):
@@ -278,7 +280,7 @@ def test_releasing_a_read_takes_the_boards_pages_out_of_the_readers_resident_siz
     message.release()
     # only the slot's partial edge pages may stay: 4 KiB ones, or where the host gives shared memory
     # huge pages, the parts of the two 2 MiB pages at its edges that lie outside it
-    assert _resident_kib(address) < (64 if shared_huge_pages() in (None, "never", "deny") else 4096 + 64)
+    assert _resident_kib(address) < (4096 + 64 if shared_huge_pages() in SHMEM_HUGE_ON_ADVICE else 64)
     assert torch.equal(joined(message), copy) and message.still_current()  # the pages are the node's: read again, they come back
 
 
