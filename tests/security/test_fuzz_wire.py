@@ -36,21 +36,19 @@ from job.spec import JobSpec
 from tests.optimizer_node.raw_client import HYPER, JOB
 from tests.security.fuzzing import WatchedNode, fuzz_seconds, fuzz_seed, seed_named_on_failure, watched_nodes
 from tests.security.wire_fuzz import (
-    Draft,
     JobModel,
     Line,
     Reply,
-    Template,
     WireFuzzer,
     await_params,
     batch_parts,
     certainly_invalid_hello,
     frames_of,
-    header_bomb,
     run_loop,
     same_bits,
     send_accepted,
 )
+from tests.security.wire_mutations import Draft, Template, header_bomb
 from transport import zmq_backend
 from transport.wire import (
     MAX_ERROR_CHARS,
