@@ -86,6 +86,31 @@ def vm_bytes(field: str, pid: int | str = "self") -> int:
     return 0
 
 
+def node_flag(node_args: Sequence[str], flag: str) -> str | None:
+    """The value the local nodes' flags (``--node-arg``) give ``flag`` (``--flag=V`` or ``--flag V``; the
+    last one wins, as in the node's parser), ``""`` for a flag without a value, ``None`` if absent."""
+    value = None
+    for index, arg in enumerate(node_args):
+        if arg == flag:
+            following = node_args[index + 1] if index + 1 < len(node_args) else ""
+            value = "" if following.startswith("--") else following
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def store_io_threads(node_args: Sequence[str]) -> int:
+    """The state-file readers and writers of a local node given ``node_args``: ``--state-io-threads``
+    (default 2) each way with ``--state-dir``, none in memory (:attr:`NodeConfig.store_io_threads`)."""
+    if node_flag(node_args, "--state-dir") is None:
+        return 0
+    threads = node_flag(node_args, "--state-io-threads")
+    try:
+        return 2 * int(threads) if threads else 4
+    except ValueError:
+        raise ValueError(f"--node-arg=--state-io-threads={threads}: not a whole number") from None
+
+
 def check_node_args(node_args: Sequence[str], nodes: int, *, own_directories: str = "") -> None:
     """``ValueError`` for a ``--state-dir`` among the flags given to every local node (``--node-arg``)
     where more than one node, or a benchmark flag that gives each node a directory of its own

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import check_node_args
+from benchmarks.common import check_node_args, store_io_threads
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box
 from benchmarks.gpu_mode_names import MODES, NETOPTIM_MODES
@@ -122,18 +122,20 @@ class HostSplit:
         }
 
 
-def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int, *, pass_thread: bool = False) -> HostSplit:
+def host_split(nodes: int, node_threads: int | None, pin: bool, worker_cpus: int, *, pass_thread: bool = False, store_io_threads: int = 0) -> HostSplit:
     """The worker gets the first ``worker_cpus`` usable CPUs; pinned, each node gets a disjoint set of
     the rest (NUMA nodes kept whole where the counts allow) and :func:`update_threads` of them unless
-    ``node_threads`` says (``pass_thread``: the nodes run with ``--pass-thread``); unpinned, the nodes
-    share the cores the worker leaves, as many threads again. ValueError if the CPUs do not go round."""
+    ``node_threads`` says (``pass_thread``: the nodes run with ``--pass-thread``; ``store_io_threads``:
+    an out-of-core node's state-file readers and writers); unpinned, the nodes share the cores the
+    worker leaves, as many threads again. ValueError if the CPUs do not go round."""
     usable = usable_cpus()
+    spare = {"pass_thread": pass_thread, "store_io_threads": store_io_threads}
     if not pin:
-        return HostSplit(node_threads or update_threads(max(1, (len(usable) - worker_cpus) // nodes), pass_thread=pass_thread))
+        return HostSplit(node_threads or update_threads(max(1, (len(usable) - worker_cpus) // nodes), **spare))
     if len(usable) < worker_cpus + nodes:
         raise ValueError(f"--pin: {nodes} node(s) and --worker-cpus {worker_cpus} need {worker_cpus + nodes} CPUs; this process may use {len(usable)}")
     sets = tuple(split_cpus(usable[worker_cpus:], nodes, numa_nodes(usable=usable)))
-    return HostSplit(node_threads or update_threads(min(len(cpus) for cpus in sets), pass_thread=pass_thread), sets, usable[:worker_cpus])
+    return HostSplit(node_threads or update_threads(min(len(cpus) for cpus in sets), **spare), sets, usable[:worker_cpus])
 
 
 def measure_limits(device: torch.device, copy_bytes: int, adam_numel: int, split: HostSplit, bucket_numel: int) -> dict:
@@ -253,7 +255,14 @@ def _run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--seq {args.seq}: the {', '.join(too_long)} model(s) take at most {SIZES[too_long[0]].block_size} tokens per sequence")
     device = torch.device("cuda", 0)
     properties = torch.cuda.get_device_properties(device)
-    split = host_split(args.nodes, args.node_threads, args.pin, args.worker_cpus, pass_thread="--pass-thread" in args.node_arg)
+    split = host_split(
+        args.nodes,
+        args.node_threads,
+        args.pin,
+        args.worker_cpus,
+        pass_thread="--pass-thread" in args.node_arg,
+        store_io_threads=store_io_threads(args.node_arg),
+    )
     settings = ModeSettings(
         batch=args.batch,
         seq=args.seq,

@@ -154,24 +154,30 @@ SPARE_FROM_CPUS = 4
 """From this many CPUs up, a node's update threads leave one of them free (:func:`update_threads`)."""
 
 
-def update_threads(cpus: int, *, pass_thread: bool = False) -> int:
+def update_threads(cpus: int, *, pass_thread: bool = False, store_io_threads: int = 0) -> int:
     """The update threads for a node on ``cpus`` CPUs: one per CPU but one from
     :data:`SPARE_FROM_CPUS` up. Each bucket's update pass ends when its slowest thread does; with a
     thread on every CPU, ZeroMQ's I/O thread and the node's own loop take a CPU from one of them at
     every message, and the pass waits for the thread they displaced (measured on a 16-core GPU host,
     the node on 14: 13 threads ran each bucket's pass faster than 14, and sent its values sooner).
-    With ``pass_thread`` (``--pass-thread``) the loop runs beside the passes: two are left free."""
+    With ``pass_thread`` (``--pass-thread``) the loop runs beside the passes: two are left free.
+    ``store_io_threads``: an out-of-core node's readers and writers of state files, which copy and
+    checksum a bucket's state while the passes run; each is left a CPU as well, as long as the passes
+    keep at least half of them."""
     if cpus < 1:
         raise ValueError(f"a node needs at least one CPU, not {cpus}")
+    if store_io_threads < 0:
+        raise ValueError(f"store_io_threads must be 0 or more, not {store_io_threads}")
     if cpus < SPARE_FROM_CPUS:
         return cpus
-    return cpus - 2 if pass_thread else cpus - 1
+    spare = (2 if pass_thread else 1) + store_io_threads
+    return max(cpus - spare, cpus // 2)
 
 
-def run_on(cpus: Sequence[int], threads: int | None = None, *, pass_thread: bool = False) -> None:
+def run_on(cpus: Sequence[int], threads: int | None = None, *, pass_thread: bool = False, store_io_threads: int = 0) -> None:
     """Pin this process to ``cpus`` (:func:`pin_process`) with ``threads`` torch threads (default:
     :func:`update_threads`), before it starts its thread pools and writes its memory."""
     import torch
 
     pin_process(cpus)
-    torch.set_num_threads(threads or update_threads(len(cpus), pass_thread=pass_thread))
+    torch.set_num_threads(threads or update_threads(len(cpus), pass_thread=pass_thread, store_io_threads=store_io_threads))

@@ -293,7 +293,8 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="update threads per local node (default: with --pin, one per CPU of the node's set; otherwise the CPUs less --worker-cpus, shared "
-        "among the nodes; either way one less from 4 up, a CPU left for the node's I/O)",
+        "among the nodes; either way one less from 4 up, a CPU left for the node's I/O, and out of core (--node-arg=--state-dir=...) "
+        "one less for each of the store's readers and writers while half are left, as netoptim node --threads says)",
     )
     gpu.add_argument(
         "--pin",

@@ -61,7 +61,7 @@ def run_node(args: argparse.Namespace) -> int:
         log.error("cannot resume: %s: %s; check --checkpoint-dir, or leave out --resume to start fresh", exc.strerror, exc.filename)
         return 1
     if cpus is not None:  # before the daemon starts its threads and first writes its state
-        run_on(cpus, args.threads, pass_thread=args.pass_thread)
+        run_on(cpus, args.threads, pass_thread=args.pass_thread, store_io_threads=config.store_io_threads)
     elif args.threads:
         torch.set_num_threads(args.threads)
     log.info(

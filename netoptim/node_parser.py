@@ -99,7 +99,8 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="CPU threads for the update kernels (default: one per CPU of --cpus/--numa-node, but one left for the node's "
-        "I/O from 4 CPUs up, two with --pass-thread; otherwise torch's choice)",
+        "I/O from 4 CPUs up, two with --pass-thread, and with --state-dir one more for each of the store's 2 x --state-io-threads "
+        "readers and writers while the passes keep half the CPUs; otherwise torch's choice)",
     )
     node.add_argument(
         "--update-threads-wait",

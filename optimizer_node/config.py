@@ -207,6 +207,11 @@ class NodeConfig:
         return not self.state_dir
 
     @property
+    def store_io_threads(self) -> int:
+        """The threads that read and write state files: ``state_io_threads`` each way out of core, else none."""
+        return 2 * self.state_io_threads if self.state_dir else 0
+
+    @property
     def compiled_update(self) -> bool:
         """Whether the compiled update loop may be used: it brings numba and LLVM, ~140 MB of RSS, not
         for an out-of-core node, held to a memory budget."""

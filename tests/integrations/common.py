@@ -95,6 +95,17 @@ def torchrun(module: str, args: Sequence[str], workdir: Path, timeout_s: float =
         )
 
 
+def ranks_of_a_run(root: Path, program: str) -> list[dict]:
+    """Run ``program`` (a module of ``tests.integrations``) under :func:`torchrun` against one fresh
+    node, and return what each rank saved (``rankN.pt`` in ``root``), with ``root`` beside it."""
+    node = start_nodes(root, ["node"])["node"]
+    try:
+        torchrun(f"tests.integrations.{program}", ["--address", node.address, "--out", str(root)], root)
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]
+    return [{**torch.load(root / f"rank{rank}.pt", weights_only=False), "root": root} for rank in range(WORLD_SIZE)]
+
+
 def averaged_reference(
     model: nn.Module,
     batches: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],

@@ -21,8 +21,7 @@ from tests.integrations.common import (
     averaged_reference,
     decay_groups,
     max_difference,
-    start_nodes,
-    torchrun,
+    ranks_of_a_run,
     warmup_then_linear,
 )
 
@@ -30,13 +29,7 @@ from tests.integrations.common import (
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Every run of :mod:`tests.integrations.hf_program`, as each rank saved it."""
-    root = tmp_path_factory.mktemp("hf")
-    node = start_nodes(root, ["node"])["node"]
-    try:
-        torchrun("tests.integrations.hf_program", ["--address", node.address, "--out", str(root)], root)
-    finally:
-        assert node.stop() == 0, node.log_text()[-3000:]
-    return [{**torch.load(root / f"rank{rank}.pt", weights_only=False), "root": root} for rank in range(WORLD_SIZE)]
+    return ranks_of_a_run(tmp_path_factory.mktemp("hf"), "hf_program")
 
 
 def trainer_oracle(run: list[dict], *, max_grad_norm: float | None = None) -> tuple[dict, list, list[float]]:

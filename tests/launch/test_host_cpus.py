@@ -111,6 +111,15 @@ def test_a_node_leaves_one_of_four_or_more_cpus_to_its_io():
         update_threads(0)
 
 
+def test_an_out_of_core_node_leaves_its_store_threads_cpus_while_the_passes_keep_half():
+    # 2 readers and 2 writers (--state-io-threads 2) beside the loop: 14 CPUs give the passes 9
+    assert [update_threads(cpus, store_io_threads=4) for cpus in (2, 4, 8, 14, 64)] == [2, 2, 4, 9, 59]
+    assert update_threads(14, pass_thread=True, store_io_threads=6) == 7
+    assert update_threads(3, store_io_threads=4) == 3  # below 4 CPUs nothing is left free, as in memory
+    with pytest.raises(ValueError, match="store_io_threads"):
+        update_threads(8, store_io_threads=-1)
+
+
 def test_a_node_pinned_with_cpus_serves_a_job_with_every_thread_on_them(start_node):
     cpu = USABLE[-1]
     node = start_node(extra_args=("--cpus", str(cpu)))

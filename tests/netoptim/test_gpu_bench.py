@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_bench
+from benchmarks.common import store_io_threads
 from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box, load_limits
 from benchmarks.gpu_modes import ModeSettings
@@ -75,8 +76,30 @@ def test_the_host_split_pins_disjoint_sets_or_shares_the_cpus_the_worker_leaves(
         )
     assert gpu_bench.host_split(nodes=1, node_threads=None, pin=False, worker_cpus=1) == gpu_bench.HostSplit(update_threads(max(1, usable - 1)))
     assert gpu_bench.host_split(nodes=2, node_threads=3, pin=False, worker_cpus=1).node_threads == 3
+    out_of_core = gpu_bench.host_split(nodes=1, node_threads=None, pin=False, worker_cpus=1, store_io_threads=4)
+    assert out_of_core.node_threads == update_threads(max(1, usable - 1), store_io_threads=4)
     with pytest.raises(ValueError, match="need"):
         gpu_bench.host_split(nodes=usable, node_threads=None, pin=True, worker_cpus=1)
+
+
+@pytest.mark.parametrize(
+    ("node_args", "threads"),
+    [
+        ((), 0),
+        (("--same-host-board",), 0),
+        (("--state-dir=/s", "--memory-budget=4GiB"), 4),
+        (("--state-dir", "/s", "--state-io-threads=3"), 6),
+        (("--state-dir=/s", "--state-io-threads", "1"), 2),
+        (("--state-io-threads=3",), 0),  # in memory the flag has nothing to do
+    ],
+)
+def test_the_bench_counts_the_store_threads_of_its_out_of_core_nodes(node_args, threads):
+    assert store_io_threads(node_args) == threads
+
+
+def test_a_malformed_store_thread_count_is_named():
+    with pytest.raises(ValueError, match="--state-io-threads=three"):
+        store_io_threads(("--state-dir=/s", "--state-io-threads=three"))
 
 
 def test_a_failing_mode_is_reported_and_the_run_goes_on():

@@ -175,3 +175,6 @@ def test_a_board_out_of_core_counts_in_the_nodes_ram_beside_the_budget():
     assert NodeConfig(state_dir="/tmp/x", memory_budget=1 << 20).board_wanted is False, "not by default out of core"
     assert NodeConfig(state_dir="/tmp/x", memory_budget=1 << 20, same_host_board=True).board_wanted is True
     assert NodeConfig().board_wanted is True and NodeConfig(same_host_board=False).board_wanted is False
+    # the store's readers and writers, which a pinned node's update threads leave CPUs to
+    assert NodeConfig(state_dir="/tmp/x", memory_budget=1 << 20, state_io_threads=3).store_io_threads == 6
+    assert NodeConfig(state_io_threads=3).store_io_threads == 0
