@@ -23,6 +23,9 @@ from transport.wire import ErrorCode, Header, MsgType
 log = logging.getLogger(__name__)
 
 RECONNECT_PAUSE_S = 0.05
+LINK_WARNING_S = 5.0
+"""A node that has not answered after this long, where the connection says why (nothing listens there,
+a failed handshake), is warned of at once, not only when the timeout ends the wait."""
 """The first pause before a reconnect says HELLO again on a new connection after the last dropped
 (doubling up to 1 s): a node that restarts within a second is caught at once, a peer that drops
 every connection is not hammered."""
@@ -242,7 +245,9 @@ class NodeConnections:
                 timeout_s = self.timeouts.timeout_s
             message = self._recv(index, timeout_s, what, fail_on_drop)
         if message is None:
-            raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer within {timeout_s:.0f} s while waiting for {what}")
+            link = self._clients[index].link_state()
+            said = f"; the connection: {link}" if link else ""
+            raise TimeoutError(f"rank {self.rank}: node {self.nodes[index]} did not answer within {timeout_s:.0f} s while waiting for {what}{said}")
         header = message.header
         if header.msg_type == MsgType.ERROR:
             raise node_error(self.nodes[index], header)
@@ -255,7 +260,13 @@ class NodeConnections:
         heartbeat: ``ConnectionError`` as soon as it dropped (the request awaited may be lost)."""
         client = self._clients[index]
         if not fail_on_drop:
-            return client.recv(timeout_s)
+            if timeout_s <= LINK_WARNING_S:
+                return client.recv(timeout_s)
+            message = client.recv(LINK_WARNING_S)
+            if message is None:
+                self._warn_of_the_link(index, timeout_s, what)
+                message = client.recv(timeout_s - LINK_WARNING_S)
+            return message
         deadline = time.monotonic() + timeout_s
         while True:
             message = client.recv(max(min(deadline - time.monotonic(), self.timeouts.heartbeat_s), 0.0))
@@ -263,6 +274,20 @@ class NodeConnections:
                 return message
             if client.connection_dropped():
                 raise ConnectionError(f"rank {self.rank}: the connection to node {self.nodes[index]} dropped while waiting for {what}")
+
+    def _warn_of_the_link(self, index: int, timeout_s: float, what: str) -> None:
+        """Say now what keeps node ``index`` from answering, where its connection tells for certain."""
+        link = self._clients[index].link_problem()
+        if link is not None:
+            log.warning(
+                "rank %d: no answer from node %s after %.0f s while waiting for %s: %s; still trying for %.0f s",
+                self.rank,
+                self.nodes[index],
+                LINK_WARNING_S,
+                what.split(" (", 1)[0],
+                link,
+                timeout_s - LINK_WARNING_S,
+            )
 
     def wait_readable(self, timeout_s: float) -> list[int]:
         """The nodes with a message waiting, after at most ``timeout_s``."""

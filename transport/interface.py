@@ -178,6 +178,16 @@ class ClientEndpoint(ABC):
         and the worker's heartbeats find the loss instead."""
         return False
 
+    def link_state(self) -> str | None:
+        """The connection's state in words, as the backend sees it, for an error that says the node did
+        not answer (:meth:`link_problem`, else e.g. connected but silent), or ``None`` where it cannot tell."""
+        return None
+
+    def link_problem(self) -> str | None:
+        """What keeps the connection from carrying messages, where the backend knows for certain
+        (nothing listens at the address, a failed handshake); else ``None``."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release the connection; idempotent."""

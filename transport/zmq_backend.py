@@ -26,6 +26,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from transport.interface import ClientEndpoint, Message, SendHandle, Transport
+from transport.link_watch import WATCHED_EVENTS, LinkWatch
 from transport.payload_views import board_payload_views, payload_views
 from transport.same_host_shm import BOARD, CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedClient, is_control
 from transport.security import CurveClientConfig, CurveServerConfig, secure_client_socket
@@ -80,8 +81,10 @@ class ZmqClient(ClientEndpoint):
             socket.connect(url)
             self.sockets.append(socket)
         # Disconnections (a reset link, a node gone): ZeroMQ reconnects by itself and drops what was
-        # in flight, which only the worker can make good.
-        self._monitors = [socket.get_monitor_socket(zmq.EVENT_DISCONNECTED) for socket in self.sockets]
+        # in flight, which only the worker can make good. The attempts and handshakes say why a node
+        # that does not answer does not (see transport.link_watch).
+        self._monitors = [socket.get_monitor_socket(WATCHED_EVENTS) for socket in self.sockets]
+        self._links = [LinkWatch() for _ in self.sockets]
         self.address = url
         self.lanes = lanes
         self._max_message_bytes = max_message_bytes
@@ -158,13 +161,26 @@ class ZmqClient(ClientEndpoint):
             if body is not None:
                 self.sockets[0].send_multipart([CREDIT, body])
 
-    def connection_dropped(self) -> bool:
-        dropped = False
-        for monitor in self._monitors:
+    def _watch(self) -> None:
+        """Take the monitors' events waiting."""
+        for monitor, link in zip(self._monitors, self._links, strict=True):
             while monitor.poll(0):
-                monitor.recv_multipart()
-                dropped = True
-        return dropped
+                frames = monitor.recv_multipart()
+                if frames and len(frames[0]) >= 2:
+                    link.see(struct.unpack_from("=H", frames[0])[0])
+
+    def connection_dropped(self) -> bool:
+        self._watch()
+        return any([link.take_dropped() for link in self._links])
+
+    def link_problem(self) -> str | None:
+        """The first lane's problem that its monitor's events tell for certain (see :class:`LinkWatch`)."""
+        self._watch()
+        return next((problem for link in self._links if (problem := link.problem()) is not None), None)
+
+    def link_state(self) -> str:
+        """:meth:`link_problem`, else what lane 0's events tell."""
+        return self.link_problem() or self._links[0].describe()
 
     def close(self) -> None:
         if self.shared is not None:

@@ -48,7 +48,7 @@ def test_only_allowed_workers_get_in(start_node, keys, lanes):
 
     stranger = torch.nn.Linear(4, 2)
     stranger_before = stranger.weight.detach().clone()
-    with pytest.raises(TimeoutError, match="curve-allow"):  # a key the node does not allow: no handshake, no data
+    with pytest.raises(TimeoutError, match="curve-allow") as refused:  # a key the node does not allow: no handshake, no data
         RemoteAdamW(
             stranger.parameters(),
             nodes=[node.address],
@@ -59,8 +59,21 @@ def test_only_allowed_workers_get_in(start_node, keys, lanes):
             curve_server_key=str(key_dir / "node.key"),
             connections_per_node=lanes,
         )
-    with pytest.raises(TimeoutError, match="give this worker its keys"):  # no CURVE at all
+    assert "the connection: the connection is made but the CURVE handshake fails" in str(refused.value)  # what the socket saw
+    with pytest.raises(TimeoutError, match="CURVE handshake fails"):  # an allowed key, but another node's public key
+        RemoteAdamW(
+            stranger.parameters(),
+            nodes=[node.address],
+            rank=0,
+            world_size=1,
+            timeout_s=2,
+            curve_secret_key=str(key_dir / "good.key_secret"),
+            curve_server_key=str(key_dir / "bad.key"),
+            connections_per_node=lanes,
+        )
+    with pytest.raises(TimeoutError, match="give this worker its keys") as plain:  # no CURVE at all
         RemoteAdamW(stranger.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
+    assert "one side uses CURVE and the other does not" in str(plain.value)
     assert torch.equal(stranger.weight, stranger_before)  # it never received anything
     status = node.log_text()
     assert "registered job" in status and status.count("registered job") == 1  # the strangers never reached the node

@@ -1,0 +1,39 @@
+"""What a client's monitor events say of its connection (:class:`transport.link_watch.LinkWatch`);
+the same texts on real sockets are in ``test_curve.py`` and ``test_remote_adamw.py``."""
+
+from __future__ import annotations
+
+import zmq
+
+from transport.link_watch import LinkWatch
+
+
+def watched(*events: int) -> LinkWatch:
+    link = LinkWatch()
+    for event in events:
+        link.see(event)
+    return link
+
+
+def test_refused_attempts_before_any_connection_mean_nothing_listens():
+    link = watched(zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_RETRIED)
+    assert link.problem() is not None and "refused 2 time(s), nothing accepts connections at that address" in link.problem()
+    assert link.describe() == link.problem()
+
+
+def test_a_failed_handshake_names_the_keys_or_the_mechanism():
+    assert "CURVE handshake fails" in watched(zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL).problem()
+    assert "CURVE handshake fails" in watched(zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_FAILED_AUTH).problem()
+    assert "one side uses CURVE and the other does not" in watched(zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL).problem()
+
+
+def test_a_good_handshake_clears_what_went_before_and_a_silent_node_is_no_certain_problem():
+    link = watched(zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    assert link.problem() is None and link.describe().startswith("connected, but nothing came back")
+    assert LinkWatch().problem() is None and LinkWatch().describe().startswith("no connection yet")
+
+
+def test_a_node_gone_from_its_address_after_a_session_is_told_apart_from_one_never_there():
+    link = watched(zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_RETRIED)
+    assert "the node is gone from that address" in link.problem()
+    assert link.take_dropped() is True and link.take_dropped() is False  # each drop is told once
