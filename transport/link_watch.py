@@ -34,7 +34,7 @@ class LinkWatch:
 
     dropped: bool = False  # a DISCONNECTED since :meth:`take_dropped`
     handshakes: int = 0  # sessions that got through the handshake (security included)
-    refused: int = 0  # attempts that failed since the last good handshake (refused, or no such socket)
+    refused: int = 0  # attempts that failed since the last good handshake (refused, no such socket, host unreachable)
     failed_handshake: int = 0  # the last handshake failure's event, 0 once one succeeds
 
     def see(self, event: int) -> None:
@@ -69,11 +69,11 @@ class LinkWatch:
             )
         if self.refused and not self.handshakes:
             return (
-                f"no connection: refused {self.refused} time(s), nothing accepts connections at that address "
+                f"no connection: {self.refused} attempt(s) refused or unreachable, nothing accepts connections at that address "
                 "(a wrong host or port, or the node is not started yet)"
             )
         if self.refused:
-            return f"the connection dropped and every attempt since was refused ({self.refused}): the node is gone from that address"
+            return f"the connection dropped and every attempt since failed ({self.refused}): the node is gone from that address"
         return None
 
     def describe(self) -> str:

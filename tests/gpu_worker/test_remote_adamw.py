@@ -131,7 +131,7 @@ def test_unreachable_node_times_out_clearly():
         TimeoutError, match=r"node tcp://127.0.0.1:9 did not answer within 1 s while waiting for registration \(is a node running at that address"
     ) as timed_out:
         RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:9"], rank=0, world_size=1, connect_timeout_s=1)
-    assert "the connection: no connection: refused" in str(timed_out.value) and "nothing accepts connections at that address" in str(timed_out.value)
+    assert "the connection: no connection: " in str(timed_out.value) and "nothing accepts connections at that address" in str(timed_out.value)
 
 
 def test_a_worker_says_early_that_nothing_listens_at_a_nodes_address(caplog, monkeypatch):
