@@ -4,13 +4,36 @@ workers' keys, and the allow list of which ranks each allowed key may register a
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 from optimizer_node.config import NodeConfig
+from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.registration import load_allow_list
 from transport import create_transport
 from transport.interface import ServerEndpoint, Transport
 from transport.security import AllowList, CurveServerConfig
+
+log = logging.getLogger(__name__)
+
+
+class KeyRefusals:
+    """Says in the node's log that a connection's CURVE key is not allowed, at most once per
+    interval (a stranger may knock many times a second), with the count of those not said."""
+
+    def __init__(self, allowed_dir: str) -> None:
+        self._allowed_dir = allowed_dir
+        self._log = RateLimitedLog(log)
+
+    def say(self, key: str) -> None:
+        self._log.log(
+            "curve-refused",
+            logging.WARNING,
+            "refused a data-plane connection: its CURVE public key %s is not in --curve-allow %s (a worker that should train "
+            "needs its .key file there, and the node restarted)",
+            key,
+            self._allowed_dir,
+        )
 
 
 class DataPlane(NamedTuple):
@@ -24,12 +47,13 @@ class DataPlane(NamedTuple):
 def bind_data_plane(config: NodeConfig) -> DataPlane:
     """Bind ``config.listen``; a bad allow-list file releases what was bound and raises."""
     curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
+    options = {"curve_server": curve, "on_key_refused": KeyRefusals(config.curve_allow or "").say} if curve is not None else {}
     transport = create_transport(
         config.listen,
         max_message_bytes=config.max_message_bytes,
         chunk_bytes=config.chunk_bytes,
-        curve_server=curve,
         io_threads=config.io_threads,
+        **options,
         **config.endpoint_limits(),
     )
     endpoint = transport.bind(config.listen)

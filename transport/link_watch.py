@@ -25,7 +25,9 @@ WATCHED_EVENTS = (
 )
 """The monitor events a client subscribes to."""
 
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+"""Which of these a failed handshake shows varies with timing (a client without CURVE at a CURVE node
+saw PROTOCOL or NO_DETAIL), so they are told apart by what this side knows: whether it uses CURVE."""
 
 
 @dataclass(slots=True)
@@ -36,6 +38,7 @@ class LinkWatch:
     handshakes: int = 0  # sessions that got through the handshake (security included)
     refused: int = 0  # attempts that failed since the last good handshake (refused, no such socket, host unreachable)
     failed_handshake: int = 0  # the last handshake failure's event, 0 once one succeeds
+    curve: bool = False  # this side uses CURVE: which way a failed handshake points
 
     def see(self, event: int) -> None:
         """Take one monitor event."""
@@ -47,7 +50,7 @@ class LinkWatch:
             self.failed_handshake = 0
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.refused += 1
-        elif event & (_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+        elif event & _HANDSHAKE_FAILED:
             self.failed_handshake = event
 
     def take_dropped(self) -> bool:
@@ -57,15 +60,15 @@ class LinkWatch:
 
     def problem(self) -> str | None:
         """What keeps this connection from carrying messages, where the events say for certain; else ``None``."""
-        if self.failed_handshake == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if self.failed_handshake and not self.curve:
             return (
-                "the connection is made but its handshake fails: one side uses CURVE and the other does not "
-                "(give the worker the node's public key, or run both without CURVE), or what listens there is not a netoptim node"
+                "the connection is made but its handshake fails: the node uses CURVE and this worker does not (give it "
+                "curve_secret_key and curve_server_key), or what listens there is not a netoptim node"
             )
-        if self.failed_handshake & _HANDSHAKE_FAILED:
+        if self.failed_handshake:
             return (
                 "the connection is made but the CURVE handshake fails: the worker's curve_server_key is not the node's "
-                "public key, or the node's --curve-allow directory lacks this worker's key"
+                "public key, the node's --curve-allow directory lacks this worker's key, or the node does not use CURVE"
             )
         if self.refused and not self.handshakes:
             return (

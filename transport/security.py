@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -58,6 +58,24 @@ class CurveClientConfig:
     def validate(self) -> None:
         load_keypair(self.secret_key_file, need_secret=True)
         load_keypair(self.server_key_file, need_secret=False)
+
+
+class AllowedKeys:
+    """The ZAP handler's check of a connecting worker's CURVE key (a credentials provider for
+    ``configure_curve_callback``): allowed if a ``.key`` file of the allow-list directory holds it.
+    ``on_refused`` hears of each key refused (z85, on the handler's thread), so that the node can say
+    so: ZeroMQ itself tells the node nothing of a handshake it refused."""
+
+    def __init__(self, directory: str, on_refused: Callable[[str], None] | None = None) -> None:
+        self._keys = frozenset(zmq.auth.load_certificates(directory))  # z85 public keys
+        self._on_refused = on_refused
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._keys:
+            return True
+        if self._on_refused is not None:
+            self._on_refused(key.decode("ascii", "replace"))
+        return False
 
 
 def load_keypair(path: str, *, need_secret: bool) -> tuple[bytes, bytes | None]:

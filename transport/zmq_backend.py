@@ -18,7 +18,7 @@ import logging
 import secrets
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 import torch
@@ -29,7 +29,7 @@ from transport.interface import ClientEndpoint, Message, SendHandle, Transport
 from transport.link_watch import WATCHED_EVENTS, LinkWatch
 from transport.payload_views import board_payload_views, payload_views
 from transport.same_host_shm import BOARD, CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedClient, is_control
-from transport.security import CurveClientConfig, CurveServerConfig, secure_client_socket
+from transport.security import AllowedKeys, CurveClientConfig, CurveServerConfig, secure_client_socket
 from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, ErrorCode, Header, Payload, WireError, decode_header
 from transport.zmq_server import ZmqServer
 from transport.zmq_sockets import (
@@ -84,7 +84,7 @@ class ZmqClient(ClientEndpoint):
         # in flight, which only the worker can make good. The attempts and handshakes say why a node
         # that does not answer does not (see transport.link_watch).
         self._monitors = [socket.get_monitor_socket(WATCHED_EVENTS) for socket in self.sockets]
-        self._links = [LinkWatch() for _ in self.sockets]
+        self._links = [LinkWatch(curve=curve is not None) for _ in self.sockets]
         self.address = url
         self.lanes = lanes
         self._max_message_bytes = max_message_bytes
@@ -211,11 +211,13 @@ class ZmqTransport(Transport):
         max_peers: int = DEFAULT_MAX_PEERS,
         same_host_window_bytes: int = DEFAULT_WINDOW_BYTES,
         shared_memory: bool = True,
+        on_key_refused: Callable[[str], None] | None = None,
     ) -> None:
         """``max_frame_bytes`` (``None``: :func:`default_max_frame_bytes`), ``max_header_bytes`` and
         ``max_peers`` are the limits of the server endpoints it binds (see :class:`ZmqServer`);
         ``same_host_window_bytes`` the shared window a server gives each same-host connection, each
-        way (0: none); ``shared_memory`` whether clients ask for one."""
+        way (0: none); ``shared_memory`` whether clients ask for one; ``on_key_refused`` hears the
+        public key (z85) of each client whose CURVE key ``curve_server``'s allow-list refused."""
         if not 1 <= connections_per_peer <= 255:
             raise ValueError(f"connections per node must be in [1, 255], not {connections_per_peer}")
         self._lanes = connections_per_peer
@@ -233,6 +235,7 @@ class ZmqTransport(Transport):
         }
         self._shared_memory = shared_memory
         self._curve_server = curve_server
+        self._on_key_refused = on_key_refused
         self._curve_client = curve_client
         self._authenticator: ThreadAuthenticator | None = None
         self._pollers: dict[tuple[zmq.Socket, ...], zmq.Poller] = {}
@@ -242,7 +245,9 @@ class ZmqTransport(Transport):
             # ZAP handler: only clients whose public key is in the allow-list complete the handshake.
             self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("netoptim.curve"))
             self._authenticator.start()
-            self._authenticator.configure_curve(domain="*", location=self._curve_server.allowed_keys_dir)
+            self._authenticator.configure_curve_callback(
+                domain="*", credentials_provider=AllowedKeys(self._curve_server.allowed_keys_dir, self._on_key_refused)
+            )
         return ZmqServer(
             self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_server, **self._server_limits
         )

@@ -60,6 +60,8 @@ def test_only_allowed_workers_get_in(start_node, keys, lanes):
             connections_per_node=lanes,
         )
     assert "the connection: the connection is made but the CURVE handshake fails" in str(refused.value)  # what the socket saw
+    bad_key = (key_dir / "bad.key").read_text().split('public-key = "')[1].split('"')[0]
+    assert f"its CURVE public key {bad_key} is not in --curve-allow {allowed}" in node.log_text()  # and the node says so
     with pytest.raises(TimeoutError, match="CURVE handshake fails"):  # an allowed key, but another node's public key
         RemoteAdamW(
             stranger.parameters(),
@@ -73,7 +75,7 @@ def test_only_allowed_workers_get_in(start_node, keys, lanes):
         )
     with pytest.raises(TimeoutError, match="give this worker its keys") as plain:  # no CURVE at all
         RemoteAdamW(stranger.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
-    assert "one side uses CURVE and the other does not" in str(plain.value)
+    assert "the node uses CURVE and this worker does not" in str(plain.value)
     assert torch.equal(stranger.weight, stranger_before)  # it never received anything
     status = node.log_text()
     assert "registered job" in status and status.count("registered job") == 1  # the strangers never reached the node
