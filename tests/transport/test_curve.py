@@ -48,31 +48,18 @@ def test_only_allowed_workers_get_in(start_node, keys, lanes):
 
     stranger = torch.nn.Linear(4, 2)
     stranger_before = stranger.weight.detach().clone()
+
+    def stranger_joins(secret_key: str, node_key: str) -> None:
+        curve = {"curve_secret_key": str(key_dir / secret_key), "curve_server_key": str(key_dir / node_key), "connections_per_node": lanes}
+        RemoteAdamW(stranger.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2, **curve)
+
     with pytest.raises(TimeoutError, match="curve-allow") as refused:  # a key the node does not allow: no handshake, no data
-        RemoteAdamW(
-            stranger.parameters(),
-            nodes=[node.address],
-            rank=0,
-            world_size=1,
-            timeout_s=2,
-            curve_secret_key=str(key_dir / "bad.key_secret"),
-            curve_server_key=str(key_dir / "node.key"),
-            connections_per_node=lanes,
-        )
+        stranger_joins("bad.key_secret", "node.key")
     assert "the connection: the connection is made but the CURVE handshake fails" in str(refused.value)  # what the socket saw
     bad_key = (key_dir / "bad.key").read_text().split('public-key = "')[1].split('"')[0]
     assert f"its CURVE public key {bad_key} is not in --curve-allow {allowed}" in node.log_text()  # and the node says so
     with pytest.raises(TimeoutError, match="CURVE handshake fails"):  # an allowed key, but another node's public key
-        RemoteAdamW(
-            stranger.parameters(),
-            nodes=[node.address],
-            rank=0,
-            world_size=1,
-            timeout_s=2,
-            curve_secret_key=str(key_dir / "good.key_secret"),
-            curve_server_key=str(key_dir / "bad.key"),
-            connections_per_node=lanes,
-        )
+        stranger_joins("good.key_secret", "bad.key")
     with pytest.raises(TimeoutError, match="give this worker its keys") as plain:  # no CURVE at all
         RemoteAdamW(stranger.parameters(), nodes=[node.address], rank=0, world_size=1, timeout_s=2)
     assert "the node uses CURVE and this worker does not" in str(plain.value)
