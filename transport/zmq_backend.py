@@ -48,6 +48,19 @@ from transport.zmq_sockets import (
 __all__ = ["ZmqClient", "ZmqServer", "ZmqTransport", "bind_exclusive", "default_max_frame_bytes", "prepare_bind_url", "tune_socket"]
 
 
+def _monitor_of(socket: zmq.Socket, context: zmq.Context) -> zmq.Socket:
+    """A socket that receives ``socket``'s :data:`WATCHED_EVENTS`, with no high-water mark: ZeroMQ's
+    I/O thread blocks on a full monitor queue (measured: after 2,000 undrained events, every socket
+    of the context stopped moving), and a node that refuses connections for minutes makes ten events
+    a second (~100 bytes each), drained whenever the worker asks after the link."""
+    address = f"inproc://netoptim-link-{secrets.token_hex(8)}"
+    socket.monitor(address, WATCHED_EVENTS)
+    monitor = context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)  # before connecting: an inproc pipe takes its limit then
+    monitor.connect(address)
+    return monitor
+
+
 class ZmqClient(ClientEndpoint):
     """DEALER sockets connected to one node: one, or ``lanes`` (see the module docstring)."""
 
@@ -83,7 +96,7 @@ class ZmqClient(ClientEndpoint):
         # Disconnections (a reset link, a node gone): ZeroMQ reconnects by itself and drops what was
         # in flight, which only the worker can make good. The attempts and handshakes say why a node
         # that does not answer does not (see transport.link_watch).
-        self._monitors = [socket.get_monitor_socket(WATCHED_EVENTS) for socket in self.sockets]
+        self._monitors = [_monitor_of(socket, context) for socket in self.sockets]
         self._links = [LinkWatch(curve=curve is not None) for _ in self.sockets]
         self.address = url
         self.lanes = lanes

@@ -37,3 +37,41 @@ def test_a_node_gone_from_its_address_after_a_session_is_told_apart_from_one_nev
     link = watched(zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECT_RETRIED)
     assert "the node is gone from that address" in link.problem()
     assert link.take_dropped() is True and link.take_dropped() is False  # each drop is told once
+
+
+def test_events_left_undrained_never_stop_the_sockets_io():
+    """ZeroMQ's I/O thread blocks on a full monitor queue: a client's monitor has no high-water mark,
+    so a node that refused connections for thousands of attempts, unasked, still gets what comes after."""
+    import socket as sockets
+    import time
+
+    from transport.zmq_backend import _monitor_of
+
+    probe = sockets.socket()
+    probe.bind(("127.0.0.1", 0))  # a free loopback port, closed again: nothing listens there yet
+    port = probe.getsockname()[1]
+    probe.close()
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RECONNECT_IVL, 1)
+        dealer.setsockopt(zmq.LINGER, 0)
+        monitor = _monitor_of(dealer, context)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not monitor.poll(0):
+            time.sleep(0.01)
+        time.sleep(4)  # thousands of refused attempts, none of their events read (a bounded queue holds 2,000)
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"after the refusals")
+        assert router.poll(5000), "the client's I/O stopped behind its monitor's queue"
+        assert router.recv_multipart()[1] == b"after the refusals"
+        events = 0
+        while monitor.poll(0):
+            monitor.recv_multipart()
+            events += 1
+        assert events > 2000, f"only {events} events: the case a bounded queue blocks on was not reached"
+    finally:
+        context.destroy(linger=0)
