@@ -71,7 +71,8 @@ class NodeDaemon:
     def __init__(self, config: NodeConfig) -> None:
         config.validate()
         self.config = config
-        self._transport, self._endpoint, allow_list = bind_data_plane(config)  # with CURVE: which ranks each allowed key may register as
+        # with CURVE: which ranks each allowed key may register as, and how many keys were refused
+        self._transport, self._endpoint, allow_list, key_refusals = bind_data_plane(config)
         self.address = self._endpoint.address
         self.same_host_address = self._endpoint.bind_same_host() if config.same_host_ipc else None
         self.node_id = config.node_id or self.address
@@ -93,6 +94,7 @@ class NodeDaemon:
             last_checkpoint_unix=lambda: (self._checkpoints.last or {}).get("created_unix"),
             shared_memory=self._endpoint.shared_memory,
             store_io=lambda: self._store.io_counters(),
+            curve_refused=lambda: key_refusals.count if key_refusals is not None else 0,
         )
         self.commands = CommandQueue()  # how the admin service reaches this thread
         # --pass-thread: the update passes run on a thread of their own while this one receives and sends

@@ -24,8 +24,10 @@ class KeyRefusals:
     def __init__(self, allowed_dir: str) -> None:
         self._allowed_dir = allowed_dir
         self._log = RateLimitedLog(log)
+        self.count = 0  # written on the ZAP handler's thread, read at metrics scrapes: a plain int
 
     def say(self, key: str) -> None:
+        self.count += 1
         self._log.log(
             "curve-refused",
             logging.WARNING,
@@ -37,17 +39,19 @@ class KeyRefusals:
 
 
 class DataPlane(NamedTuple):
-    """What :func:`bind_data_plane` bound, and the allow list (``None`` without CURVE)."""
+    """What :func:`bind_data_plane` bound, the allow list and the refused keys' count (``None`` without CURVE)."""
 
     transport: Transport
     endpoint: ServerEndpoint
     allow_list: AllowList | None
+    key_refusals: KeyRefusals | None
 
 
 def bind_data_plane(config: NodeConfig) -> DataPlane:
     """Bind ``config.listen``; a bad allow-list file releases what was bound and raises."""
     curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
-    options = {"curve_server": curve, "on_key_refused": KeyRefusals(config.curve_allow or "").say} if curve is not None else {}
+    refusals = KeyRefusals(curve.allowed_keys_dir) if curve is not None else None
+    options = {"curve_server": curve, "on_key_refused": refusals.say} if refusals is not None else {}
     transport = create_transport(
         config.listen,
         max_message_bytes=config.max_message_bytes,
@@ -63,4 +67,4 @@ def bind_data_plane(config: NodeConfig) -> DataPlane:
         endpoint.close()
         transport.close()
         raise
-    return DataPlane(transport, endpoint, allow_list)
+    return DataPlane(transport, endpoint, allow_list, refusals)

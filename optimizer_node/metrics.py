@@ -139,6 +139,9 @@ class _ScrapeTimeCollector(Collector):
         io = m.store_io()
         yield CounterMetricFamily("netoptim_state_read_bytes", "Out of core: bytes of state read from the state files.", value=io["bytes_read"])
         yield CounterMetricFamily("netoptim_state_written_bytes", "Out of core: bytes of state written to the state files.", value=io["bytes_written"])
+        yield CounterMetricFamily(
+            "netoptim_curve_refused_connections", "Data-plane handshakes refused: the CURVE key is not in --curve-allow.", value=m.curve_refused()
+        )
         yield from self._non_finite()
 
     def _non_finite(self) -> Iterator[Metric]:
@@ -183,7 +186,8 @@ class NodeMetrics:
     - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet);
     - ``shared_memory``: same-host connections with shared windows and the bytes through them;
     - ``store_io``: an out-of-core node's state bytes read and written
-      (:meth:`~optimizer_node.storage.BucketStore.io_counters`).
+      (:meth:`~optimizer_node.storage.BucketStore.io_counters`);
+    - ``curve_refused``: data-plane connections whose CURVE key the allow-list refused.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class NodeMetrics:
         last_checkpoint_unix: Callable[[], float | None] = _no_checkpoint,
         shared_memory: Callable[[], dict[str, int]] = no_shared_memory,
         store_io: Callable[[], dict[str, int]] = no_store_io,
+        curve_refused: Callable[[], int] = lambda: 0,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
@@ -205,6 +210,7 @@ class NodeMetrics:
         self.last_checkpoint_unix = last_checkpoint_unix
         self.shared_memory = shared_memory
         self.store_io = store_io
+        self.curve_refused = curve_refused
         self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
         self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
         ProcessCollector(registry=registry)

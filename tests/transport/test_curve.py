@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
+from tests.optimizer_node.test_metrics import scrape
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,9 @@ def keys(tmp_path_factory):
 @pytest.mark.parametrize("lanes", [1, 3], ids=["one-connection", "3-lanes"])
 def test_only_allowed_workers_get_in(start_node, keys, lanes):
     key_dir, allowed = keys
-    node = start_node(extra_args=("--curve-secret-key", str(key_dir / "node.key_secret"), "--curve-allow", str(allowed), "--io-threads", str(lanes)))
+    node = start_node(
+        extra_args=("--curve-secret-key", str(key_dir / "node.key_secret"), "--curve-allow", str(allowed), "--io-threads", str(lanes), "--metrics-port", "0")
+    )
     model = torch.nn.Linear(4, 2)
     opt = RemoteAdamW(
         model.parameters(),
@@ -58,6 +61,7 @@ def test_only_allowed_workers_get_in(start_node, keys, lanes):
     assert "the connection: the connection is made but the CURVE handshake fails" in str(refused.value)  # what the socket saw
     bad_key = (key_dir / "bad.key").read_text().split('public-key = "')[1].split('"')[0]
     assert f"its CURVE public key {bad_key} is not in --curve-allow {allowed}" in node.log_text()  # and the node says so
+    assert scrape(node.metrics_url)["netoptim_curve_refused_connections_total"] >= lanes  # and counts it: each lane knocked
     with pytest.raises(TimeoutError, match="CURVE handshake fails"):  # an allowed key, but another node's public key
         stranger_joins("good.key_secret", "bad.key")
     with pytest.raises(TimeoutError, match="give this worker its keys") as plain:  # no CURVE at all
