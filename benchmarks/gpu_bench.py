@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import check_node_args, store_io_threads
+from benchmarks.common import check_node_args, node_flag, store_io_threads
 from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box
 from benchmarks.gpu_mode_names import MODES, NETOPTIM_MODES
@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace) -> dict:
         args.node_threads,
         args.pin,
         args.worker_cpus,
-        pass_thread="--pass-thread" in args.node_arg,
+        pass_thread=node_flag(args.node_arg, "--pass-thread") is not None,
         store_io_threads=store_io_threads(args.node_arg),
     )
     settings = ModeSettings(

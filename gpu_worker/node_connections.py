@@ -23,12 +23,12 @@ from transport.wire import ErrorCode, Header, MsgType
 log = logging.getLogger(__name__)
 
 RECONNECT_PAUSE_S = 0.05
-LINK_WARNING_S = 5.0
-"""A node that has not answered after this long, where the connection says why (nothing listens there,
-a failed handshake), is warned of at once, not only when the timeout ends the wait."""
 """The first pause before a reconnect says HELLO again on a new connection after the last dropped
 (doubling up to 1 s): a node that restarts within a second is caught at once, a peer that drops
 every connection is not hammered."""
+LINK_WARNING_S = 5.0
+"""A node that has not answered after this long, where the connection says why (nothing listens there,
+a failed handshake), is warned of at once, not only when the timeout ends the wait."""
 
 
 class NodeError(RuntimeError):

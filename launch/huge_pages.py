@@ -45,7 +45,9 @@ def apply_huge_pages(wanted: bool, environ: dict[str, str] | None = None, *, tor
     why = f"as {THP_ENV}={given} in the environment says" if given is not None else ("--huge-pages" if wanted else "--no-huge-pages")
     if environ[THP_ENV] != "1":
         return f"off ({why})"
-    if "torch" in sys.modules if torch_loaded is None else torch_loaded:  # it read the variable at its first allocation, at its import
+    if torch_loaded is None:
+        torch_loaded = "torch" in sys.modules
+    if torch_loaded:  # it read the variable at its first allocation, at its import
         return f"asked for ({why}) too late: torch was loaded before; set {THP_ENV}=1 in the node's environment"
     policy = anonymous_huge_pages()
     if policy in ("madvise", "always"):

@@ -48,10 +48,17 @@ class DataPlane(NamedTuple):
 
 
 def bind_data_plane(config: NodeConfig) -> DataPlane:
-    """Bind ``config.listen``; a bad allow-list file releases what was bound and raises."""
+    """Bind ``config.listen``; a bad allow-list file raises before anything is bound."""
     curve = CurveServerConfig(config.curve_secret_key, config.curve_allow) if config.curve_secret_key and config.curve_allow else None
-    refusals = KeyRefusals(curve.allowed_keys_dir) if curve is not None else None
-    options = {"curve_server": curve, "on_key_refused": refusals.say} if refusals is not None else {}
+    options: dict[str, object] = {}
+    allow_list: AllowList | None = None
+    refusals: KeyRefusals | None = None
+    if curve is not None:
+        curve.validate()  # a missing directory said as such, before its (absent) files are read
+        # which ranks each allowed key may register as, read once: the handshake lets in the same keys
+        allow_list = load_allow_list(curve.allowed_keys_dir)
+        refusals = KeyRefusals(curve.allowed_keys_dir)
+        options = {"curve_server": curve, "allowed_keys": allow_list.public_keys, "on_key_refused": refusals.say}
     transport = create_transport(
         config.listen,
         max_message_bytes=config.max_message_bytes,
@@ -60,11 +67,9 @@ def bind_data_plane(config: NodeConfig) -> DataPlane:
         **options,
         **config.endpoint_limits(),
     )
-    endpoint = transport.bind(config.listen)
-    try:  # which ranks each allowed key may register as; a bad allow-list file stops the start
-        allow_list = load_allow_list(curve.allowed_keys_dir) if curve is not None else None
-    except Exception:
-        endpoint.close()
+    try:
+        endpoint = transport.bind(config.listen)
+    except BaseException:
         transport.close()
         raise
     return DataPlane(transport, endpoint, allow_list, refusals)

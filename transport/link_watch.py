@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 WATCHED_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_CONNECT_RETRIED
+    zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -37,7 +36,7 @@ class LinkWatch:
     dropped: bool = False  # a DISCONNECTED since :meth:`take_dropped`
     handshakes: int = 0  # sessions that got through the handshake (security included)
     refused: int = 0  # attempts that failed since the last good handshake (refused, no such socket, host unreachable)
-    failed_handshake: int = 0  # the last handshake failure's event, 0 once one succeeds
+    failed_handshake: bool = False  # the last handshake failed (none succeeded since)
     curve: bool = False  # this side uses CURVE: which way a failed handshake points
 
     def see(self, event: int) -> None:
@@ -47,11 +46,11 @@ class LinkWatch:
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshakes += 1
             self.refused = 0
-            self.failed_handshake = 0
+            self.failed_handshake = False
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.refused += 1
         elif event & _HANDSHAKE_FAILED:
-            self.failed_handshake = event
+            self.failed_handshake = True
 
     def take_dropped(self) -> bool:
         """Whether the connection dropped since the last call."""

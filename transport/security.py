@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -62,19 +63,20 @@ class CurveClientConfig:
 
 class AllowedKeys:
     """The ZAP handler's check of a connecting worker's CURVE key (a credentials provider for
-    ``configure_curve_callback``): allowed if a ``.key`` file of the allow-list directory holds it.
+    ``configure_curve_callback``): allowed if it is one of ``keys`` (z85, :attr:`AllowList.public_keys`).
     ``on_refused`` hears of each key refused (z85, on the handler's thread), so that the node can say
     so: ZeroMQ itself tells the node nothing of a handshake it refused."""
 
-    def __init__(self, directory: str, on_refused: Callable[[str], None] | None = None) -> None:
-        self._keys = frozenset(zmq.auth.load_certificates(directory))  # z85 public keys
+    def __init__(self, keys: AbstractSet[str], on_refused: Callable[[str], None] | None = None) -> None:
+        self._keys = keys
         self._on_refused = on_refused
 
     def callback(self, domain: str, key: bytes) -> bool:
-        if key in self._keys:
+        text = key.decode("ascii", "replace")
+        if text in self._keys:
             return True
         if self._on_refused is not None:
-            self._on_refused(key.decode("ascii", "replace"))
+            self._on_refused(text)
         return False
 
 
@@ -231,6 +233,11 @@ class AllowList:
 
     def __len__(self) -> int:
         return len(self._grants)
+
+    @property
+    def public_keys(self) -> frozenset[str]:
+        """The allowed public keys (z85): what the handshake lets in."""
+        return frozenset(self._grants)
 
     def grant(self, user_id: str | None) -> KeyGrant | None:
         """The grant of the key a message came with (its ``User-Id``); ``None`` for a key not listed."""

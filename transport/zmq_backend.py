@@ -19,6 +19,7 @@ import secrets
 import struct
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
 import msgpack
 import torch
@@ -29,7 +30,7 @@ from transport.interface import ClientEndpoint, Message, SendHandle, Transport
 from transport.link_watch import WATCHED_EVENTS, LinkWatch
 from transport.payload_views import board_payload_views, payload_views
 from transport.same_host_shm import BOARD, CREDIT, DEFAULT_WINDOW_BYTES, HANDSHAKE, SHARED, SharedClient, is_control
-from transport.security import AllowedKeys, CurveClientConfig, CurveServerConfig, secure_client_socket
+from transport.security import AllowedKeys, AllowList, CurveClientConfig, CurveServerConfig, secure_client_socket
 from transport.wire import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_HEADER_BYTES, ErrorCode, Header, Payload, WireError, decode_header
 from transport.zmq_server import ZmqServer
 from transport.zmq_sockets import (
@@ -184,7 +185,7 @@ class ZmqClient(ClientEndpoint):
 
     def connection_dropped(self) -> bool:
         self._watch()
-        return any([link.take_dropped() for link in self._links])
+        return any([link.take_dropped() for link in self._links])  # a list: every lane's flag is taken
 
     def link_problem(self) -> str | None:
         """The first lane's problem that its monitor's events tell for certain (see :class:`LinkWatch`)."""
@@ -224,13 +225,15 @@ class ZmqTransport(Transport):
         max_peers: int = DEFAULT_MAX_PEERS,
         same_host_window_bytes: int = DEFAULT_WINDOW_BYTES,
         shared_memory: bool = True,
+        allowed_keys: AbstractSet[str] | None = None,
         on_key_refused: Callable[[str], None] | None = None,
     ) -> None:
         """``max_frame_bytes`` (``None``: :func:`default_max_frame_bytes`), ``max_header_bytes`` and
         ``max_peers`` are the limits of the server endpoints it binds (see :class:`ZmqServer`);
         ``same_host_window_bytes`` the shared window a server gives each same-host connection, each
-        way (0: none); ``shared_memory`` whether clients ask for one; ``on_key_refused`` hears the
-        public key (z85) of each client whose CURVE key ``curve_server``'s allow-list refused."""
+        way (0: none); ``shared_memory`` whether clients ask for one; ``allowed_keys`` the public keys
+        (z85) ``curve_server`` lets in, where the caller read its allow-list already (default: read
+        from its directory at bind); ``on_key_refused`` hears the key of each client refused."""
         if not 1 <= connections_per_peer <= 255:
             raise ValueError(f"connections per node must be in [1, 255], not {connections_per_peer}")
         self._lanes = connections_per_peer
@@ -248,6 +251,7 @@ class ZmqTransport(Transport):
         }
         self._shared_memory = shared_memory
         self._curve_server = curve_server
+        self._allowed_keys = allowed_keys
         self._on_key_refused = on_key_refused
         self._curve_client = curve_client
         self._authenticator: ThreadAuthenticator | None = None
@@ -258,9 +262,8 @@ class ZmqTransport(Transport):
             # ZAP handler: only clients whose public key is in the allow-list complete the handshake.
             self._authenticator = ThreadAuthenticator(self._context, log=logging.getLogger("netoptim.curve"))
             self._authenticator.start()
-            self._authenticator.configure_curve_callback(
-                domain="*", credentials_provider=AllowedKeys(self._curve_server.allowed_keys_dir, self._on_key_refused)
-            )
+            keys = self._allowed_keys if self._allowed_keys is not None else AllowList.load(self._curve_server.allowed_keys_dir).public_keys
+            self._authenticator.configure_curve_callback(domain="*", credentials_provider=AllowedKeys(keys, self._on_key_refused))
         return ZmqServer(
             self._context, url, max_message_bytes=self._max_message_bytes, chunk_bytes=self._chunk_bytes, curve=self._curve_server, **self._server_limits
         )
