@@ -20,7 +20,6 @@ what it then measures is the store's own CPU cost (copies, checksums), not the d
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 from benchmarks.common import vm_bytes
 from optimizer_node.adamw import AdamWHyper, adamw_update
-from optimizer_node.ooc_files import O_DIRECT, probe_direct_io, state_buffer
+from optimizer_node.disk_rate import measure_disk
 from optimizer_node.ooc_store import OutOfCoreStore
 from optimizer_node.storage import BucketStore, InMemoryStore
 
@@ -43,62 +42,6 @@ def _reset_peak_rss() -> None:
             handle.write("5")
     except OSError:
         pass
-
-
-PROBE_BLOCK = 16 << 20
-
-
-def _probe_buffer() -> memoryview:
-    buffer = state_buffer(PROBE_BLOCK // 4)  # page-aligned (and on huge pages), as the store's
-    buffer.fill_(1.0)
-    return memoryview(buffer.numpy()).cast("B")
-
-
-def make_probe_file(directory: Path, nbytes: int) -> Path:
-    """The file the disk is measured on, written once beforehand: the store overwrites the blocks
-    of retired versions, so the bound is the disk's speed too, not the file system's allocation."""
-    path = directory / "disk-probe.bin"
-    data = _probe_buffer()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for index in range(max(1, nbytes // PROBE_BLOCK)):
-            os.pwrite(fd, data, index * PROBE_BLOCK)
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return path
-
-
-def disk_bound(path: Path, nbytes: int, *, direct: bool) -> tuple[float, float] | None:
-    """Sequential write (then fdatasync) and read of ``nbytes`` over the probe file, in GB/s, through
-    the page cache (dropped after each pass) or, with ``direct``, with ``O_DIRECT``; None where the
-    file system refuses ``O_DIRECT``."""
-    if direct and not probe_direct_io(path.parent):
-        return None
-    data = _probe_buffer()
-    blocks = max(1, nbytes // PROBE_BLOCK)
-    flag = O_DIRECT if direct else 0
-    started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | flag)
-    try:
-        for index in range(blocks):
-            os.pwrite(fd, data, index * PROBE_BLOCK)
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    write_s = time.perf_counter() - started
-    started = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | flag)
-    try:
-        for index in range(blocks):
-            os.preadv(fd, [data], index * PROBE_BLOCK)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    read_s = time.perf_counter() - started
-    return blocks * PROBE_BLOCK / write_s / 1e9, blocks * PROBE_BLOCK / read_s / 1e9
 
 
 def _run_steps(store: BucketStore, num_buckets: int, grad: torch.Tensor, steps: int, label: str, *, progress: bool = True) -> list[float]:
@@ -140,15 +83,8 @@ def run(args: argparse.Namespace) -> dict:
         # The disk's speed is the faster of the two ways to move the bytes: through the page cache,
         # and O_DIRECT from huge pages, as the store does with --io sync (no copies, and requests of
         # the device's maximum size). Alternated, so both see the same load.
-        probes: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        probe_path = make_probe_file(Path(workdir), state_bytes)
-        for _ in range(args.repeats):
-            for direct in (False, True):
-                if (probe := disk_bound(probe_path, state_bytes, direct=direct)) is not None:
-                    probes[direct].append(probe)
-        probe_path.unlink()
-        speeds = {direct: (statistics.median(p[0] for p in runs), statistics.median(p[1] for p in runs)) for direct, runs in probes.items() if runs}
-        write_gbs, read_gbs = max(speed[0] for speed in speeds.values()), max(speed[1] for speed in speeds.values())
+        disk = measure_disk(Path(workdir), state_bytes, args.repeats)
+        write_gbs, read_gbs = disk.best_write_gbs, disk.best_read_gbs
         bound_s = state_bytes / (write_gbs * 1e9) + state_bytes / (read_gbs * 1e9)
 
         # A two-bucket store first, so that the code the store runs (torch's kernels, zlib, the file
@@ -195,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
         "in_memory_mparams_per_s": numel / statistics.median(mem_times) / 1e6,
         "disk_write_gbs": write_gbs,
         "disk_read_gbs": read_gbs,
-        "disk_gbs_by_method": {("direct" if direct else "buffered"): {"write": w, "read": r} for direct, (w, r) in speeds.items()},
+        "disk_gbs_by_method": {mode: {"write": disk.write_gbs[mode], "read": disk.read_gbs[mode]} for mode in disk.write_gbs},
         "bytes_read_per_step": read_per_step,
         "bytes_written_per_step": written_per_step,
         "out_of_core_peak_rss_added": ooc_peak,
