@@ -151,29 +151,39 @@ def _render_hparams(response: dict) -> str:
     return "\n".join(lines)
 
 
+def admin_token(token_file: str | None, token: str | None) -> str | None:
+    """The bearer token for a node's admin service: read from ``token_file`` (``ValueError`` if others
+    may read it or it is empty), else ``token``, else ``$NETOPTIM_ADMIN_TOKEN``; ``None``: none."""
+    if token_file:
+        from transport.secret_files import read_token_file
+
+        return read_token_file(token_file)
+    return token or os.environ.get(TOKEN_ENV) or None
+
+
+def admin_channel(target: str, tls_ca: str | None) -> Any:
+    """A gRPC channel to a node's admin service at ``target``: TLS trusting ``tls_ca`` where given."""
+    import grpc
+
+    if tls_ca:
+        with open(tls_ca, "rb") as handle:
+            return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=handle.read()))
+    return grpc.insecure_channel(target)
+
+
 def run_admin(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from protos import admin_pb2, admin_pb2_grpc
 
-    if args.token_file:
-        from transport.secret_files import read_token_file
-
-        try:
-            token = read_token_file(args.token_file)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    else:
-        token = args.token or os.environ.get(TOKEN_ENV)
+    try:
+        token = admin_token(args.token_file, args.token)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     metadata = [("authorization", f"Bearer {token}")] if token else []
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as handle:
-            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(root_certificates=handle.read()))
-    else:
-        channel = grpc.insecure_channel(args.target)
-    with channel:
+    with admin_channel(args.target, args.tls_ca) as channel:
         stub = admin_pb2_grpc.OptimizerNodeAdminStub(channel)
         call = {"metadata": metadata, "timeout": args.timeout}
         try:

@@ -27,6 +27,20 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def param_count(text: str) -> int:
+    """A parameter count like 3B, 85M, 1.3e9 or 125000000."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+    stripped = text.strip().lower()
+    factor = scale.get(stripped[-1:], 1)
+    try:
+        value = int(float(stripped[:-1] if factor > 1 else stripped) * factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count like 3B, 85M or 125000000") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
 def niceness(text: str) -> int:
     """An argparse type: a CPU niceness, -20 (most CPU) to 19 (least)."""
     try:
@@ -65,6 +79,11 @@ def size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
+
+
+def size_or_zero(text: str) -> int:
+    """:func:`size`, or ``0`` (off)."""
+    return 0 if text.strip() == "0" else size(text)
 
 
 def size_list(text: str) -> list[str]:

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from netoptim.admin_cli import add_admin_parser, run_admin
-from netoptim.arg_types import non_negative_int, positive_int, size
+from netoptim.arg_types import non_negative_int, param_count, positive_int, size
 from netoptim.bench_cli import add_bench_parser
 from netoptim.cluster_cli import add_cluster_parser
+from netoptim.doctor_cli import add_doctor_parser, run_doctor
 from netoptim.node_cli import run_node
 from netoptim.node_parser import add_node_parser
 from netoptim.plan_cli import add_plan_parser, run_plan
@@ -40,27 +41,13 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--layerwise", action="store_true", help="layer-wise mode: workers stream the blocks from the nodes instead of holding the model")
 
 
-def _count(text: str) -> int:
-    """A parameter count like 3B, 85M, 1.3e9 or 125000000."""
-    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-    stripped = text.strip().lower()
-    factor = scale.get(stripped[-1:], 1)
-    try:
-        value = int(float(stripped[:-1] if factor > 1 else stripped) * factor)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count like 3B, 85M or 125000000") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
-
-
 def _add_plan_memory_parser(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan-memory",
         help="RAM and disk each optimizer node needs for a model, before starting anything",
         description="Print what each node needs for its share of a job: RAM in memory, RAM and disk out of core (--state-dir/--memory-budget), so you know before you start. Nodes check the same figures when a job registers and refuse one they cannot hold.",
     )
-    plan.add_argument("--params", type=_count, required=True, help="trainable parameters of the model, like 3B, 85M or 125000000")
+    plan.add_argument("--params", type=param_count, required=True, help="trainable parameters of the model, like 3B, 85M or 125000000")
     plan.add_argument("--workers", type=positive_int, required=True, help="data-parallel workers")
     plan.add_argument("--nodes", type=positive_int, default=1, help="optimizer nodes sharing the state (default: %(default)s)")
     plan.add_argument(
@@ -233,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"netoptim {_version()}", help="print netoptim's version and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars, here or in the processes this command starts (as TQDM_DISABLE=1 does)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity (default: %(default)s)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,cluster,plan,plan-memory,admin,export,keygen}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{node,demo,bench,cluster,plan,plan-memory,admin,doctor,export,keygen}")
     add_node_parser(subparsers)
     _add_demo_parser(subparsers)
     add_bench_parser(subparsers)
@@ -241,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_memory_parser(subparsers)
     add_plan_parser(subparsers)
     add_admin_parser(subparsers)
+    add_doctor_parser(subparsers)
     _add_export_parser(subparsers)
     _add_keygen_parser(subparsers)
     return parser
@@ -288,6 +276,8 @@ def _run_command(args: argparse.Namespace) -> int:
         return run_export(args)
     if args.command == "admin":
         return run_admin(args)
+    if args.command == "doctor":
+        return run_doctor(args)
     if args.command == "plan-memory":
         return run_plan_memory(args)
     if args.command == "plan":
