@@ -185,5 +185,16 @@ def test_findings_that_need_a_fix_have_one():
 def test_help_explains_every_flag():
     result = run_netoptim("doctor", "--help")
     assert result.returncode == 0
-    for flag in ("--node", "--admin", "--token-file", "--curve-secret-key", "--state-dir", "--params", "--memory-budget", "--probe-bytes", "--timeout", "--json"):
+    for flag in (
+        "--node",
+        "--admin",
+        "--token-file",
+        "--curve-secret-key",
+        "--state-dir",
+        "--params",
+        "--memory-budget",
+        "--probe-bytes",
+        "--timeout",
+        "--json",
+    ):
         assert flag in result.stdout
