@@ -64,7 +64,7 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
         type=size_or_zero,
         default=DEFAULT_PROBE_BYTES,
         metavar="SIZE",
-        help="bytes of the disk and node rate probes (default: 64MiB; 0 skips them)",
+        help="bytes of the disk and node rate probes (default: 64MiB; 0 skips every measurement, the update rate's too)",
     )
     doctor.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="how long to wait for a node's answer (default: %(default)s)")
     doctor.add_argument("--no-host", action="store_true", help="skip this host's own checks (only the state directory and the nodes)")
@@ -108,7 +108,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         log.error("doctor: %s", exc)
         return 2
     plan = _plan(args)
-    findings: list[Finding] = [] if args.no_host else host_findings(plan, args.memory_budget)
+    findings: list[Finding] = [] if args.no_host else host_findings(plan, args.memory_budget, measure=args.probe_bytes > 0)
     if args.state_dir:
         findings += state_dir_findings(Path(args.state_dir), plan, args.memory_budget, args.probe_bytes)
     addresses = list(args.node)
@@ -119,6 +119,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             addresses.append(data_address)
     curve = CurveClientConfig(args.curve_secret_key, args.curve_server_key) if args.curve_secret_key else None
     for address in addresses:
-        findings += data_plane_findings(address, curve, timeout_s=args.timeout, probe_bytes=args.probe_bytes)
+        exchange = None if plan is None else -(-args.params // args.nodes) * (4 if args.wire_dtype == "float32" else 2)
+        findings += data_plane_findings(address, curve, timeout_s=args.timeout, probe_bytes=args.probe_bytes, exchange_bytes=exchange)
     print(as_json(findings) if args.json else as_text(findings))
     return 1 if failed(findings) else 0

@@ -115,6 +115,39 @@ def update_path() -> Finding:
     )
 
 
+UPDATE_PROBE_NUMEL = 16 << 20
+"""Parameters of the update-rate probe: 16M, in 4M-element buckets (the default), ~320 MB for a second."""
+
+
+def update_rate(plan: JobPlan | None) -> Finding:
+    """The node's update pass here, at the threads a node on all usable CPUs takes, one fp32 gradient
+    a bucket, the new values written out as onto a parameter board: Mparam/s, and with ``plan`` the
+    least time a step's update of one node's share takes."""
+    import torch
+
+    from optimizer_node import compiled_update
+    from optimizer_node.update_profile import update_pass_seconds_per_param
+
+    threads = update_threads(len(usable_cpus()))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = compiled_update.usable()
+        seconds = update_pass_seconds_per_param(1, threads, numel=UPDATE_PROBE_NUMEL, repeats=7, compiled=compiled, board=True, bucket_numel=4 << 20)
+    finally:
+        torch.set_num_threads(previous)
+    rate = 1e-6 / seconds
+    path = "compiled loop" if compiled else "torch ops"
+    detail = f"{rate:,.0f} Mparam/s on {threads} threads ({path}, one gradient a bucket, the new values written out)"
+    figures: dict[str, float | int | str | None] = {"mparams_per_s": round(rate, 1), "threads": threads}
+    if plan is not None:
+        share = -(-plan.params // plan.nodes)
+        floor_s = share * seconds
+        figures["update_seconds_per_step"] = round(floor_s, 3)
+        detail += f"; a node here updates its share ({share:,} parameters) in at least {floor_s:.2f} s a step"
+    return Finding(HOST, "update rate", "ok", detail, figures=figures)
+
+
 def huge_pages() -> list[Finding]:
     found = []
     private = anonymous_huge_pages()
@@ -195,6 +228,7 @@ def gpus() -> Finding:
     return Finding(HOST, "gpus", "ok", f"{detail}; page-locked host memory works", figures={"cuda_devices": count})
 
 
-def host_findings(plan: JobPlan | None, memory_budget: int | None) -> list[Finding]:
-    """Every check of this host, in the order they print."""
-    return [software(), cpus(), memory(plan, memory_budget), update_path(), *huge_pages(), memory_files(), open_files(plan), gpus()]
+def host_findings(plan: JobPlan | None, memory_budget: int | None, *, measure: bool = True) -> list[Finding]:
+    """Every check of this host, in the order they print; ``measure``: the update rate as well (a second or two)."""
+    rate = [update_rate(plan)] if measure else []
+    return [software(), cpus(), memory(plan, memory_budget), update_path(), *rate, *huge_pages(), memory_files(), open_files(plan), gpus()]

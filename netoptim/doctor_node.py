@@ -81,8 +81,11 @@ def _address_problem(address: str) -> tuple[str, str] | None:
     return None
 
 
-def data_plane_findings(address: str, curve: CurveClientConfig | None, *, timeout_s: float, probe_bytes: int) -> list[Finding]:
-    """Connect to the node at ``address`` as a worker would and measure the path to it."""
+def data_plane_findings(
+    address: str, curve: CurveClientConfig | None, *, timeout_s: float, probe_bytes: int, exchange_bytes: int | None = None
+) -> list[Finding]:
+    """Connect to the node at ``address`` as a worker would and measure the path to it; ``exchange_bytes``:
+    what a worker sends the node a step (and gets back), for the least time that takes at the rate measured."""
     area = f"node {address}"
     if (problem := _address_problem(address)) is not None:
         return [Finding(area, "address", "fail", *problem)]
@@ -94,13 +97,13 @@ def data_plane_findings(address: str, curve: CurveClientConfig | None, *, timeou
     transport = create_transport(address, **({"curve_client": curve} if curve else {}))
     client = transport.connect(address)
     try:
-        return _probe(area, address, client, timeout_s=timeout_s, probe_bytes=probe_bytes, curve=curve is not None)
+        return _probe(area, address, client, timeout_s=timeout_s, probe_bytes=probe_bytes, curve=curve is not None, exchange_bytes=exchange_bytes)
     finally:
         client.close()
         transport.close()
 
 
-def _probe(area: str, address: str, client: ClientEndpoint, *, timeout_s: float, probe_bytes: int, curve: bool) -> list[Finding]:
+def _probe(area: str, address: str, client: ClientEndpoint, *, timeout_s: float, probe_bytes: int, curve: bool, exchange_bytes: int | None) -> list[Finding]:
     started = time.monotonic()
     client.send(Header(msg_type=MsgType.ECHO))
     reply = _await(client, started + timeout_s)
@@ -129,7 +132,7 @@ def _probe(area: str, address: str, client: ClientEndpoint, *, timeout_s: float,
         )
     )
     if probe_bytes:
-        found.append(_rate(area, client, probe_bytes, timeout_s))
+        found.append(_rate(area, client, probe_bytes, timeout_s, exchange_bytes))
     return found
 
 
@@ -148,7 +151,7 @@ def _fix_for(problem: str | None, curve: bool) -> str:
     return 'start the node, or fix the host and port (the "data" field of its ready file)'
 
 
-def _rate(area: str, client: ClientEndpoint, probe_bytes: int, timeout_s: float) -> Finding:
+def _rate(area: str, client: ClientEndpoint, probe_bytes: int, timeout_s: float, exchange_bytes: int | None) -> Finding:
     """``probe_bytes`` pushed in pieces and echoed back, a few pieces in flight at once."""
     piece = torch.ones(min(PROBE_PIECE, probe_bytes) // 4, dtype=torch.float32)
     pieces = max(1, probe_bytes // (piece.numel() * 4))
@@ -170,7 +173,14 @@ def _rate(area: str, client: ClientEndpoint, probe_bytes: int, timeout_s: float)
     moved = pieces * piece.numel() * 4
     gbs = moved / seconds / 1e9
     detail = f"{gbs:.2f} GB/s each way ({moved >> 20} MiB pushed and echoed back in {PROBE_PIECE >> 20} MiB pieces, {PROBE_IN_FLIGHT} in flight)"
-    return Finding(area, "rate", "ok", detail, figures={"gbs_each_way": round(gbs, 3)})
+    figures: dict[str, float | int | str | None] = {"gbs_each_way": round(gbs, 3)}
+    if exchange_bytes:
+        floor_s = exchange_bytes / (gbs * 1e9)  # the gradients out and the values back share no direction
+        figures["exchange_seconds_per_step"] = round(floor_s, 3)
+        detail += (
+            f"; a worker's gradients for one node's share and its new values ({exchange_bytes / 1e9:.2f} GB each way) take at least {floor_s:.2f} s a step"
+        )
+    return Finding(area, "rate", "ok", detail, figures=figures)
 
 
 def admin_findings(target: str, token: str | None, tls_ca: str | None, *, timeout_s: float, version: str) -> tuple[list[Finding], str | None]:

@@ -35,11 +35,14 @@ def closed_port() -> int:
 
 def test_this_host_and_a_state_dir(tmp_path):
     state = tmp_path / "state"
-    code, found = doctor("--state-dir", str(state), "--probe-bytes", "16MiB")
+    code, found = doctor("--state-dir", str(state), "--probe-bytes", "16MiB", "--params", "100M")
     assert code == 0
     host = {check: finding for (area, check), finding in found.items() if area == "this host"}
-    assert {"software", "cpus", "memory", "update path", "huge pages", "memory files", "open files", "gpus"} <= set(host)
+    assert {"software", "cpus", "memory", "update path", "update rate", "huge pages", "memory files", "open files", "gpus"} <= set(host)
     assert host["cpus"]["figures"]["cpus"] >= 1 and host["memory"]["figures"]["available_bytes"] > 0
+    update = host["update rate"]["figures"]
+    assert update["threads"] == host["cpus"]["figures"]["node_update_threads"]
+    assert update["update_seconds_per_step"] == pytest.approx(100e6 / (update["mparams_per_s"] * 1e6), rel=0.01)
     area = f"state dir {state}"
     assert found[(area, "directory")]["detail"].startswith(f"does not exist yet (the node creates it in {tmp_path})")
     assert not state.exists() and not list(tmp_path.iterdir())  # the probes left nothing behind
@@ -101,14 +104,16 @@ def test_mount_table_lookup(tmp_path):
 
 def test_a_running_node_is_reached_and_measured(start_node):
     node = start_node(extra_args=("--admin", "127.0.0.1:0"))
-    code, found = doctor("--no-host", "--admin", node.admin_address, "--probe-bytes", "8MiB")
+    code, found = doctor("--no-host", "--admin", node.admin_address, "--probe-bytes", "8MiB", "--params", "10M", "--wire-dtype", "bfloat16")
     assert code == 0, found
     admin = f"admin {node.admin_address}"
     assert found[(admin, "health")]["detail"] == "SERVING" and found[(admin, "version")]["level"] == "ok"
     assert "no job registered" in found[(admin, "status")]["detail"]
     data = f"node {node.address}"  # probed through the address the node's status gave
     assert found[(data, "reachable")]["level"] == "ok" and "on this host" in found[(data, "reachable")]["detail"]
-    assert found[(data, "round trip")]["figures"]["rtt_ms"] > 0 and found[(data, "rate")]["figures"]["gbs_each_way"] > 0
+    rate = found[(data, "rate")]["figures"]
+    assert found[(data, "round trip")]["figures"]["rtt_ms"] > 0 and rate["gbs_each_way"] > 0
+    assert rate["exchange_seconds_per_step"] == pytest.approx(2 * 10e6 / (rate["gbs_each_way"] * 1e9), rel=0.02, abs=0.001)
 
 
 def test_nothing_listening_is_said_before_the_timeout_ends(tmp_path):
