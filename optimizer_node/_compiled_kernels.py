@@ -201,15 +201,13 @@ def _write_copy(p, out):  # pragma: no cover - compiled
 
 
 @_jit(inline="always")
-def _block_fp32(p, m, v, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
-    """Elements ``lo .. hi - 1``: (``prev`` not empty) the parameters kept as they were; AdamW with the
-    fp32 frames summed in order; then (``wire`` not empty) the outgoing copy: bf16 bits, or fp32."""
+def _terms_fp32(p, m, v, frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    """AdamW on ``p``, ``m``, ``v`` (the block's elements) with elements ``lo .. hi - 1`` of the fp32
+    frames summed in order."""
     count = len(frames)
-    if prev.shape[0] > 0:  # the block is in cache for the update that follows
-        stream_copy(p[lo:hi], prev[lo:hi])
     last = frames[count - 1][lo:hi]
     if count == 1:
-        _single_fp32(p[lo:hi], m[lo:hi], v[lo:hi], last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        _single_fp32(p, m, v, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
     else:
         if count == 2:
             rest = frames[0][lo:hi]
@@ -217,9 +215,28 @@ def _block_fp32(p, m, v, frames, wire, prev, lo, hi, scale, decay, coeff, lerp_f
             rest = frames[0][lo:hi].copy()  # (a constant index past a short tuple would not type)
             for k in range(1, count - 1):
                 rest += frames[k][lo:hi]
-        _pair_fp32(p[lo:hi], m[lo:hi], v[lo:hi], rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
-    if wire.shape[0] > 0:  # the outgoing copy (bf16 bits or fp32) while the block is in cache
-        write_copy(p[lo:hi], wire[lo:hi])
+        _pair_fp32(p, m, v, rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit(inline="always")
+def _block_fp32(
+    p, m, v, frames, wire, prev, keep, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+):  # pragma: no cover
+    """Elements ``lo .. hi - 1``: (``prev`` not empty) the parameters kept as they were; AdamW with the
+    fp32 frames summed in order; then (``wire`` not empty) the outgoing copy: bf16 bits, or fp32.
+    ``keep`` (with an fp32 ``wire``): ``p`` is only read; the block is updated in a buffer of its own
+    that stays in cache and goes to ``wire`` in streaming stores (the node's master values moving to
+    the parameter board's other slot), so no byte of the block is written twice."""
+    if prev.shape[0] > 0:  # the block is in cache for the update that follows
+        stream_copy(p[lo:hi], prev[lo:hi])
+    if keep:
+        work = p[lo:hi].copy()
+        _terms_fp32(work, m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        write_copy(work, wire[lo:hi])
+    else:
+        _terms_fp32(p[lo:hi], m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        if wire.shape[0] > 0:  # the outgoing copy (bf16 bits or fp32) while the block is in cache
+            write_copy(p[lo:hi], wire[lo:hi])
 
 
 @_jit(inline="always")
@@ -272,22 +289,24 @@ def _block_bf16(
 
 
 @_jit(parallel=True)
-def update_fp32(p, m, v, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+def update_fp32(
+    p, m, v, frames, wire, prev, keep, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+):  # pragma: no cover
     """Each block (start, stop) of ``blocks``, over the threads: see ``_block_fp32``."""
     for b in prange(blocks.shape[0]):
         _block_fp32(
-            p, m, v, frames, wire, prev, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+            p, m, v, frames, wire, prev, keep, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
         )
 
 
 @_jit()
 def update_fp32_serial(
-    p, m, v, frames, wire, prev, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+    p, m, v, frames, wire, prev, keep, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
 ):  # pragma: no cover
     """``update_fp32`` in the calling thread."""
     for b in range(blocks.shape[0]):
         _block_fp32(
-            p, m, v, frames, wire, prev, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+            p, m, v, frames, wire, prev, keep, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
         )
 
 

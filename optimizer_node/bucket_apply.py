@@ -50,6 +50,7 @@ class PendingUpdate:
     arguments: dict[str, Any]  # update_bucket's keyword arguments
     board: torch.Tensor | None  # the bucket's slot on the parameter board the pass writes
     wire: torch.Tensor | None  # where the pass writes the new values in the wire dtype (the board, or the wire copy)
+    masters_to_board: bool  # fp32 in memory: the board slot becomes the bucket's master values
     previous: torch.Tensor | None  # where the pass copies the values it replaces, for a restarted rank
     unchanged: bool  # no segment had a gradient on any rank
     bookkeeping_s: float = 0.0
@@ -125,6 +126,11 @@ class BucketApply:
         # the update pass writes the values onto the parameter board too (a 16-bit wire: its cast, which
         # it makes anyway), into the bucket's slot that does not hold this step's values: they stay there
         board = self._replies.board_slot(job, state)
+        # fp32 in memory: the board's slot is where the new master values go, the pass reading the
+        # current ones (on the other slot after the first update) and writing each value once
+        masters_to_board = board is not None and self._store.params_movable and job.spec.wire_dtype == "float32"
+        if board is None:
+            state.own_param()  # updated in place, not in a slot workers may read
         previous = None
         if self.retain_previous and ledger.retained(state.bucket_id, state.step) is None:
             # a rank that restarts in this step needs them to redo its gradient
@@ -160,11 +166,12 @@ class BucketApply:
             # with clipping, the sum was divided by world_size for the norm: it is only multiplied
             grad_divisor=job.divisor if in_flight.clip is None else None,
             grad_multiplier=in_flight.clip,
-            wire_out=wire if board is not None or not unchanged or state.wire_step != state.step else None,
+            wire_out=None if masters_to_board else wire if board is not None or not unchanged or state.wire_step != state.step else None,
             previous_out=previous,
             compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
+            param_out=board if masters_to_board else None,
         )
-        pending = PendingUpdate(job, state, in_flight, ledger, hyper, arguments, board, wire, previous, unchanged)
+        pending = PendingUpdate(job, state, in_flight, ledger, hyper, arguments, board, wire, masters_to_board, previous, unchanged)
         pending.bookkeeping_s = time.perf_counter() - started
         return pending
 
@@ -190,6 +197,8 @@ class BucketApply:
         if pending.applied.changed:
             self._update_paths.record(state.bucket_id, pending.applied.compiled, state.numel, pending.pass_s)
         kept_step = state.step
+        if pending.masters_to_board and pending.board is not None:
+            state.param, state.param_on_board = pending.board, True
         state.step += 1
         state.wire_step = state.step if pending.wire is not None and pending.board is None else -1
         if pending.board is not None:

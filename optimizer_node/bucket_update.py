@@ -70,18 +70,22 @@ def update_bucket(
     wire_out: torch.Tensor | None,
     previous_out: torch.Tensor | None,
     compiled: bool,
+    param_out: torch.Tensor | None = None,
 ) -> Applied:
     """Apply the step's update (``rule``, see :mod:`optimizer_node.rules`) to ``state``; nothing
     changes where no segment had a gradient on any rank, the received frames are let go of and the
     outputs filled all the same. Rules other than AdamW take the per-segment pass; ``compiled``
-    allows the compiled loop where it takes the update."""
+    allows the compiled loop where it takes the update. ``param_out`` (fp32, no ``wire_out``): the
+    new parameters go there and ``state.param`` is only read; the caller makes it the bucket's
+    ``param`` (its master values on the parameter board's other slot)."""
     stepped = [index not in absent_everywhere for index in range(len(segments))]
     if not any(stepped):
         reduction.take_pending()
         if previous_out is not None:
             previous_out.copy_(state.param)
-        if wire_out is not None:
-            wire_out.copy_(state.param)
+        for out in (wire_out, param_out):
+            if out is not None and out.data_ptr() != state.param.data_ptr():
+                out.copy_(state.param)
         return Applied(changed=False, compiled=False)
     if rule == "adamw" and state.segment_steps is None and all(stepped):  # the common case: one step count, the fast pass
         ran_compiled = reduce_and_update(
@@ -98,12 +102,21 @@ def update_bucket(
             previous_out=previous_out,
             compiled=compiled,
             arrays=state.numpy_state() if compiled else None,
+            param_out=param_out,
         )
         return Applied(changed=True, compiled=ran_compiled)
     steps = [torch.tensor(count, dtype=torch.float32) for count in state.segment_step_counts(len(segments))]
+    param = state.param
+    if param_out is not None:  # the per-segment pass updates in place: there, from the values read
+        if previous_out is not None:
+            previous_out.copy_(param)
+            previous_out = None
+        if param_out.data_ptr() != param.data_ptr():
+            param_out.copy_(param)
+        param = param_out
     reduce_and_update_segments(
         reduction,
-        state.param,
+        param,
         state.exp_avg,
         state.exp_avg_sq,
         steps,

@@ -179,6 +179,7 @@ def update(
     serial: bool | None = None,
     arrays: tuple[np.ndarray, ...] | None = None,
     threads: int | None = None,
+    keep: bool = False,
 ) -> None:
     """Sum ``head`` (the partial sum, if any) and ``frames`` in order, divide by ``divisor`` and apply
     AdamW at ``step`` (already incremented) to the ``(start, stop)`` ranges in ``blocks``, in place;
@@ -186,7 +187,9 @@ def update(
     ``previous`` (fp32), if given, receives their parameters as they were before the update.
     ``serial`` runs the blocks in this thread (default: with one thread or one block). ``arrays``:
     numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` the caller keeps (made here otherwise).
-    ``threads``: :func:`loop_threads` as the caller found it for its plan (found here otherwise)."""
+    ``threads``: :func:`loop_threads` as the caller found it for its plan (found here otherwise).
+    ``keep`` (fp32 frames and an fp32 ``wire``): ``param`` is only read, the new parameters go to
+    ``wire`` alone (a node's master values moving to its board's other slot)."""
     # Called once a bucket (thousands of times a step with small buckets): each line here is spelled
     # for the interpreter's fast paths, the kernel's call itself being a few microseconds.
     kernels = _kernels()
@@ -198,13 +201,17 @@ def update(
     if serial is None:
         serial = threads == 1 or len(blocks) == 1  # a thread pool's start costs more than one block
     if frames[0].dtype is torch.float32:
+        if keep and (wire is None or wire.dtype is not torch.float32):
+            raise ValueError("keep needs an fp32 wire to write the new parameters into")
         terms = tuple([t.numpy() for t in frames] if head is None else [head.numpy(), *[t.numpy() for t in frames]])
         if serial:
-            kernels.update_fp32_serial(p, m, v, terms, out, prev, blocks, *consts)
+            kernels.update_fp32_serial(p, m, v, terms, out, prev, keep, blocks, *consts)
         else:
             with _one_parallel_loop_at_a_time():
-                kernels.update_fp32(p, m, v, terms, out, prev, blocks, *consts)
+                kernels.update_fp32(p, m, v, terms, out, prev, keep, blocks, *consts)
     else:
+        if keep:
+            raise ValueError("keep takes fp32 frames: a 16-bit wire's master values stay where they are")
         first = head.numpy() if head is not None else _NO_FP32
         bf16_terms = tuple([_array(t) for t in frames])
         if serial:
@@ -383,10 +390,17 @@ def _check_case(hyper: AdamWHyper, dtype: torch.dtype, workers: int, generator: 
         )  # fmt: skip
         before = mine[0].clone()
         previous = torch.empty(numel)
-        # the serial loop, the parallel one and the one chosen here
-        update(mine[0], mine[1], mine[2], head, frames, wire, blocks, hyper, float(step), float(workers), previous, serial=(True, False, None)[index])
+        # the serial loop, the parallel one and the one chosen here; in fp32 the second writes the new
+        # values elsewhere (keep), as onto a parameter board's other slot
+        keep = dtype == torch.float32 and index == 1
+        out = torch.empty(numel) if keep else wire
+        update(mine[0], mine[1], mine[2], head, frames, out, blocks, hyper, float(step), float(workers), previous, serial=(True, False, None)[index], keep=keep)
         if not torch.equal(previous, before):
             return f"the kept parameters at step {int(step)}"
+        if keep and out is not None:
+            if not torch.equal(mine[0], before):
+                return f"the source of an update elsewhere changed at step {int(step)}"
+            mine[0] = out
         for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), mine, theirs, strict=True):
             if not torch.equal(a, b):
                 return f"{name} at step {int(step)}, {dtype} gradients of {workers} workers, {hyper}"

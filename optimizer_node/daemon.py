@@ -95,6 +95,7 @@ class NodeDaemon:
             shared_memory=self._endpoint.shared_memory,
             store_io=lambda: self._store.io_counters(),
             curve_refused=lambda: key_refusals.count if key_refusals is not None else 0,
+            master_bytes_on_board=lambda: self._store.master_bytes_on_board(),
         )
         self.commands = CommandQueue()  # how the admin service reaches this thread
         # --pass-thread: the update passes run on a thread of their own while this one receives and sends

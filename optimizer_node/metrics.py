@@ -136,6 +136,11 @@ class _ScrapeTimeCollector(Collector):
         shared = m.shared_memory()
         for family, name, text, key in _SAME_HOST_SERIES:
             yield family(name, text, value=shared[key])
+        yield GaugeMetricFamily(
+            "netoptim_master_values_on_board_bytes",
+            "fp32 master parameters kept on the parameter board (each update writes them beside the version it reads), not in memory of their own.",
+            value=m.master_bytes_on_board(),
+        )
         io = m.store_io()
         yield CounterMetricFamily("netoptim_state_read_bytes", "Out of core: bytes of state read from the state files.", value=io["bytes_read"])
         yield CounterMetricFamily("netoptim_state_written_bytes", "Out of core: bytes of state written to the state files.", value=io["bytes_written"])
@@ -187,7 +192,9 @@ class NodeMetrics:
     - ``shared_memory``: same-host connections with shared windows and the bytes through them;
     - ``store_io``: an out-of-core node's state bytes read and written
       (:meth:`~optimizer_node.storage.BucketStore.io_counters`);
-    - ``curve_refused``: data-plane connections whose CURVE key the allow-list refused.
+    - ``curve_refused``: data-plane connections whose CURVE key the allow-list refused;
+    - ``master_bytes_on_board``: fp32 master values kept on the parameter board
+      (:meth:`~optimizer_node.storage.BucketStore.master_bytes_on_board`).
     """
 
     def __init__(
@@ -201,6 +208,7 @@ class NodeMetrics:
         shared_memory: Callable[[], dict[str, int]] = no_shared_memory,
         store_io: Callable[[], dict[str, int]] = no_store_io,
         curve_refused: Callable[[], int] = lambda: 0,
+        master_bytes_on_board: Callable[[], int] = lambda: 0,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
@@ -211,6 +219,7 @@ class NodeMetrics:
         self.shared_memory = shared_memory
         self.store_io = store_io
         self.curve_refused = curve_refused
+        self.master_bytes_on_board = master_bytes_on_board
         self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
         self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
         ProcessCollector(registry=registry)

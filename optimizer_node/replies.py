@@ -207,6 +207,8 @@ class ParameterReplies:
         """A parameter board for this job's values (same-host workers read them there), where the
         node is to have one (:attr:`NodeConfig.board_wanted`: by default where it keeps its state in
         memory) and the host's available memory holds it."""
+        for state in self._store:  # master values on the board going away: back into memory of their own
+            state.own_param()
         self._endpoint.drop_board()
         if not self._config.board_wanted or not self._same_host_address:
             return

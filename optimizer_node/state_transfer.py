@@ -57,6 +57,8 @@ def load_part(store: BucketStore, state: BucketState, message: Message, segments
             raise WireError(ErrorCode.BAD_REQUEST, f"segment_steps must be non-negative whole numbers, got {steps}")
     store.acquire(state)
     try:
+        if part == "param":
+            state.own_param()  # not into the board's slot same-host workers may be reading
         target = getattr(state, part)
         for offset, view in message.tensors:
             target[offset : offset + view.numel()].copy_(view)

@@ -57,6 +57,10 @@ class BucketState:
     # numpy views of param, exp_avg, exp_avg_sq and step_tensor for the compiled update, with the
     # tensors they view: made once (a view each call cost ~3 us a bucket), remade when one is replaced
     _arrays: tuple | None = field(default=None, repr=False, compare=False)
+    # ``param`` is a slot of the parameter board (fp32 in memory: the update pass writes each version
+    # into the slot beside the one it reads); what is written into it other than by an update must
+    # go into memory of the bucket's own first (:meth:`own_param`), as workers may be reading it
+    param_on_board: bool = False
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -65,6 +69,13 @@ class BucketState:
     def new_revision(self) -> None:
         """``param`` was replaced other than by an update: what was sent of it before is not it."""
         self.revision = next(_revisions)
+
+    def own_param(self) -> None:
+        """Move ``param`` off the parameter board into memory of its own (before it is written other
+        than by an update, or updated without a board slot to write into)."""
+        if self.param_on_board:
+            self.param = self.param.clone()
+            self.param_on_board = False
 
     def numpy_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Zero-copy numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step_tensor``."""
@@ -109,6 +120,14 @@ class BucketStore(ABC):
     """The node's state, one :class:`BucketState` per owned bucket."""
 
     last_error: str | None = None  # the last failure of background work (a write behind), for status
+
+    params_movable = False
+    """Whether a bucket's ``param`` may become a view of memory elsewhere (the parameter board's
+    slots): in memory, yes; out of core the store reads and writes its own buffers."""
+
+    def master_bytes_on_board(self) -> int:
+        """Bytes of fp32 master values kept on the parameter board (none where :attr:`params_movable` is False)."""
+        return 0
 
     @abstractmethod
     def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
@@ -220,6 +239,13 @@ def write_synced(path: Path, chunks: list[memoryview]) -> dict[str, int | str]:
 
 class InMemoryStore(BucketStore):
     """All state resident in host memory."""
+
+    params_movable = True
+
+    def master_bytes_on_board(self) -> int:
+        """Bytes of fp32 master values kept on the parameter board (see :attr:`BucketState.param_on_board`);
+        safe to call from another thread (the buckets are listed at once, under the interpreter's lock)."""
+        return sum(4 * state.numel for state in list(self._buckets.values()) if state.param_on_board)
 
     def __init__(self) -> None:
         self._buckets: dict[int, BucketState] = {}

@@ -111,6 +111,7 @@ def reduce_and_update(
     chunk_numel: int = CHUNK_NUMEL,
     compiled: bool = True,
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    param_out: torch.Tensor | None = None,
 ) -> bool:
     """Finish ``reduction`` (complete) and apply one AdamW step to the bucket, in one pass; True where
     the compiled loop did it, False where torch ops did.
@@ -122,15 +123,20 @@ def reduce_and_update(
     parameters cast to its dtype; ``previous_out`` the parameters as they were, cast to its dtype (in
     fp32, read in the same pass, while the update has them in cache). ``compiled=False`` keeps to torch ops. ``arrays``:
     numpy views of ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step`` the caller keeps (made here
-    otherwise). The reduction lets go of the received frames; they are freed when this returns.
+    otherwise). ``param_out`` (fp32, no ``wire_out``): the new parameters go there and ``param`` is
+    only read (a node's master values moving to its parameter board's other slot; the compiled loop
+    writes each value once, torch ops copy ``param`` there first). The reduction lets go of the
+    received frames; they are freed when this returns.
     """
     segments = tuple(segments) if segments is not None else ((0, param.numel()),)
     chunks = plan_chunks(segments, chunk_numel)  # also checks that the segments tile the bucket
     if not chunks or chunks[-1].stop != param.numel():
         raise ValueError(f"segments cover {chunks[-1].stop if chunks else 0} elements, the bucket has {param.numel()}")
-    for name, out in (("wire_out", wire_out), ("previous_out", previous_out)):
+    for name, out in (("wire_out", wire_out), ("previous_out", previous_out), ("param_out", param_out)):
         if out is not None and out.numel() != param.numel():
             raise ValueError(f"{name} has {out.numel()} elements, the bucket {param.numel()}")
+    if param_out is not None and (wire_out is not None or param_out.dtype != torch.float32):
+        raise ValueError("param_out takes the new fp32 parameters and is the outgoing copy: give no wire_out")
     if previous_out is not None and previous_out.dtype != torch.float32:
         previous_out.copy_(param)  # a cast of its own (the node's wire copy usually serves instead)
         previous_out = None
@@ -138,8 +144,16 @@ def reduce_and_update(
     step_count = step.numpy() if arrays is None else arrays[3]
     step_count[()] += 1  # once per bucket: every kernel call reads the same step (fp32 + 1, as step.add_(1), at a tenth of its cost)
     loop = compiled and grad_multiplier is None and grad_divisor is not None
-    if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, wire_out, previous_out, arrays):
+    out = wire_out if param_out is None else param_out
+    if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, out, previous_out, arrays, keep=param_out is not None):
         return True
+    if param_out is not None:  # torch ops update in place: the values go there first
+        if previous_out is not None:
+            previous_out.copy_(param)
+            previous_out = None
+        if param_out.data_ptr() != param.data_ptr():
+            param_out.copy_(param)
+        param = param_out
     terms = [_Term(pieces) for pieces in pending]
     for chunk in chunks:
         if previous_out is not None:
@@ -207,9 +221,12 @@ def _compiled_pass(
     wire_out: torch.Tensor | None,
     previous_out: torch.Tensor | None,
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    *,
+    keep: bool = False,
 ) -> bool:
     """The update (and bf16 copy) through the compiled loop, the segments' tails through torch ops;
-    False, having done nothing, if the loop does not take these terms or is not ready.
+    False, having done nothing, if the loop does not take these terms or is not ready. ``keep``: the
+    new values go to ``wire_out`` (fp32) alone, ``param`` is only read.
 
     A gradient that came in several frames (the wire cuts a message into ``chunk_bytes`` pieces: a
     16 MiB bucket is four) is taken window by window, a window being a stretch where every term is
@@ -233,13 +250,15 @@ def _compiled_pass(
     loop_copy = None
     if wire_out is not None and (wire_out.dtype is torch.bfloat16 or (wire_out.dtype is torch.float32 and windows[0][2][-1].dtype is torch.float32)):
         loop_copy = wire_out
+    if keep and loop_copy is None:  # 16-bit frames into fp32 masters elsewhere: torch ops
+        return False
     step_value = float(arrays[3]) if arrays is not None else float(step)  # a numpy scalar reads faster than a tensor
     divisor = float(grad_divisor)
     if whole:
         head, views = heads[0], windows[0][2]
         compiled_update.update(
             param, exp_avg, exp_avg_sq, head, views[1:] if head is not None else views, loop_copy, plan.blocks, hyper, step_value, divisor, previous_out,
-            arrays=arrays and arrays[:3], threads=threads,
+            arrays=arrays and arrays[:3], threads=threads, keep=keep,
         )  # fmt: skip
     for head, (lo, hi, views) in zip(heads, windows, strict=True) if not whole else ():
         blocks = _blocks_within(plan.blocks, lo, hi)
@@ -259,14 +278,20 @@ def _compiled_pass(
             _cut(previous_out, lo, hi),
             arrays=arrays and tuple(array[lo:hi] for array in arrays[:3]),
             threads=threads,
+            keep=keep,
         )
     if plan.tails:
         start, stop = plan.tails[0][0], plan.tails[-1][0] + plan.tails[-1][1]
         if previous_out is not None:
             for offset, numel in plan.tails:
                 previous_out[offset : offset + numel].copy_(param[offset : offset + numel])
-        _update_pieces([_Term(pieces) for pieces in pending], start, stop, plan.tails, param, exp_avg, exp_avg_sq, step, hyper, grad_divisor, None)
-        if loop_copy is not None:
+        target = param
+        if keep and loop_copy is not None:  # torch's kernel updates in place: there, from the values read
+            for offset, numel in plan.tails:
+                loop_copy[offset : offset + numel].copy_(param[offset : offset + numel])
+            target = loop_copy
+        _update_pieces([_Term(pieces) for pieces in pending], start, stop, plan.tails, target, exp_avg, exp_avg_sq, step, hyper, grad_divisor, None)
+        if loop_copy is not None and not keep:
             for offset, numel in plan.tails:
                 loop_copy[offset : offset + numel].copy_(param[offset : offset + numel])
     if wire_out is not None and loop_copy is None:

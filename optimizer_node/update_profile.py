@@ -28,11 +28,14 @@ def update_pass_seconds_per_param(
     board: bool = False,
     check: bool = False,
     bucket_numel: int = BUCKET_NUMEL,
+    board_copy: bool = False,
 ) -> float:
     """Median seconds per parameter of :func:`reduce_and_update` over ``numel`` fp32 parameters (the
     whole buckets that fit) in ``bucket_numel``-element buckets, ``terms`` gradients each, on
     ``threads`` torch threads (a warm-up first); ``compiled=False``: through torch ops, as a node runs while its compiled loop is unchecked.
-    ``board``: the pass also writes the new values out (as onto the parameter board in an fp32 job);
+    ``board``: the new values go onto a parameter board as in an fp32 job, the masters living there (each
+    pass reads one slot and writes the other); ``board_copy``: as before they did, the masters updated
+    in place and then copied onto the board (for comparison);
     ``check``: each gradient is checked for NaN/inf first, as a node checks every push it receives."""
     if terms < 1 or threads < 1 or bucket_numel < 1 or numel < bucket_numel or repeats < 1:
         raise ValueError(
@@ -59,6 +62,7 @@ def update_pass_seconds_per_param(
                     raise AssertionError("the profile's gradients are finite")
                 reduction.add(rank, [(0, frames[index][rank])])
             exp_avg, exp_avg_sq = moments[index]
+            beside = board and not board_copy
             reduce_and_update(
                 reduction,
                 params[index],
@@ -68,8 +72,11 @@ def update_pass_seconds_per_param(
                 hyper,
                 grad_divisor=divisor,
                 compiled=compiled,
-                wire_out=wire_out[index],
+                wire_out=None if beside else wire_out[index],
+                param_out=wire_out[index] if beside else None,
             )
+            if beside:  # the slot written holds the masters now; the next pass writes the other
+                params[index], wire_out[index] = wire_out[index], params[index]
         return time.perf_counter() - started
 
     previous = torch.get_num_threads()

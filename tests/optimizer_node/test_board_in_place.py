@@ -59,6 +59,27 @@ def test_updates_are_written_onto_the_board_in_place_in_the_wire_dtype(start_nod
         metrics = scrape(node.metrics_url)
         assert metrics["netoptim_same_host_board_copied_bytes_total"] == copied_at_start, "every update was written onto the board in place"
         assert metrics["netoptim_same_host_board_written_bytes_total"] == copied_at_start * (1 + STEPS)
+        # fp32: the board's slots are the master values themselves, each update writing beside the version it reads
+        on_board = 4 * sum(values.numel() for values in params) if wire == "float32" else 0
+        assert metrics["netoptim_master_values_on_board_bytes"] == on_board
+        header, read = local.request(Header(msg_type=MsgType.READ_STATE, rank=0, bucket_id=1, meta={"part": "param"}))
+        assert header.msg_type == MsgType.STATE and torch.equal(read, params[1]), "the state read is the masters, wherever they live"
+
+        # values loaded between steps go into memory of the bucket's own, not into a slot a worker may read
+        loaded = torch.randn(params[0].numel(), generator=generator)
+        load = tensor_header(MsgType.LOAD_STATE, loaded, rank=0, bucket_id=0, meta={"part": "param"})
+        assert local.request(load, loaded).msg_type == MsgType.ACK
+        assert scrape(node.metrics_url)["netoptim_master_values_on_board_bytes"] == on_board - (4 * params[0].numel() if on_board else 0)
+        assert torch.equal(local.pull(0), loaded.to(dtype)) and torch.equal(remote.pull(0), loaded.to(dtype))
+        params[0] = loaded
+        grads = [torch.randn(loaded.numel(), generator=generator).to(dtype) for _ in range(2)]
+        remote.push(0, STEPS, grads[1])
+        local.push(0, STEPS, grads[0])
+        adamw_update(loaded, grads[0].to(torch.float32) + grads[1].to(torch.float32), *moments[0], HYPER, grad_divisor=torch.tensor(2.0))
+        for worker in (local, remote):
+            header, received = worker.reply()
+            assert header.msg_type == MsgType.PARAMS and header.step == STEPS + 1 and torch.equal(received, loaded.to(dtype))
+        assert scrape(node.metrics_url)["netoptim_master_values_on_board_bytes"] == on_board, "the next update put them back on the board"
     finally:
         local.client.close()
         remote.client.close()

@@ -186,6 +186,65 @@ def test_reduce_and_update_is_bitwise_torch_fused(world_size, wire, path, loop_c
         assert len(loop_calls) == (4 if compiled and wire != "float16" else 0)  # fp16 frames: torch ops
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("path", ["compiled", "compiled-1-thread", "compiled-frames-in-pieces", "torch"])
+def test_new_values_written_beside_the_ones_read_are_bitwise_torch_fused(world_size, path, loop_calls):
+    """An fp32 node's masters on its board: each update reads one slot and writes the other
+    (``param_out``), the slot read left as it was (the version before, for a restarted rank); bitwise
+    torch's fused AdamW, tails through torch's kernel included; the last step writes over the slot it
+    reads (a board without room for a second slot)."""
+    compiled = path.startswith("compiled")
+    generator = torch.Generator().manual_seed(10 + world_size)
+    segments = _segments(SEGMENT_SIZES)
+    numel = sum(SEGMENT_SIZES)
+    initial = torch.randn(numel, generator=generator)
+    reference = [torch.nn.Parameter(initial[offset : offset + size].clone()) for offset, size in segments]
+    optimizer = torch.optim.AdamW(reference, lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05, fused=True)
+    slots = [initial.clone(), torch.full((numel,), float("nan"))]
+    exp_avg, exp_avg_sq, step = torch.zeros(numel), torch.zeros(numel), torch.zeros(())
+    hyper = AdamWHyper(3e-3, 0.8, 0.99, 1e-7, 0.05)
+    threads = torch.get_num_threads()
+    if path == "compiled-1-thread":
+        torch.set_num_threads(1)
+    try:
+        for step_index in range(5):
+            grads = [torch.randn(numel, generator=generator) * 10 ** (rank % 3) for rank in range(world_size)]
+            summed = grads[0].clone()
+            for grad in grads[1:]:
+                summed = summed + grad
+            for p, (offset, size) in zip(reference, segments, strict=True):
+                p.grad = (summed / world_size)[offset : offset + size].clone()
+            optimizer.step()
+            reduction = OrderedReduction(numel, world_size, lambda: torch.empty(numel), defer=True)
+            for rank in range(world_size):
+                in_pieces = path.endswith("frames-in-pieces") and rank % 2 == 0
+                reduction.add(rank, _as_frames(grads[rank], generator) if in_pieces else [(0, grads[rank].clone())])
+            source = slots[step_index % 2]
+            target = source if step_index == 4 else slots[(step_index + 1) % 2]
+            before, previous = source.clone(), torch.full((numel,), float("nan")) if step_index % 2 else None
+            reduce_and_update(
+                reduction, source, exp_avg, exp_avg_sq, step, hyper, segments=segments, grad_divisor=torch.tensor(float(world_size)),
+                previous_out=previous, chunk_numel=4096, compiled=compiled, param_out=target,
+            )  # fmt: skip
+            expected = torch.cat([p.detach() for p in reference])
+            assert torch.equal(target, expected), f"step {step_index}"
+            if target is not source:
+                assert torch.equal(source, before), "the slot read keeps the version before"
+            if previous is not None:
+                assert torch.equal(previous, before)
+            assert torch.equal(exp_avg, torch.cat([optimizer.state[p]["exp_avg"] for p in reference]))
+            assert torch.equal(exp_avg_sq, torch.cat([optimizer.state[p]["exp_avg_sq"] for p in reference]))
+    finally:
+        torch.set_num_threads(threads)
+    if compiled:
+        assert len(loop_calls) >= 5
+    else:
+        assert not loop_calls
+    with pytest.raises(ValueError, match="give no wire_out"):
+        reduce_and_update(OrderedReduction(numel, 1, lambda: torch.empty(numel)), slots[0], exp_avg, exp_avg_sq, step, hyper,
+                          grad_divisor=torch.tensor(1.0), wire_out=torch.empty(numel), param_out=slots[1])  # fmt: skip
+
+
 def test_compiled_loop_agrees_with_this_torch():
     """The loop's own check against torch's kernel passes here: if a torch release changes its kernel's
     arithmetic, this fails (the node would quietly fall back to torch ops)."""
@@ -324,3 +383,37 @@ def test_the_streaming_copy_is_exact_at_every_alignment_and_length():
             stream_copy(source[:length], target[shift : shift + length])
             assert (target[shift : shift + length] == source[:length]).all(), (shift, length)
             assert (target[:shift] == -1).all() and (target[shift + length :] == -1).all(), (shift, length)
+
+
+def test_a_bucket_with_segments_not_stepped_writes_beside_too():
+    """The per-segment pass (a segment without a gradient on any rank keeps its values and step
+    count) and a push with no gradient at all, with the new values going to another slot: the same
+    bits as in place, the slot read unchanged."""
+    from optimizer_node.bucket_update import update_bucket
+    from optimizer_node.storage import BucketState
+
+    generator = torch.Generator().manual_seed(3)
+    segments = _segments(SEGMENT_SIZES)
+    numel = sum(SEGMENT_SIZES)
+    initial = torch.randn(numel, generator=generator)
+    hyper = AdamWHyper(1e-2, 0.9, 0.99, 1e-8, 0.01)
+
+    def bucket() -> BucketState:
+        return BucketState(0, initial.clone(), torch.zeros(numel), torch.zeros(numel), torch.zeros(()))
+
+    in_place, beside = bucket(), bucket()
+    for absent in (frozenset({1, 4}), frozenset(range(len(segments))), frozenset({0})):
+        grad = torch.randn(numel, generator=generator)
+        for state, out in ((in_place, None), (beside, torch.full((numel,), float("nan")))):
+            reduction = OrderedReduction(numel, 1, lambda: torch.empty(numel))
+            reduction.add(0, [(0, grad.clone())])
+            read = state.param.clone()
+            arguments = dict(
+                segments=segments, absent_everywhere=absent, grad_divisor=torch.tensor(1.0), grad_multiplier=None, wire_out=None, previous_out=None
+            )
+            update_bucket(state, reduction, hyper, compiled=False, param_out=out, **arguments)
+            if out is not None:
+                assert torch.equal(state.param, read), "the slot read keeps its values"
+                state.param = out  # as the node does: the slot written holds the masters now
+        assert torch.equal(in_place.param, beside.param) and torch.equal(in_place.exp_avg, beside.exp_avg)
+        assert in_place.segment_steps == beside.segment_steps
