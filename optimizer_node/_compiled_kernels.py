@@ -112,9 +112,9 @@ def _widen(raw):  # pragma: no cover - compiled
 
 
 @_jit(inline="always")
-def _adamw(p, m, v, i, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover - compiled
+def _adamw_into(p, out, m, v, i, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover - compiled
     """Element ``i``, with its averaged gradient: the vector path of torch's fp32 AdamW kernel, operation
-    by operation; returns the new parameter."""
+    by operation, the parameter read from ``p`` and the new one written to ``out``; returns it."""
     old = m[i]
     base = old if lerp_from_m else grad  # exp_avg.lerp_(grad, w): |w| < 0.5 ? m + w*(g-m) : g + (w-1)*(g-m)
     mi = _fma(coeff, grad - old, base)
@@ -122,8 +122,14 @@ def _adamw(p, m, v, i, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, 
     m[i] = mi
     v[i] = vi
     new = p[i] * decay + (neg_step * mi) / (math.sqrt(vi) / bias2_sqrt + eps)
-    p[i] = new
+    out[i] = new
     return new
+
+
+@_jit(inline="always")
+def _adamw(p, m, v, i, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover - compiled
+    """:func:`_adamw_into` in place."""
+    return _adamw_into(p, p, m, v, i, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
 
 
 @_jit(inline="always")
@@ -166,6 +172,18 @@ def _pair_bf16(p, m, v, a, b, wire, scale, decay, coeff, lerp_from_m, beta2, one
 def _single_fp32(p, m, v, a, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
     for i in range(p.shape[0]):
         _adamw(p, m, v, i, a[i] / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def _single_fp32_into(p, out, m, v, a, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    for i in range(p.shape[0]):
+        _adamw_into(p, out, m, v, i, a[i] / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit()
+def _pair_fp32_into(p, out, m, v, a, b, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    for i in range(p.shape[0]):
+        _adamw_into(p, out, m, v, i, (a[i] + b[i]) / scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
 
 
 @_jit()
@@ -219,6 +237,23 @@ def _terms_fp32(p, m, v, frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2
 
 
 @_jit(inline="always")
+def _terms_fp32_into(p, out, m, v, frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
+    """:func:`_terms_fp32` reading the parameters from ``p`` and writing the new ones to ``out``."""
+    count = len(frames)
+    last = frames[count - 1][lo:hi]
+    if count == 1:
+        _single_fp32_into(p, out, m, v, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+    else:
+        if count == 2:
+            rest = frames[0][lo:hi]
+        else:
+            rest = frames[0][lo:hi].copy()
+            for k in range(1, count - 1):
+                rest += frames[k][lo:hi]
+        _pair_fp32_into(p, out, m, v, rest, last, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+
+
+@_jit(inline="always")
 def _block_fp32(
     p, m, v, frames, wire, prev, keep, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
 ):  # pragma: no cover
@@ -230,8 +265,10 @@ def _block_fp32(
     if prev.shape[0] > 0:  # the block is in cache for the update that follows
         stream_copy(p[lo:hi], prev[lo:hi])
     if keep:
-        work = p[lo:hi].copy()
-        _terms_fp32(work, m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        work = np.empty(hi - lo, dtype=np.float32)
+        _terms_fp32_into(
+            p[lo:hi], work, m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
+        )
         write_copy(work, wire[lo:hi])
     else:
         _terms_fp32(p[lo:hi], m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
