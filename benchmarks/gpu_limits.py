@@ -67,12 +67,15 @@ def node_update_mparams(threads: int, numel: int = 1 << 26, bucket_numel: int = 
         / update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, compiled=path == "compiled", bucket_numel=bucket_numel)
         for path in ("compiled", "torch_ops")
     }
-    # as an fp32 job's node runs it with same-host workers: the new values onto the parameter board in
-    # the same pass (one more stream of 4 bytes a parameter), and with each push checked for NaN/inf first
+    # as an fp32 job's node runs it with same-host workers: the master values on the parameter board, each
+    # pass reading one slot and writing the other; the old way (updated in place, then copied onto the
+    # board: one more stream of 4 bytes a parameter) for comparison; and with each push checked for NaN/inf first
     board = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, bucket_numel=bucket_numel)
+    board_copy = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, board_copy=True, bucket_numel=bucket_numel)
     checked = update_pass_seconds_per_param(1, threads, numel=numel, repeats=3, board=True, check=True, bucket_numel=bucket_numel)
     return rates | {
         "node_update_compiled_board_mparams_per_s": 1e-6 / board,
+        "node_update_compiled_board_copy_mparams_per_s": 1e-6 / board_copy,
         "node_update_compiled_checked_board_mparams_per_s": 1e-6 / checked,
         "node_update_threads": threads,
         "node_update_bucket_numel": bucket_numel,
