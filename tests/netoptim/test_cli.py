@@ -134,7 +134,7 @@ def test_plan_memory_prints_what_a_node_needs():
     assert plan["params"] == 3_000_000_000
     assert plan["ram_in_memory"] > 12 * 3e9 and plan["disk_out_of_core"] == 12 * 3_000_000_000
     assert 6 << 30 < plan["ram_out_of_core"] < (6 << 30) + (3 << 30), "budget + overhead + two push windows"
-    assert plan["same_host_board"] == 4 * 3_000_000_000, "two fp32 versions of the share, one in place of the kept copy"
+    assert plan["same_host_board"] == 0, "two fp32 versions of the share: the masters themselves, and one in place of the kept copy"
     bf16 = netoptim("plan-memory", "--params", "3B", "--workers", "2", "--wire-dtype", "bfloat16", "--json")
     assert json.loads(bf16.stdout)["per_node"]["same_host_board"] == 0, "two bf16 versions, in place of the kept copy and the cast"
     table = netoptim("plan-memory", "--params", "85M", "--workers", "2", "--nodes", "2")
