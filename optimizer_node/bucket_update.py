@@ -24,7 +24,7 @@ from job.hyper import AdamWHyper
 from job.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.storage import BucketState
-from optimizer_node.update_pass import reduce_and_update, reduce_and_update_segments
+from optimizer_node.update_pass import move_for_update_in_place, reduce_and_update, reduce_and_update_segments
 from transport.wire import ErrorCode, WireError
 
 _NONE_ABSENT: frozenset[int] = frozenset()
@@ -108,12 +108,7 @@ def update_bucket(
     steps = [torch.tensor(count, dtype=torch.float32) for count in state.segment_step_counts(len(segments))]
     param = state.param
     if param_out is not None:  # the per-segment pass updates in place: there, from the values read
-        if previous_out is not None:
-            previous_out.copy_(param)
-            previous_out = None
-        if param_out.data_ptr() != param.data_ptr():
-            param_out.copy_(param)
-        param = param_out
+        param, previous_out = move_for_update_in_place(param, param_out, previous_out)
     reduce_and_update_segments(
         reduction,
         param,

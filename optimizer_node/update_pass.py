@@ -148,12 +148,7 @@ def reduce_and_update(
     if loop and _compiled_pass(pending, param, exp_avg, exp_avg_sq, step, hyper, segments, grad_divisor, out, previous_out, arrays, keep=param_out is not None):
         return True
     if param_out is not None:  # torch ops update in place: the values go there first
-        if previous_out is not None:
-            previous_out.copy_(param)
-            previous_out = None
-        if param_out.data_ptr() != param.data_ptr():
-            param_out.copy_(param)
-        param = param_out
+        param, previous_out = move_for_update_in_place(param, param_out, previous_out)
     terms = [_Term(pieces) for pieces in pending]
     for chunk in chunks:
         if previous_out is not None:
@@ -162,6 +157,17 @@ def reduce_and_update(
         if wire_out is not None:  # while the chunk's parameters are in cache
             wire_out[chunk.start : chunk.stop].copy_(param[chunk.start : chunk.stop])
     return False
+
+
+def move_for_update_in_place(param: torch.Tensor, param_out: torch.Tensor, previous_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For a pass that updates in place but must leave ``param`` as it is: ``previous_out`` filled
+    from it now, ``param`` copied into ``param_out`` (unless they are one); returns what to update
+    (``param_out``) and what is left of ``previous_out`` to fill (nothing)."""
+    if previous_out is not None:
+        previous_out.copy_(param)
+    if param_out.data_ptr() != param.data_ptr():
+        param_out.copy_(param)
+    return param_out, None
 
 
 def reduce_and_update_segments(
