@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -147,8 +148,35 @@ class NodeProcess:
         self.stop()
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 10000
+
+
+def _ephemeral_low(path: Path = EPHEMERAL_PORTS) -> int | None:
+    """The first port of the range the kernel hands out to sockets bound to port 0 (Linux), if it says."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
-    """A TCP port the OS had free a moment ago (for a ``torch.distributed`` rendezvous, which needs one)."""
+    """A TCP port free on 127.0.0.1 a moment ago (for a ``torch.distributed`` rendezvous, which needs
+    one named in advance). Picked at random below the kernel's ephemeral range, where no socket
+    bound to port 0 (a node's, a test's, a connection's own end) can take it between this check and
+    the rendezvous binding it: a port the kernel chose itself went to another process in that
+    window under parallel tests (``EADDRINUSE`` at the rendezvous). Where the range is unknown or
+    leaves no room below it, the kernel picks."""
+    low = _ephemeral_low()
+    if low is not None and low - LOWEST_PICKED_PORT >= 1000:
+        for _ in range(100):
+            port = random.randrange(LOWEST_PICKED_PORT, low)
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
