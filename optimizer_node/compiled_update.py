@@ -61,7 +61,7 @@ def _kernels() -> SimpleNamespace:
     """The numba functions, imported (and compiled, or loaded from numba's cache) on first use."""
     import numba
 
-    from optimizer_node import _compiled_kernels
+    from optimizer_node import _compiled_counts, _compiled_kernels
 
     return SimpleNamespace(
         numba=numba,
@@ -70,8 +70,8 @@ def _kernels() -> SimpleNamespace:
         update_fp32_serial=_compiled_kernels.update_fp32_serial,
         update_bf16_serial=_compiled_kernels.update_bf16_serial,
         cast_bf16=_compiled_kernels.cast_bf16,
-        count_exponent_all_ones=_compiled_kernels.count_exponent_all_ones,
-        count_exponent_all_ones_serial=_compiled_kernels.count_exponent_all_ones_serial,
+        count_exponent_all_ones=_compiled_counts.count_exponent_all_ones,
+        count_exponent_all_ones_serial=_compiled_counts.count_exponent_all_ones_serial,
     )
 
 
@@ -313,7 +313,7 @@ def _check() -> bool:
         compiled_cache.fill_cache(kernels, MAX_TERMS)  # numba holds the GIL while it compiles: not in this process
         directory = Path(kernels.update_fp32._cache._cache_path)
         fingerprint = compiled_cache.build_fingerprint(
-            [Path(__file__), *(Path(__file__).with_name(name) for name in ("_compiled_kernels.py", "compiled_self_check.py"))]
+            [Path(__file__), *(Path(__file__).with_name(name) for name in ("_compiled_kernels.py", "_compiled_counts.py", "compiled_self_check.py"))]
         )
         recorded, mismatch = compiled_cache.recorded_verdict(directory, fingerprint)
         if not recorded:  # once per build and CPU (compiled_cache), not in every process
