@@ -39,12 +39,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import check_node_args, node_flag, store_io_threads
-from benchmarks.gpu_limits import copy_bandwidth_gbs, cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
+from benchmarks.gpu_limits import cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box
 from benchmarks.gpu_mode_names import MODES, NETOPTIM_MODES
 from benchmarks.gpu_modes import DTYPES, ModeSettings, train_mode
 from benchmarks.gpu_table import table
 from benchmarks.train_bench import param_count
+from gpu_worker.copy_rates import copy_bandwidth_gbs
 from gpu_worker.models import GPTConfig
 from launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, update_threads, usable_cpus
 from transport.shm_window import shared_huge_pages

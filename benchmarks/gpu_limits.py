@@ -5,39 +5,10 @@ cores (with the node's own update pass at its threads beside it). With the GPU's
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 import torch
 
-
-def _median_s(run, repeats: int, synchronize) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first warms up
-        synchronize()
-        started = time.perf_counter()
-        run()
-        synchronize()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """GB/s of one large copy: pinned host to device, device to pinned host, pageable host to device."""
-    numel = nbytes // 4
-    pinned = torch.empty(numel, pin_memory=device.type == "cuda").uniform_()
-    pageable = torch.empty(numel).uniform_()
-    on_device = torch.empty(numel, device=device)
-
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    return {
-        "pinned_h2d_gbs": nbytes / 1e9 / _median_s(lambda: on_device.copy_(pinned, non_blocking=True), repeats, synchronize),
-        "pinned_d2h_gbs": nbytes / 1e9 / _median_s(lambda: pinned.copy_(on_device, non_blocking=True), repeats, synchronize),
-        "pageable_h2d_gbs": nbytes / 1e9 / _median_s(lambda: on_device.copy_(pageable), repeats, synchronize),
-    }
+from gpu_worker.copy_rates import median_seconds
 
 
 def cpu_adamw_mparams(numel: int = 1 << 26, threads: int | None = None, repeats: int = 5) -> dict[str, float]:
@@ -49,7 +20,7 @@ def cpu_adamw_mparams(numel: int = 1 << 26, threads: int | None = None, repeats:
         param = torch.zeros(numel, requires_grad=True)
         param.grad = torch.randn(numel)
         opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
-        seconds = _median_s(opt.step, repeats, lambda: None)
+        seconds = median_seconds(opt.step, repeats, lambda: None)
     finally:
         torch.set_num_threads(previous)
     return {"cpu_adamw_mparams_per_s": numel / 1e6 / seconds, "cpu_adamw_threads": threads}

@@ -108,7 +108,9 @@ def run_doctor(args: argparse.Namespace) -> int:
         log.error("doctor: %s", exc)
         return 2
     plan = _plan(args)
-    findings: list[Finding] = [] if args.no_host else host_findings(plan, args.memory_budget, measure=args.probe_bytes > 0)
+    findings: list[Finding] = (
+        [] if args.no_host else host_findings(plan, args.memory_budget, measure=args.probe_bytes > 0, wire_bytes=4 if args.wire_dtype == "float32" else 2)
+    )
     if args.state_dir:
         findings += state_dir_findings(Path(args.state_dir), plan, args.memory_budget, args.probe_bytes)
     addresses = list(args.node)

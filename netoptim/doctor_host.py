@@ -206,7 +206,13 @@ def open_files(plan: JobPlan | None) -> Finding:
     return Finding(HOST, "open files", "ok", detail, figures=figures)
 
 
-def gpus() -> Finding:
+GPU_PROBE_BYTES = 256 << 20
+"""Bytes of the GPU check's copies each way (a quarter of a second at PCIe 4 speeds)."""
+
+
+def gpus(plan: JobPlan | None, wire_bytes: int, *, measure: bool = True) -> Finding:
+    """CUDA devices, page-locked memory, and (``measure``) on the first device its copy rates each
+    way; with ``plan``, the least time a step's gradients down and values up take at those rates."""
     import torch
 
     if not torch.cuda.is_available():
@@ -225,10 +231,30 @@ def gpus() -> Finding:
             "raise the memory-lock limit (ulimit -l unlimited) or the container's; check the driver",
             {"cuda_devices": count},
         )
-    return Finding(HOST, "gpus", "ok", f"{detail}; page-locked host memory works", figures={"cuda_devices": count})
+    if not measure:
+        return Finding(HOST, "gpus", "ok", f"{detail}; page-locked host memory works", figures={"cuda_devices": count})
+    from gpu_worker.copy_rates import copy_bandwidth_gbs
+
+    said, figures = copy_rates_said(copy_bandwidth_gbs(torch.device("cuda", 0), GPU_PROBE_BYTES, repeats=3), plan, wire_bytes)
+    return Finding(HOST, "gpus", "ok", f"{detail}; {said}", figures={"cuda_devices": count, **figures})
 
 
-def host_findings(plan: JobPlan | None, memory_budget: int | None, *, measure: bool = True) -> list[Finding]:
-    """Every check of this host, in the order they print; ``measure``: the update rate as well (a second or two)."""
+def copy_rates_said(rates: dict[str, float], plan: JobPlan | None, wire_bytes: int) -> tuple[str, dict[str, float | int | str | None]]:
+    """A device's copy rates in words and figures; with ``plan`` the least time a step's gradients
+    down and values up take at them (a full-model worker moves the whole model each way a step)."""
+    said = f"page-locked copies {rates['pinned_h2d_gbs']:.1f} GB/s to the device, {rates['pinned_d2h_gbs']:.1f} back (pageable to it {rates['pageable_h2d_gbs']:.1f})"
+    figures: dict[str, float | int | str | None] = {name: round(value, 2) for name, value in rates.items()}
+    if plan is not None:
+        moved = plan.params * wire_bytes
+        floor_s = max(moved / (rates["pinned_d2h_gbs"] * 1e9), moved / (rates["pinned_h2d_gbs"] * 1e9))
+        figures["copy_seconds_per_step"] = round(floor_s, 3)
+        said += f"; a step's gradients down and values up take at least {floor_s:.2f} s on device 0"
+    return said, figures
+
+
+def host_findings(plan: JobPlan | None, memory_budget: int | None, *, measure: bool = True, wire_bytes: int = 4) -> list[Finding]:
+    """Every check of this host, in the order they print; ``measure``: the update rate (and a GPU's
+    copy rates) as well, a second or two."""
     rate = [update_rate(plan)] if measure else []
-    return [software(), cpus(), memory(plan, memory_budget), update_path(), *rate, *huge_pages(), memory_files(), open_files(plan), gpus()]
+    found = [software(), cpus(), memory(plan, memory_budget), update_path(), *rate, *huge_pages(), memory_files(), open_files(plan)]
+    return [*found, gpus(plan, wire_bytes, measure=measure)]

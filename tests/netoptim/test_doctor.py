@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from netoptim.doctor_disk import file_system
 from netoptim.doctor_findings import Finding, as_text
@@ -203,3 +204,21 @@ def test_help_explains_every_flag():
         "--json",
     ):
         assert flag in result.stdout
+
+
+def test_a_gpu_s_copy_rates_bound_a_step(tmp_path):
+    """The arithmetic of the GPU check (its copies run where CUDA exists): the slower way sets the floor."""
+    import argparse
+
+    from gpu_worker.copy_rates import copy_bandwidth_gbs
+    from netoptim.doctor_cli import _plan, add_doctor_parser
+    from netoptim.doctor_host import copy_rates_said
+
+    parser = argparse.ArgumentParser()
+    add_doctor_parser(parser.add_subparsers(dest="command"))
+    plan = _plan(parser.parse_args(["doctor", "--params", "1B", "--wire-dtype", "bfloat16"]))
+    said, figures = copy_rates_said({"pinned_h2d_gbs": 50.0, "pinned_d2h_gbs": 40.0, "pageable_h2d_gbs": 7.0}, plan, 2)
+    assert figures["copy_seconds_per_step"] == pytest.approx(2e9 / 40e9) and "at least 0.05 s" in said
+    rates = copy_bandwidth_gbs(torch.device("cpu"), nbytes=1 << 20, repeats=1)  # the same probe, run on the CPU here
+    assert set(rates) == {"pinned_h2d_gbs", "pinned_d2h_gbs", "pageable_h2d_gbs"} and min(rates.values()) > 0
+    assert copy_rates_said(rates, None, 4)[1].get("copy_seconds_per_step") is None

@@ -16,9 +16,10 @@ import torch
 
 from benchmarks import gpu_bench
 from benchmarks.common import store_io_threads
-from benchmarks.gpu_limits import copy_bandwidth_gbs, offload_limit_step_s
+from benchmarks.gpu_limits import offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box, load_limits
 from benchmarks.gpu_modes import ModeSettings
+from gpu_worker.copy_rates import copy_bandwidth_gbs
 from launch.host_cpus import format_cpu_list, update_threads
 
 
