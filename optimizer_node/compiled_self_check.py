@@ -6,15 +6,18 @@ change to this file runs the check again (it is part of the recorded verdict's f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from optimizer_node.adamw import AdamWHyper
-from optimizer_node.compiled_update import _array, _kernels, update
 
 
-def self_check() -> str | None:
-    """Run the loop and torch's kernel on the same inputs; the first difference found, or ``None``."""
+def self_check(update: Callable[..., None], cast_bf16: Callable[[torch.Tensor, torch.Tensor], None]) -> str | None:
+    """Run the loop (``update``: :func:`optimizer_node.compiled_update.update`; ``cast_bf16``: its
+    cast of fp32 values into a bf16 tensor) and torch's kernel on the same inputs; the first
+    difference found, or ``None``."""
     generator = torch.Generator().manual_seed(0)
     cases = [  # both lerp branches, with and without weight decay; fp32 frames, bf16 frames, bf16 after a partial sum
         (AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01), torch.float32, 2),
@@ -22,20 +25,20 @@ def self_check() -> str | None:
         (AdamWHyper(1e-2, 0.8, 0.99, 1e-7, 0.1), torch.bfloat16, 3),
     ]
     for hyper, dtype, workers in cases:
-        if (mismatch := _check_case(hyper, dtype, workers, generator)) is not None:
+        if (mismatch := _check_case(update, hyper, dtype, workers, generator)) is not None:
             return mismatch
-    if (mismatch := _check_decay_rounding()) is not None:
+    if (mismatch := _check_decay_rounding(update)) is not None:
         return mismatch
     special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40, 1.00390625, 1.01171875, -1.00390625])
     values = torch.cat([special, torch.randn(1000, generator=generator) * torch.exp(20 * torch.randn(1000, generator=generator))])
     cast = torch.empty(values.numel(), dtype=torch.bfloat16)
-    _kernels().cast_bf16(values.numpy(), _array(cast))
+    cast_bf16(values, cast)
     if not torch.equal(cast.view(torch.int16), values.to(torch.bfloat16).view(torch.int16)):
         return "the bf16 cast"
     return None
 
 
-def _check_decay_rounding(numel: int = 64) -> str | None:
+def _check_decay_rounding(update: Callable[..., None], numel: int = 64) -> str | None:
     """lr * weight_decay == 1 with gradients whose square overflows: the update term vanishes and the
     parameters are the decay factor times themselves, so its rounding shows in every element."""
     hyper = AdamWHyper(10.0, 0.0, 0.999, 1e-8, 0.1)
@@ -53,7 +56,7 @@ def _check_decay_rounding(numel: int = 64) -> str | None:
     return None if torch.equal(mine[0], theirs[0]) else "the decay factor at lr * weight_decay == 1"
 
 
-def _check_case(hyper: AdamWHyper, dtype: torch.dtype, workers: int, generator: torch.Generator, numel: int = 4096) -> str | None:
+def _check_case(update: Callable[..., None], hyper: AdamWHyper, dtype: torch.dtype, workers: int, generator: torch.Generator, numel: int = 4096) -> str | None:
     blocks = np.array([[0, 1000], [1000, numel]], dtype=np.int64)
     wire = torch.empty(numel, dtype=torch.bfloat16) if dtype == torch.bfloat16 else None
     mine = [torch.randn(numel, generator=generator), torch.randn(numel, generator=generator), torch.rand(numel, generator=generator)]
