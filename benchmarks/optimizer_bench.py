@@ -12,7 +12,10 @@ of the step. With a 16-bit wire it keeps the outgoing copy it sent, which costs 
 wire and two or more workers it copies them when the first gradient of the bucket arrives, while it
 waits for the others, off the path from the last gradient to the new values that ``ratio`` measures.
 ``ratio_with_kept_copy`` is the same pass writing that copy too, as a node with one worker does
-(4 bytes per parameter more, and a cache-line read for each line it writes).
+(4 bytes per parameter more, and a cache-line read for each line it writes). Where same-host workers
+read a parameter board (fp32), the pass writes the new masters into the bucket's other slot instead
+(``ratio_board``; the slot read is what is kept); ``ratio_board_copy`` is the way before, the masters
+updated in place and copied onto the board.
 They arrive last rank first, so every frame is held until the pass (with two workers every arrival
 order gives the pass the same work). ``ratio`` is the node's work for pushes a worker vouched for
 (:mod:`gpu_worker.finite_probe`: GPU and CPU workers do for every bucket pushed alone), which the
@@ -74,14 +77,18 @@ def run(args: argparse.Namespace) -> dict:
     scratch = [torch.empty(n) for n in sizes]  # the reduction's buffer; the pass does not need it
     wire_out = [torch.empty(n, dtype=wire_dtype) for n in sizes] if wire_dtype != torch.float32 else None
     kept = [torch.empty(n) for n in sizes] if wire_dtype == torch.float32 else None  # the values a restarted worker may need
+    # fp32 with same-host workers: the parameter board's other slot a bucket, where the masters go (or, the way before, a copy of them)
+    board = [torch.empty(n) for n in sizes] if wire_dtype == torch.float32 else None
     frames = [[torch.randn(n, generator=generator).to(wire_dtype) for _ in range(args.workers)] for n in sizes]
     hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
     divisor = torch.tensor(float(args.workers))
 
     landing = [torch.empty(max(sizes), dtype=wire_dtype) for _ in range(args.workers)]  # where the transport writes each rank's frame
 
-    def node_update(keep_copy: bool = False, check: bool = True, landed: bool = True) -> float:
-        """The node's work on every bucket; returns its own time (a frame's landing is not the node's)."""
+    def node_update(keep_copy: bool = False, check: bool = True, landed: bool = True, onto_board: str | None = None) -> float:
+        """The node's work on every bucket; returns its own time (a frame's landing is not the node's).
+        ``onto_board``: ``"masters"`` (the new values into the board's other slot, which then holds the
+        masters) or ``"copy"`` (updated in place, then copied onto the board)."""
         seconds = 0.0
         for index in range(num_buckets):
             reduction = OrderedReduction(sizes[index], args.workers, lambda index=index: scratch[index], defer=True)
@@ -96,12 +103,18 @@ def run(args: argparse.Namespace) -> dict:
                 reduction.add(rank, pieces)
                 seconds += time.perf_counter() - started
             wire = None if wire_out is None else wire_out[index]
+            if onto_board == "copy" and board is not None:
+                wire = board[index]
+            beside = board[index] if onto_board == "masters" and board is not None else None
             previous = kept[index] if keep_copy and kept is not None else None
             started = time.perf_counter()
             reduce_and_update(
-                reduction, params[index], exp_avgs[index], exp_avg_sqs[index], steps[index], hyper, grad_divisor=divisor, wire_out=wire, previous_out=previous
-            )
+                reduction, params[index], exp_avgs[index], exp_avg_sqs[index], steps[index], hyper,
+                grad_divisor=divisor, wire_out=wire, previous_out=previous, param_out=beside,
+            )  # fmt: skip
             seconds += time.perf_counter() - started
+            if beside is not None and board is not None:  # the slot written holds the masters; the next update writes the other
+                params[index], board[index] = beside, params[index]
         return seconds
 
     baseline_params = [torch.nn.Parameter(p.clone()) for p in params]
@@ -119,6 +132,9 @@ def run(args: argparse.Namespace) -> dict:
     }
     if kept is not None:
         timed["node_keeping"] = lambda: node_update(keep_copy=True)
+    if board is not None:
+        timed["node_board"] = lambda: node_update(check=False, onto_board="masters")
+        timed["node_board_copy"] = lambda: node_update(check=False, onto_board="copy")
     times = interleaved_seconds(timed, args.repeats, label="node update and torch fused AdamW")
     node_s, fused_s = statistics.median(times["node"]), statistics.median(times["fused"])
     bandwidth = memory_bandwidth_gbs(args.repeats)
@@ -131,6 +147,9 @@ def run(args: argparse.Namespace) -> dict:
         "ratio": round(median_ratio(times["fused"], times["node_unchecked"]), 3),
         "ratio_checked": round(median_ratio(times["fused"], times["node"]), 3),
         "ratio_with_kept_copy": round(median_ratio(times["fused"], times["node_keeping"]), 3) if kept is not None else None,
+        # fp32 with same-host workers: the masters on the parameter board, and the way before (a copy onto it)
+        "ratio_board": round(median_ratio(times["fused"], times["node_board"]), 3) if board is not None else None,
+        "ratio_board_copy": round(median_ratio(times["fused"], times["node_board_copy"]), 3) if board is not None else None,
         "ratio_cold_frames": round(median_ratio(times["fused"], times["node_cold_unchecked"]), 3),
         "ratio_cold_frames_checked": round(median_ratio(times["fused"], times["node_cold"]), 3),
         "finite_check_cost": round(median_ratio(times["node"], times["node_unchecked"]) - 1, 3),

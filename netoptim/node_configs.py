@@ -29,6 +29,7 @@ def node_config_from_args(args: argparse.Namespace) -> NodeConfig:  # NodeConfig
         same_host_ipc=args.same_host_ipc,
         same_host_window_mb=args.same_host_window_mb,
         same_host_board=args.same_host_board,
+        masters_on_board=args.masters_on_board,
         same_host_gradient_window=args.same_host_gradient_window,
         ready_file=args.ready_file,
         node_id=args.node_id,

@@ -49,6 +49,14 @@ def add_node_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: on in memory, off out of core)",
     )
     node.add_argument(
+        "--masters-on-board",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fp32 in memory with a board: keep the master values on the board's two slots, each update reading one and writing the "
+        "other (no value written twice, no copy of the masters of its own); --no-masters-on-board updates them in place and copies "
+        "the new values onto the board, for comparison (default: on)",
+    )
+    node.add_argument(
         "--same-host-window-mb",
         type=int,
         default=64,

@@ -128,7 +128,7 @@ class BucketApply:
         board = self._replies.board_slot(job, state)
         # fp32 in memory: the board's slot is where the new master values go, the pass reading the
         # current ones (on the other slot after the first update) and writing each value once
-        masters_to_board = board is not None and self._store.params_movable and job.spec.wire_dtype == "float32"
+        masters_to_board = board is not None and self._config.masters_on_board and self._store.params_movable and job.spec.wire_dtype == "float32"
         if board is None:
             state.own_param()  # updated in place, not in a slot workers may read
         previous = None

@@ -57,6 +57,11 @@ class NodeConfig:
     ``True`` out of core too: then the workers install straight from it (a GPU's copies read it in
     place) and a fetch of a bucket not in memory reads no file. See :attr:`board_wanted`."""
 
+    masters_on_board: bool = True
+    """fp32 in memory with a parameter board: the board's two slots are the master values, each
+    update writing beside the version it reads (``--masters-on-board``); False: updated in place and
+    copied onto the board, as before."""
+
     ready_file: str | None = None
     """Where to write ``{"data": ADDRESS, "pid": PID}`` as JSON once the node accepts work."""
 

@@ -46,12 +46,13 @@ def node_needs(
     memory_budget: int | None = None,
     keep_checkpoints: int = 0,
     board: bool = False,
+    masters_on_board: bool = True,
 ) -> NodeNeeds:
     """RAM and disk for a node owning ``params`` parameters of a job with ``workers`` workers;
     ``board``: with a parameter board for same-host workers (in memory only: two slots a bucket in the
     wire dtype, the one before the current holding what is kept for a restarted rank, and a 16-bit
     wire's cast written there instead of into a copy of its own; in fp32 the slots are the master
-    values themselves, in place of the node's own copy)."""
+    values themselves, in place of the node's own copy, unless ``masters_on_board`` is False)."""
     gradients = workers * wire_bytes * params
     if layerwise:
         gradients = min(gradients, workers * push_window_bytes)
@@ -60,8 +61,8 @@ def node_needs(
     kept_for_restarts = 0 if board else wire_bytes * params
     board_bytes = 2 * wire_bytes * params if board else 0
     # fp32 in memory, the board's two slots are the master values: the node keeps no copy of its own
-    masters_on_board = 4 * params if board and wire_bytes == 4 else 0
-    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts + board_bytes - masters_on_board
+    masters_moved = 4 * params if board and masters_on_board and wire_bytes == 4 else 0
+    in_memory = FIXED_OVERHEAD_BYTES + state + cast + gradients + kept_for_restarts + board_bytes - masters_moved
     out_of_core = None
     if memory_budget is not None:
         resident_fraction = min(1.0, memory_budget / state) if state else 1.0

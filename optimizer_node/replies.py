@@ -217,7 +217,13 @@ class ParameterReplies:
         params = sum(bucket.numel for bucket in job.owned.values())
         layerwise = job.spec.mode == "layerwise"
         needs = node_needs(
-            params, workers=job.spec.world_size, wire_bytes=wire_bytes, layerwise=layerwise, memory_budget=self._config.memory_budget, board=True
+            params,
+            workers=job.spec.world_size,
+            wire_bytes=wire_bytes,
+            layerwise=layerwise,
+            memory_budget=self._config.memory_budget,
+            board=True,
+            masters_on_board=self._config.masters_on_board,
         )
         ram = needs.ram_out_of_core if needs.ram_out_of_core is not None else needs.ram_in_memory
         available = available_memory()

@@ -20,12 +20,12 @@ from transport.zmq_backend import ZmqTransport
 STEPS = 3
 
 
-@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
-def test_updates_are_written_onto_the_board_in_place_in_the_wire_dtype(start_node, wire):
+@pytest.mark.parametrize(("wire", "masters"), [("float32", True), ("bfloat16", True), ("float32", False)], ids=["fp32", "bf16", "fp32-copied"])
+def test_updates_are_written_onto_the_board_in_place_in_the_wire_dtype(start_node, wire, masters):
     # two workers, one on the node's host (reads the board) and one on TCP; buckets large enough to leave alone
     job = dataclasses.replace(JOB, world_size=2, wire_dtype=wire, bucket_numel=4096, params=(ParamSpec("w", (6400,), "float32", 0),))
     dtype = WIRE_DTYPES[wire]
-    node = start_node(extra_args=("--metrics-port", "0"))
+    node = start_node(extra_args=("--metrics-port", "0", *(() if masters else ("--no-masters-on-board",))))
     transport = ZmqTransport()
     local, remote = RawWorker(transport, node.same_host_address, 0), RawWorker(transport, node.address, 1)
     try:
@@ -60,7 +60,7 @@ def test_updates_are_written_onto_the_board_in_place_in_the_wire_dtype(start_nod
         assert metrics["netoptim_same_host_board_copied_bytes_total"] == copied_at_start, "every update was written onto the board in place"
         assert metrics["netoptim_same_host_board_written_bytes_total"] == copied_at_start * (1 + STEPS)
         # fp32: the board's slots are the master values themselves, each update writing beside the version it reads
-        on_board = 4 * sum(values.numel() for values in params) if wire == "float32" else 0
+        on_board = 4 * sum(values.numel() for values in params) if wire == "float32" and masters else 0
         assert metrics["netoptim_master_values_on_board_bytes"] == on_board
         header, read = local.request(Header(msg_type=MsgType.READ_STATE, rank=0, bucket_id=1, meta={"part": "param"}))
         assert header.msg_type == MsgType.STATE and torch.equal(read, params[1]), "the state read is the masters, wherever they live"
