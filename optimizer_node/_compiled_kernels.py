@@ -49,6 +49,9 @@ def _as_bits(typingctx, value):
     return types.uint32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.IntType(32))
 
 
+_KEEP_PIECE = 1024
+"""Elements of the buffer an update beside its source works in (4 KiB: stays in the first-level cache;
+a multiple of the streaming store's 32 bytes, so the pieces after the first stay aligned)."""
 _VECTOR = 8  # fp32 lanes of one streaming store: 32 bytes, an AVX register (two SSE ones)
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
@@ -265,11 +268,17 @@ def _block_fp32(
     if prev.shape[0] > 0:  # the block is in cache for the update that follows
         stream_copy(p[lo:hi], prev[lo:hi])
     if keep:
-        work = np.empty(hi - lo, dtype=np.float32)
-        _terms_fp32_into(
-            p[lo:hi], work, m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
-        )
-        write_copy(work, wire[lo:hi])
+        # a small buffer, in pieces: one the size of the block came and went per block, and the
+        # allocator gave its pages back and faulted them in again each time (slower than the copy saved)
+        work = np.empty(_KEEP_PIECE, dtype=np.float32)
+        for start in range(lo, hi, _KEEP_PIECE):
+            stop = min(hi, start + _KEEP_PIECE)
+            piece = work[: stop - start]
+            _terms_fp32_into(
+                p[start:stop], piece, m[start:stop], v[start:stop], frames, start, stop,
+                scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+            )  # fmt: skip
+            write_copy(piece, wire[start:stop])
     else:
         _terms_fp32(p[lo:hi], m[lo:hi], v[lo:hi], frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
         if wire.shape[0] > 0:  # the outgoing copy (bf16 bits or fp32) while the block is in cache
