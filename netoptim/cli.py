@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from netoptim.admin_cli import add_admin_parser, run_admin
-from netoptim.arg_types import non_negative_int, param_count, positive_int, size
+from netoptim.arg_types import positive_int
 from netoptim.bench_cli import add_bench_parser
 from netoptim.cluster_cli import add_cluster_parser
 from netoptim.doctor_cli import add_doctor_parser, run_doctor
+from netoptim.job_size_args import add_job_size_arguments, job_size
 from netoptim.node_cli import run_node
 from netoptim.node_parser import add_node_parser
 from netoptim.plan_cli import add_plan_parser, run_plan
@@ -47,38 +48,21 @@ def _add_plan_memory_parser(subparsers: argparse._SubParsersAction) -> None:
         help="RAM and disk each optimizer node needs for a model, before starting anything",
         description="Print what each node needs for its share of a job: RAM in memory, RAM and disk out of core (--state-dir/--memory-budget), so you know before you start. Nodes check the same figures when a job registers and refuse one they cannot hold.",
     )
-    plan.add_argument("--params", type=param_count, required=True, help="trainable parameters of the model, like 3B, 85M or 125000000")
-    plan.add_argument("--workers", type=positive_int, required=True, help="data-parallel workers")
-    plan.add_argument("--nodes", type=positive_int, default=1, help="optimizer nodes sharing the state (default: %(default)s)")
-    plan.add_argument(
-        "--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="gradient/parameter dtype on the wire (default: %(default)s)"
-    )
-    plan.add_argument("--layerwise", action="store_true", help="workers run layer-wise mode (their push window bounds the gradients a node holds)")
-    plan.add_argument("--push-window", type=size, default=1 << 30, help="layer-wise: unconsumed gradient bytes per worker (default: 1GiB)")
-    plan.add_argument("--memory-budget", type=size, default=None, help="out of core: the node's --memory-budget, e.g. 4GiB")
-    plan.add_argument("--keep", type=non_negative_int, default=0, help="checkpoints kept on the same disk as the state (default: %(default)s)")
+    add_job_size_arguments(plan, optional=False)
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run_plan_memory(args: argparse.Namespace) -> int:
     import json
 
-    from optimizer_node.memory_plan import available_memory, node_needs
+    from optimizer_node.memory_plan import available_memory
 
-    share = -(-args.params // args.nodes)
-    wire_bytes = 4 if args.wire_dtype == "float32" else 2
-    sizing = {
-        "workers": args.workers,
-        "wire_bytes": wire_bytes,
-        "layerwise": args.layerwise,
-        "push_window_bytes": args.push_window,
-        "memory_budget": args.memory_budget,
-        "keep_checkpoints": args.keep,
-    }
-    needs = node_needs(share, **sizing)
+    job = job_size(args)
+    assert job is not None, "plan-memory requires --params"
+    share, needs = job.share, job.needs()
     # the parameter board, where workers share the node's host (netoptim node --same-host-board): what it adds
     # to the in-memory figure, less the copies it stands in for (the kept values, a 16-bit wire's cast)
-    board = node_needs(share, **sizing, board=True).ram_in_memory - needs.ram_in_memory
+    board = job.needs(board=True).ram_in_memory - needs.ram_in_memory
     available = available_memory()
     if args.json:
         print(json.dumps({"nodes": args.nodes, "per_node": needs.to_dict() | {"same_host_board": board}, "this_host_available_ram": available}, indent=2))

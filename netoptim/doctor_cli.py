@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
-from netoptim.arg_types import non_negative_int, param_count, positive_int, size, size_or_zero
+from netoptim.arg_types import size_or_zero
 from netoptim.doctor_findings import Finding, as_json, as_text, failed
+from netoptim.job_size_args import add_job_size_arguments, job_size
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +52,7 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     doctor.add_argument("--curve-secret-key", default=None, metavar="FILE", help="the worker's CURVE .key_secret, where the nodes use CURVE")
     doctor.add_argument("--curve-server-key", default=None, metavar="FILE", help="the nodes' CURVE public .key (with --curve-secret-key)")
     doctor.add_argument("--state-dir", default=None, metavar="DIR", help="an out-of-core node's --state-dir: file system, free space, disk rate")
-    doctor.add_argument("--params", type=param_count, default=None, help="check for a job of this many parameters, like 1.3B (memory, disk)")
-    doctor.add_argument("--workers", type=positive_int, default=1, help="with --params: the job's data-parallel workers (default: %(default)s)")
-    doctor.add_argument("--nodes", type=positive_int, default=1, help="with --params: the nodes sharing its state (default: %(default)s)")
-    doctor.add_argument(
-        "--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="with --params: the wire dtype (default: %(default)s)"
-    )
-    doctor.add_argument("--layerwise", action="store_true", help="with --params: workers run layer-wise (their push window bounds a node's gradients)")
-    doctor.add_argument("--memory-budget", type=size, default=None, metavar="SIZE", help="with --params: the nodes' --memory-budget, e.g. 4GiB")
-    doctor.add_argument("--keep", type=non_negative_int, default=0, help="with --params: checkpoints kept on the state's disk (default: %(default)s)")
+    add_job_size_arguments(doctor, optional=True)
     doctor.add_argument(
         "--probe-bytes",
         type=size_or_zero,
@@ -71,24 +65,6 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> None:
     doctor.add_argument("--json", action="store_true", help="print JSON: the findings, each with its figures, and a count per level")
 
 
-def _plan(args: argparse.Namespace):  # -> JobPlan | None
-    from netoptim.doctor_host import JobPlan
-    from optimizer_node.memory_plan import node_needs
-
-    if args.params is None:
-        return None
-    share = -(-args.params // args.nodes)
-    needs = node_needs(
-        share,
-        workers=args.workers,
-        wire_bytes=4 if args.wire_dtype == "float32" else 2,
-        layerwise=args.layerwise,
-        memory_budget=args.memory_budget,
-        keep_checkpoints=args.keep,
-    )
-    return JobPlan(args.params, args.workers, args.nodes, args.keep, needs)
-
-
 def run_doctor(args: argparse.Namespace) -> int:
     from netoptim.admin_cli import admin_token
     from netoptim.doctor_disk import state_dir_findings
@@ -99,20 +75,27 @@ def run_doctor(args: argparse.Namespace) -> int:
     if (args.curve_secret_key is None) != (args.curve_server_key is None):
         log.error("doctor: give --curve-secret-key and --curve-server-key together")
         return 2
-    if args.timeout <= 0:
-        log.error("doctor: --timeout must be positive")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        log.error("doctor: --timeout must be a positive number of seconds, not %s", args.timeout)
+        return 2
+    if args.no_host and not (args.state_dir or args.node or args.admin):
+        log.error("doctor: --no-host leaves nothing to check: give --state-dir, --node or --admin")
+        return 2
+    if (args.token_file or args.tls_ca) and not args.admin:
+        log.error("doctor: --token-file and --tls-ca apply to --admin: give the node's admin address")
+        return 2
+    if args.curve_secret_key and not (args.node or args.admin):
+        log.error("doctor: the CURVE keys apply to the nodes probed: give --node or --admin")
         return 2
     try:
         token = admin_token(args.token_file, None)
+        plan = job_size(args)
     except ValueError as exc:
         log.error("doctor: %s", exc)
         return 2
-    plan = _plan(args)
-    findings: list[Finding] = (
-        [] if args.no_host else host_findings(plan, args.memory_budget, measure=args.probe_bytes > 0, wire_bytes=4 if args.wire_dtype == "float32" else 2)
-    )
+    findings: list[Finding] = [] if args.no_host else host_findings(plan, measure=args.probe_bytes > 0)
     if args.state_dir:
-        findings += state_dir_findings(Path(args.state_dir), plan, args.memory_budget, args.probe_bytes)
+        findings += state_dir_findings(Path(args.state_dir), plan, args.probe_bytes)
     addresses = list(args.node)
     for target in args.admin:
         found, data_address = admin_findings(target, token, args.tls_ca, timeout_s=args.timeout, version=package_version("netoptim"))
@@ -120,8 +103,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         if data_address and data_address not in addresses:
             addresses.append(data_address)
     curve = CurveClientConfig(args.curve_secret_key, args.curve_server_key) if args.curve_secret_key else None
+    exchange = None if plan is None else plan.share * plan.wire_bytes
     for address in addresses:
-        exchange = None if plan is None else -(-args.params // args.nodes) * (4 if args.wire_dtype == "float32" else 2)
         findings += data_plane_findings(address, curve, timeout_s=args.timeout, probe_bytes=args.probe_bytes, exchange_bytes=exchange)
     print(as_json(findings) if args.json else as_text(findings))
     return 1 if failed(findings) else 0

@@ -9,8 +9,10 @@ import tempfile
 from pathlib import Path
 
 from netoptim.doctor_findings import Finding
-from netoptim.doctor_host import GIB, JobPlan
+from netoptim.doctor_host import GIB
+from netoptim.job_size_args import JobSize
 from optimizer_node.disk_rate import measure_disk
+from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM
 from optimizer_node.ooc_files import probe_direct_io
 
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -62,7 +64,7 @@ def _writable(directory: Path) -> str | None:
         return exc.strerror or str(exc)
 
 
-def state_dir_findings(state_dir: Path, plan: JobPlan | None, memory_budget: int | None, probe_bytes: int) -> list[Finding]:
+def state_dir_findings(state_dir: Path, plan: JobSize | None, probe_bytes: int) -> list[Finding]:
     """Every check of ``state_dir``; ``probe_bytes`` of 0 skips measuring the disk."""
     area = f"state dir {state_dir}"
     if state_dir.exists() and not state_dir.is_dir():
@@ -85,7 +87,7 @@ def state_dir_findings(state_dir: Path, plan: JobPlan | None, memory_budget: int
     else:
         found.append(Finding(area, "direct I/O", "note", "no O_DIRECT here: --sync-state-writes copies through the page cache, then fdatasyncs and drops it"))
     if probe_bytes:
-        found.append(_rate_finding(area, where, plan, memory_budget, probe_bytes))
+        found.append(_rate_finding(area, where, plan, probe_bytes))
     return found
 
 
@@ -118,13 +120,13 @@ def _file_system_finding(area: str, where: Path) -> Finding:
     return Finding(area, "file system", "ok", detail, figures={"type": kind})
 
 
-def _space_finding(area: str, where: Path, plan: JobPlan | None) -> Finding:
+def _space_finding(area: str, where: Path, plan: JobSize | None) -> Finding:
     free = shutil.disk_usage(where).free
     detail = f"{free / GIB:.1f} GiB free"
     figures: dict[str, float | int | str | None] = {"free_bytes": free}
     if plan is None:
         return Finding(area, "free space", "ok", detail, figures=figures)
-    needed = plan.needs.disk_out_of_core
+    needed = plan.needs().disk_out_of_core
     figures["needed_bytes"] = needed
     detail += f"; a node's share of the job needs {needed / GIB:.1f} GiB (the live state, and a copy per kept checkpoint on the same disk)"
     if needed > free:
@@ -133,7 +135,7 @@ def _space_finding(area: str, where: Path, plan: JobPlan | None) -> Finding:
     return Finding(area, "free space", "ok", detail, figures=figures)
 
 
-def _rate_finding(area: str, where: Path, plan: JobPlan | None, memory_budget: int | None, probe_bytes: int) -> Finding:
+def _rate_finding(area: str, where: Path, plan: JobSize | None, probe_bytes: int) -> Finding:
     probe_dir = Path(tempfile.mkdtemp(prefix=".netoptim-doctor-", dir=where))
     try:
         rates = measure_disk(probe_dir, probe_bytes)
@@ -152,8 +154,8 @@ def _rate_finding(area: str, where: Path, plan: JobPlan | None, memory_budget: i
     detail = f"sequential write {write:.2f} GB/s, read {read:.2f} GB/s (a {probe_bytes >> 20} MiB probe, the page cache dropped)"
     figures: dict[str, float | int | str | None] = {"write_gbs": round(write, 3), "read_gbs": round(read, 3)}
     if plan is not None:
-        state = plan.needs.disk_out_of_core // (1 + plan.keep_checkpoints)
-        if memory_budget is None or memory_budget < state:
+        state = STATE_BYTES_PER_PARAM * plan.share
+        if plan.memory_budget is None or plan.memory_budget < state:
             # the buckets are updated in the same order every step: each is evicted before its next turn,
             # so a step reads and writes all of the state, not only what the budget leaves out
             floor_s = state / (read * 1e9) + state / (write * 1e9)

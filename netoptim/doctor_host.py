@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import platform
 import resource
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from launch.host_cpus import format_cpu_list, numa_nodes, update_threads, usable_cpus
 from launch.huge_pages import ANONYMOUS_HUGE_PAGES, anonymous_huge_pages
 from netoptim.doctor_findings import Finding
-from optimizer_node.memory_plan import NodeNeeds, available_memory
+from netoptim.job_size_args import JobSize
+from optimizer_node.memory_plan import available_memory
 from transport.shm_window import SHMEM_HUGE_ON_ADVICE, SHMEM_HUGE_PAGES, shared_huge_pages
 
 HOST = "this host"
@@ -22,17 +22,6 @@ FEW_OPEN_FILES = 1024
 DESCRIPTORS_BESIDE_PEERS = 256
 """A node's descriptors besides one per connected worker: ZeroMQ's own, state files being read or
 written, memory files and process handles of same-host workers, the admin service's."""
-
-
-@dataclass(frozen=True, slots=True)
-class JobPlan:
-    """The job a host is checked for (``--params`` and the flags beside it): what one node needs."""
-
-    params: int
-    workers: int
-    nodes: int
-    keep_checkpoints: int
-    needs: NodeNeeds
 
 
 def package_version(name: str) -> str:
@@ -67,7 +56,7 @@ def cpus() -> Finding:
     return Finding(HOST, "cpus", "ok", detail, figures=figures)
 
 
-def memory(plan: JobPlan | None, memory_budget: int | None) -> Finding:
+def memory(plan: JobSize | None) -> Finding:
     available = available_memory()
     if available is None:
         return Finding(HOST, "memory", "note", "this host does not say how much memory is available (/proc/meminfo)")
@@ -75,12 +64,12 @@ def memory(plan: JobPlan | None, memory_budget: int | None) -> Finding:
     figures: dict[str, float | int | str | None] = {"available_bytes": available}
     if plan is None:
         return Finding(HOST, "memory", "ok", detail, figures=figures)
-    needs = plan.needs
-    out_of_core = memory_budget is not None and needs.ram_out_of_core is not None
-    wanted = needs.ram_out_of_core if out_of_core and needs.ram_out_of_core is not None else needs.ram_in_memory
+    needs = plan.needs()
+    out_of_core = needs.ram_out_of_core is not None  # there is one where the job has a memory budget
+    wanted = needs.ram_out_of_core if needs.ram_out_of_core is not None else needs.ram_in_memory
     figures |= {"node_needs_bytes": wanted}
-    detail += f"; a node's share of the job ({needs.params:,} parameters, {plan.workers} workers) needs {wanted / GIB:.1f} GiB"
-    detail += f" out of core within --memory-budget {memory_budget / GIB:.1f}GiB" if out_of_core and memory_budget is not None else " in memory"
+    detail += f"; a node's share of the job ({plan.share:,} parameters, {plan.workers} workers) needs {wanted / GIB:.1f} GiB"
+    detail += f" out of core within --memory-budget {plan.memory_budget / GIB:.1f}GiB" if plan.memory_budget is not None else " in memory"
     if wanted <= available:
         return Finding(HOST, "memory", "ok", detail, figures=figures)
     fix = "more nodes (--nodes), or out of core: netoptim node --state-dir DIR --memory-budget SIZE (netoptim plan-memory says what each needs)"
@@ -119,7 +108,7 @@ UPDATE_PROBE_NUMEL = 16 << 20
 """Parameters of the update-rate probe: 16M, in 4M-element buckets (the default), ~320 MB for a second."""
 
 
-def update_rate(plan: JobPlan | None) -> Finding:
+def update_rate(plan: JobSize | None) -> Finding:
     """The node's update pass here, at the threads a node on all usable CPUs takes, one fp32 gradient
     a bucket, the new values written out as onto a parameter board: Mparam/s, and with ``plan`` the
     least time a step's update of one node's share takes."""
@@ -141,10 +130,9 @@ def update_rate(plan: JobPlan | None) -> Finding:
     detail = f"{rate:,.0f} Mparam/s on {threads} threads ({path}, one gradient a bucket, the new values written out)"
     figures: dict[str, float | int | str | None] = {"mparams_per_s": round(rate, 1), "threads": threads}
     if plan is not None:
-        share = -(-plan.params // plan.nodes)
-        floor_s = share * seconds
+        floor_s = plan.share * seconds
         figures["update_seconds_per_step"] = round(floor_s, 3)
-        detail += f"; a node here updates its share ({share:,} parameters) in at least {floor_s:.2f} s a step"
+        detail += f"; a node here updates its share ({plan.share:,} parameters) in at least {floor_s:.2f} s a step"
     return Finding(HOST, "update rate", "ok", detail, figures=figures)
 
 
@@ -194,7 +182,7 @@ def memory_files() -> Finding:
     )
 
 
-def open_files(plan: JobPlan | None) -> Finding:
+def open_files(plan: JobSize | None) -> Finding:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft:,}"
     detail = f"a process may open {shown} files (hard limit {'unlimited' if hard == resource.RLIM_INFINITY else f'{hard:,}'})"
@@ -210,7 +198,7 @@ GPU_PROBE_BYTES = 256 << 20
 """Bytes of the GPU check's copies each way (a quarter of a second at PCIe 4 speeds)."""
 
 
-def gpus(plan: JobPlan | None, wire_bytes: int, *, measure: bool = True) -> Finding:
+def gpus(plan: JobSize | None, *, measure: bool = True) -> Finding:
     """CUDA devices, page-locked memory, and (``measure``) on the first device its copy rates each
     way; with ``plan``, the least time a step's gradients down and values up take at those rates."""
     import torch
@@ -235,26 +223,25 @@ def gpus(plan: JobPlan | None, wire_bytes: int, *, measure: bool = True) -> Find
         return Finding(HOST, "gpus", "ok", f"{detail}; page-locked host memory works", figures={"cuda_devices": count})
     from gpu_worker.copy_rates import copy_bandwidth_gbs
 
-    said, figures = copy_rates_said(copy_bandwidth_gbs(torch.device("cuda", 0), GPU_PROBE_BYTES, repeats=3), plan, wire_bytes)
+    said, figures = copy_rates_said(copy_bandwidth_gbs(torch.device("cuda", 0), GPU_PROBE_BYTES, repeats=3), plan)
     return Finding(HOST, "gpus", "ok", f"{detail}; {said}", figures={"cuda_devices": count, **figures})
 
 
-def copy_rates_said(rates: dict[str, float], plan: JobPlan | None, wire_bytes: int) -> tuple[str, dict[str, float | int | str | None]]:
+def copy_rates_said(rates: dict[str, float], plan: JobSize | None) -> tuple[str, dict[str, float | int | str | None]]:
     """A device's copy rates in words and figures; with ``plan`` the least time a step's gradients
     down and values up take at them (a full-model worker moves the whole model each way a step)."""
     said = f"page-locked copies {rates['pinned_h2d_gbs']:.1f} GB/s to the device, {rates['pinned_d2h_gbs']:.1f} back (pageable to it {rates['pageable_h2d_gbs']:.1f})"
     figures: dict[str, float | int | str | None] = {name: round(value, 2) for name, value in rates.items()}
     if plan is not None:
-        moved = plan.params * wire_bytes
+        moved = plan.params * plan.wire_bytes
         floor_s = max(moved / (rates["pinned_d2h_gbs"] * 1e9), moved / (rates["pinned_h2d_gbs"] * 1e9))
         figures["copy_seconds_per_step"] = round(floor_s, 3)
         said += f"; a step's gradients down and values up take at least {floor_s:.2f} s on device 0"
     return said, figures
 
 
-def host_findings(plan: JobPlan | None, memory_budget: int | None, *, measure: bool = True, wire_bytes: int = 4) -> list[Finding]:
+def host_findings(plan: JobSize | None, *, measure: bool = True) -> list[Finding]:
     """Every check of this host, in the order they print; ``measure``: the update rate (and a GPU's
     copy rates) as well, a second or two."""
     rate = [update_rate(plan)] if measure else []
-    found = [software(), cpus(), memory(plan, memory_budget), update_path(), *rate, *huge_pages(), memory_files(), open_files(plan)]
-    return [*found, gpus(plan, wire_bytes, measure=measure)]
+    return [software(), cpus(), memory(plan), update_path(), *rate, *huge_pages(), memory_files(), open_files(plan), gpus(plan, measure=measure)]

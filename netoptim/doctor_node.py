@@ -33,7 +33,10 @@ def _refusal(message: Message) -> str | None:
     if message.header.msg_type != MsgType.ERROR:
         return None
     code = message.header.meta.get("code", 0)
-    name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else str(code)
+    try:
+        name = ErrorCode(code).name
+    except ValueError:  # a code this version does not know (another version's node)
+        name = str(code)
     return f"{name}: {message.header.meta.get('message', '')}"
 
 

@@ -159,6 +159,12 @@ class BucketApply:
             absent = frozenset(range(len(segments)))
         else:
             self._overrides.applied(job.owned[state.bucket_id].group, hyper)
+        if masters_to_board:
+            wire_out = None  # the board's slot takes the new masters themselves (param_out)
+        elif board is not None or not unchanged or state.wire_step != state.step:
+            wire_out = wire
+        else:  # nothing changed and the wire copy holds this step's values already
+            wire_out = None
         arguments = dict(
             segments=segments,
             absent_everywhere=absent,
@@ -166,7 +172,7 @@ class BucketApply:
             # with clipping, the sum was divided by world_size for the norm: it is only multiplied
             grad_divisor=job.divisor if in_flight.clip is None else None,
             grad_multiplier=in_flight.clip,
-            wire_out=None if masters_to_board else wire if board is not None or not unchanged or state.wire_step != state.step else None,
+            wire_out=wire_out,
             previous_out=previous,
             compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
             param_out=board if masters_to_board else None,

@@ -208,17 +208,30 @@ def test_help_explains_every_flag():
 
 def test_a_gpu_s_copy_rates_bound_a_step(tmp_path):
     """The arithmetic of the GPU check (its copies run where CUDA exists): the slower way sets the floor."""
-    import argparse
-
     from gpu_worker.copy_rates import copy_bandwidth_gbs
-    from netoptim.doctor_cli import _plan, add_doctor_parser
+    from netoptim.cli import build_parser
     from netoptim.doctor_host import copy_rates_said
+    from netoptim.job_size_args import job_size
 
-    parser = argparse.ArgumentParser()
-    add_doctor_parser(parser.add_subparsers(dest="command"))
-    plan = _plan(parser.parse_args(["doctor", "--params", "1B", "--wire-dtype", "bfloat16"]))
-    said, figures = copy_rates_said({"pinned_h2d_gbs": 50.0, "pinned_d2h_gbs": 40.0, "pageable_h2d_gbs": 7.0}, plan, 2)
+    plan = job_size(build_parser().parse_args(["doctor", "--params", "1B", "--wire-dtype", "bfloat16"]))
+    said, figures = copy_rates_said({"pinned_h2d_gbs": 50.0, "pinned_d2h_gbs": 40.0, "pageable_h2d_gbs": 7.0}, plan)
     assert figures["copy_seconds_per_step"] == pytest.approx(2e9 / 40e9) and "at least 0.05 s" in said
     rates = copy_bandwidth_gbs(torch.device("cpu"), nbytes=1 << 20, repeats=1)  # the same probe, run on the CPU here
     assert set(rates) == {"pinned_h2d_gbs", "pinned_d2h_gbs", "pageable_h2d_gbs"} and min(rates.values()) > 0
-    assert copy_rates_said(rates, None, 4)[1].get("copy_seconds_per_step") is None
+    assert copy_rates_said(rates, None)[1].get("copy_seconds_per_step") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--workers", "4"), "--workers size(s) a job: give --params too"),
+        (("--memory-budget", "4GiB", "--layerwise"), "--memory-budget, --layerwise size(s) a job"),
+        (("--token-file", "t", "--state-dir", "."), "--token-file and --tls-ca apply to --admin"),
+        (("--curve-secret-key", "a", "--curve-server-key", "b"), "the CURVE keys apply to the nodes probed"),
+        (("--timeout", "nan", "--node", "tcp://127.0.0.1:1"), "--timeout must be a positive number"),
+        (("--no-host",), "--no-host leaves nothing to check"),
+    ],
+)
+def test_flags_that_would_change_nothing_are_refused(args, said):
+    result = run_netoptim("doctor", *args)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
