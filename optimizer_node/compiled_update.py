@@ -208,7 +208,7 @@ def update(
             kernels.update_fp32_serial(p, m, v, terms, out, prev, keep, blocks, *consts)
         else:
             with _one_parallel_loop_at_a_time():
-                kernels.update_fp32(p, m, v, terms, out, prev, keep, blocks, *consts)
+                kernels.update_fp32(p, m, v, terms, out, prev, keep, blocks, threads, *consts)
     else:
         if keep:
             raise ValueError("keep takes fp32 frames: a 16-bit wire's master values stay where they are")
