@@ -238,7 +238,8 @@ def _terms_fp32(p, m, v, frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2
 
 # The in-place loops keep functions of their own rather than _adamw_into(p, p, ...): LLVM's vectorizer
 # cannot prove two arguments are one array, checks at run time whether they overlap and, as they do,
-# would take its scalar loop.
+# takes its scalar loop (_terms_fp32_into(p, p, ...) measured 3.2 ns an element in cache against
+# _terms_fp32's 0.21, one gradient, one thread).
 @_jit(inline="always")
 def _terms_fp32_into(p, out, m, v, frames, lo, hi, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover
     """:func:`_terms_fp32` reading the parameters from ``p`` and writing the new ones to ``out``."""
