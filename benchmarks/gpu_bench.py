@@ -270,6 +270,7 @@ def _run(args: argparse.Namespace) -> dict:
         warmup=args.warmup,
         steps=args.steps,
         prefetch=args.prefetch,
+        keep_for_backward=args.keep_for_backward,
         bucket_numel=args.bucket_numel,
         overlap_forward=args.overlap_forward,
         keep_step_gradients=args.keep_step_gradients,

@@ -35,6 +35,7 @@ class ModeSettings:
     warmup: int = 3  # a node times its update paths from each bucket's third update on
     steps: int = 5
     prefetch: int = 2
+    keep_for_backward: int = 0  # layer-wise: offload(keep_for_backward=...), bytes
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     overlap_forward: bool = True  # full model: the next forward waits per module (RemoteAdamW(overlap_forward=True))
     keep_step_gradients: bool = True  # full model: RemoteAdamW(keep_step_gradients=...)
@@ -165,7 +166,15 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if mode == "layerwise":
         with torch.device("meta"):
             model = GPT(config).to(dtype)
-        opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings.prefetch, device=device, **options)
+        opt = offload(
+            model,
+            model.blocks,
+            init_fn=gpt_initializer(config),
+            prefetch=settings.prefetch,
+            keep_for_backward=settings.keep_for_backward,
+            device=device,
+            **options,
+        )
     elif mode in DEEPSPEED_MODES:
         with torch.device(device):
             model = GPT(config)  # DeepSpeed casts to bf16 itself and keeps the fp32 master on the CPU
@@ -193,6 +202,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     session = getattr(opt, "_session", None)  # netoptim: the worker's time per phase
     loss = torch.zeros(())
     timed_from = waited = transferred = 0.0
+    fetched = 0
     shared_before: dict[str, int] = {}
     copied_before: dict[str, int] = {}
     threads_before: dict[int, dict[str, float]] = {}
@@ -202,7 +212,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
                 torch.cuda.synchronize(device)
             timed_from = time.perf_counter()
             if stats is not None:
-                waited, transferred = stats.fetch_wait_s, stats.fetch_transfer_s
+                waited, transferred, fetched = stats.fetch_wait_s, stats.fetch_transfer_s, stats.fetched_bytes
             if settings.node_admins:
                 node_status(settings.node_admins, settle_s=120.0)
             threads_before = {pid: thread_cpu_seconds(pid) for pid in (os.getpid(), *settings.node_pids)}
@@ -259,6 +269,7 @@ def train_mode(mode: str, config: GPTConfig, dtype_name: str, settings: ModeSett
     if stats is not None:
         blocked, transfer = stats.fetch_wait_s - waited, stats.fetch_transfer_s - transferred
         report["comm_hidden_fraction"] = 1 - blocked / transfer if transfer > 0 else 1.0
+        report["fetched_mb_per_step"] = (stats.fetched_bytes - fetched) / settings.steps / 2**20
     if opt is not None and hasattr(opt, "close"):
         opt.close()
     return report

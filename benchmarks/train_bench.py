@@ -112,11 +112,20 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
         torch.manual_seed(0)  # the units' initial values, drawn on rank 0, as the other modes draw theirs
         with torch.device("meta"):
             model = forward = GPT(config)
-        opt = offload(model, model.blocks, init_fn=gpt_initializer(config), prefetch=settings["prefetch"], device=device, **options)
+        opt = offload(
+            model,
+            model.blocks,
+            init_fn=gpt_initializer(config),
+            prefetch=settings["prefetch"],
+            keep_for_backward=settings["keep_for_backward"],
+            device=device,
+            **options,
+        )
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_times, step_call_times, loss = [], [], float("nan")
     waited = transferred = cpu_start = node_cpu_start = 0.0
+    fetched = 0
     node_threads_before: list[dict[str, float]] = []
     for step in range(settings["warmup"] + settings["steps"]):
         if step == settings["warmup"]:
@@ -124,7 +133,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
             node_cpu_start = sum(process_cpu_seconds(pid) for pid in settings["node_pids"]) if rank == 0 else 0.0
             node_threads_before = [thread_cpu_seconds(pid) for pid in settings["node_pids"]] if rank == 0 else []
             if opt_stats(opt) is not None:
-                waited, transferred = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s
+                waited, transferred, fetched = opt_stats(opt).fetch_wait_s, opt_stats(opt).fetch_transfer_s, opt_stats(opt).fetched_bytes
         started = time.perf_counter()
         _logits, loss_tensor = forward(*_batch(config, step, rank, settings["batch"], settings["seq"], device))
         loss_tensor.backward()
@@ -177,6 +186,7 @@ def _train(mode: str, rank: int, world_size: int, config: GPTConfig, settings: d
             "fetch_blocked_s_per_step": blocked / settings["steps"],
             "fetch_transfer_s_per_step": transfer / settings["steps"],
             "comm_hidden_fraction": 1 - blocked / transfer if transfer > 0 else 1.0,
+            "fetched_mb_per_step": (stats.fetched_bytes - fetched) / settings["steps"] / 2**20,
             "peak_param_mb": stats.peak_param_bytes / 2**20,
         }
     return report
@@ -204,6 +214,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
         "warmup": args.warmup,
         "steps": args.steps,
         "prefetch": args.prefetch,
+        "keep_for_backward": args.keep_for_backward,
         "device": args.device,
         "overlap_forward": args.overlap_forward,
         "bucket_numel": args.bucket_numel,
@@ -270,7 +281,7 @@ def _run_mode(mode: str, config: GPTConfig, args: argparse.Namespace) -> dict:
     if "comm_hidden_fraction" in reports[0]:
         summary |= {
             key: statistics.median(r[key] for r in reports)
-            for key in ("comm_hidden_fraction", "fetch_blocked_s_per_step", "fetch_transfer_s_per_step", "peak_param_mb")
+            for key in ("comm_hidden_fraction", "fetch_blocked_s_per_step", "fetch_transfer_s_per_step", "fetched_mb_per_step", "peak_param_mb")
         }
     if mode == "full":
         summary["overlap_forward"] = args.overlap_forward

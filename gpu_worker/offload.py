@@ -22,6 +22,7 @@ def offload(
     prefetch: int = 1,
     init_fn: InitFn | None = None,
     device: torch.device | str | None = None,
+    keep_for_backward: int = 0,
     **optimizer_options: Any,
 ) -> RemoteAdamW:
     """Stream ``model``'s ``units`` from the optimizer nodes and return its optimizer.
@@ -46,6 +47,12 @@ def offload(
             model that returns it (needed for a meta model, whose parameters are replaced here);
             default ``model.named_parameters()``.
         prefetch: units fetched ahead of the one computing.
+        keep_for_backward: bytes of parameters that may stay from forward to backward. The last
+            units forward runs are the first backward needs: as many of them as fit these bytes
+            (counting back from the last) stay, and backward does not fetch them again. The last
+            ``prefetch + 1`` units stay in any case (no more than forward held at once). Default 0:
+            the least memory; the model's parameter bytes: each unit fetched once a step, not twice
+            (DeepSpeed ZeRO-3 keeps parameters live up to its ``stage3_max_live_parameters``).
         init_fn: initializer for meta parameters, called once per parameter.
         device: where parameters are materialized (default: the model's device, CPU for a meta model).
         optimizer_options: :class:`RemoteAdamW` options (``lr``, ``weight_decay``, ``rank``,
@@ -58,7 +65,7 @@ def offload(
     """
     if optimizer_options.pop("push_during_backward", True) is False:
         raise ValueError("layer-wise mode always pushes gradients during backward")
-    plan = plan_units(model, units, prefetch=prefetch, init_fn=init_fn, device=device)
+    plan = plan_units(model, units, prefetch=prefetch, init_fn=init_fn, device=device, keep_for_backward=keep_for_backward)
     if params is None:
         params = model.named_parameters()
     elif callable(params):

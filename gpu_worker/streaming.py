@@ -5,7 +5,8 @@ Life of a step (``k`` is the step the worker is at):
 - forward: the root unit and the first ``prefetch`` units are requested when the model's forward
   begins; before unit ``u`` runs it must have arrived (the worker waits only if it has not), and units
   ``u+1 .. u+prefetch`` are requested; after it ran its parameters are freed (the last ``prefetch + 1``
-  units stay: backward needs them first, and they are no more than the window forward held).
+  units stay: backward needs them first, and they are no more than the window forward held; and
+  more of the last ones, as many as ``keep_for_backward`` bytes hold).
 - backward: when the gradient of a unit's output is ready (a hook on the output tensor), the unit is
   fetched again and ``u-1 .. u-prefetch`` are requested. When every parameter of a unit has its
   gradient, the unit's buckets are pushed, its gradients and parameters freed.
@@ -33,7 +34,7 @@ from gpu_worker.device_copy import HostToDevice, wait_on_host
 from gpu_worker.landed_pushes import LandedPushes
 from gpu_worker.layout import GradsOf, finish_board_read
 from gpu_worker.session import OffloadSession
-from gpu_worker.units import UnitPlan, initialize
+from gpu_worker.units import UnitPlan, initialize, kept_for_backward
 from job.hyper import AdamWHyper
 from transport.host_memory import keep_step_heap, trim_host_heap
 from transport.interface import Message
@@ -123,8 +124,9 @@ class LayerStreamer:
         # where the RSS creeps (StepHeap). Mapping every allocation of 1 MiB or more (returned to the
         # OS at once) kept the RSS 25% lower but made layer-wise steps 20-25% slower on CPU: page
         # faults on every fetch.
-        unit_bytes = max((sum(self.params[i].numel() * self.params[i].element_size() for i in unit.params) for unit in self.units.values()), default=0)
-        self._heap = keep_step_heap((plan.prefetch + 2) * unit_bytes)
+        sizes = {unit.index: sum(self.params[i].numel() * self.params[i].element_size() for i in unit.params) for unit in self.units.values()}
+        self._first_kept, self.kept_bytes = kept_for_backward([sizes[u.index] for u in self._module_units], plan.prefetch, plan.keep_for_backward)
+        self._heap = keep_step_heap((plan.prefetch + 2) * max(sizes.values(), default=0) + self.kept_bytes)
 
     # ---------------------------------------------------------------- setup
 
@@ -168,7 +170,15 @@ class LayerStreamer:
         trim_host_heap()
         self.session.on_params = self._on_params
         self._install_hooks()
-        log.info("rank %d streams %d units (prefetch %d), the job is at step %d", self.session.rank, len(self.units), self.plan.prefetch, self.step)
+        kept = len(self._module_units) - self._first_kept
+        log.info(
+            "rank %d streams %d units (prefetch %d, %d kept for backward), the job is at step %d",
+            self.session.rank,
+            len(self.units),
+            self.plan.prefetch,
+            kept,
+            self.step,
+        )
 
     def _gather_values(self, bucket_id: int, out: torch.Tensor) -> None:
         for seg in self.session.buckets[bucket_id].segments:
@@ -326,10 +336,8 @@ class LayerStreamer:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda _grad, unit=unit: self._before_backward(unit))
-        # The last units forward runs are the first backward needs: the last prefetch + 1 stay, which
-        # holds no more than the window forward held (a unit and the prefetch ahead of it) and saves
-        # fetching them again.
-        kept_for_backward = self._position[unit.index] >= len(self._module_units) - (self.plan.prefetch + 1)
+        # The last units forward runs are the first backward needs: those that stay are not fetched again.
+        kept_for_backward = self._position[unit.index] >= self._first_kept
         if not (needs_backward and kept_for_backward):
             self._release(unit)
         self._measure()

@@ -38,6 +38,7 @@ class UnitPlan:
     prefetch: int
     init_fn: InitFn | None
     device: torch.device
+    keep_for_backward: int = 0  # parameter bytes of the last units that stay from forward to backward (see offload())
 
     def order(self, params: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
         """A permutation of ``params`` that groups them by unit (forward order, stable within a
@@ -79,13 +80,21 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> set[int]:
 
 
 def plan_units(
-    model: nn.Module, units: Sequence[nn.Module] | nn.ModuleList, *, prefetch: int = 1, init_fn: InitFn | None = None, device: torch.device | str | None = None
+    model: nn.Module,
+    units: Sequence[nn.Module] | nn.ModuleList,
+    *,
+    prefetch: int = 1,
+    init_fn: InitFn | None = None,
+    device: torch.device | str | None = None,
+    keep_for_backward: int = 0,
 ) -> UnitPlan:
     """Check ``units`` against ``model`` and make the plan; meta parameters are replaced by empty
     ones on ``device`` here (build the optimizer's param groups after this). ``ValueError`` for a
     module that cannot be streamed as asked."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative integer (units fetched ahead of the one computing), got {prefetch!r}")
+    if isinstance(keep_for_backward, bool) or not isinstance(keep_for_backward, int) or keep_for_backward < 0:
+        raise ValueError(f"keep_for_backward must be a non-negative integer (bytes of parameters kept from forward to backward), got {keep_for_backward!r}")
     units = list(units)
     if not units:
         raise ValueError("layer-wise mode needs at least one unit (for example units=model.blocks)")
@@ -148,6 +157,7 @@ def plan_units(
         prefetch=prefetch,
         init_fn=init_fn,
         device=device,
+        keep_for_backward=keep_for_backward,
     )
 
 
@@ -171,3 +181,15 @@ def initialize(plan: UnitPlan, params: Sequence[torch.Tensor]) -> None:
             own = [p for p in module._parameters.values() if p is not None]
             if own and all(id(p) in wanted for p in own) and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+
+
+def kept_for_backward(unit_bytes: list[int], prefetch: int, keep_bytes: int) -> tuple[int, int]:
+    """The position (forward order) of the first unit that stays from forward to backward, and the
+    bytes that stay: the last ``prefetch + 1`` units (no more than forward held at once), and before
+    them as many more, counting back from the last, as fit ``keep_bytes`` with them."""
+    first = max(0, len(unit_bytes) - (prefetch + 1))
+    kept = sum(unit_bytes[first:])
+    while first > 0 and kept + unit_bytes[first - 1] <= keep_bytes:
+        first -= 1
+        kept += unit_bytes[first]
+    return first, kept

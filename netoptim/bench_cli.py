@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 
 from launch.niceness import SHARED_CORES_NICENESS
-from netoptim.arg_types import choice_list, niceness, non_negative_int, positive_int, positive_int_list, size, size_list
+from netoptim.arg_types import choice_list, niceness, non_negative_int, positive_int, positive_int_list, size, size_list, size_or_zero
 from netoptim.cluster_cli import add_cluster_flags
 from netoptim.plan_cli import add_model_flags
 
+KEEP_FOR_BACKWARD_HELP = (
+    "layer-wise: bytes of parameters of the last units that stay from forward to backward, which then does not fetch them again "
+    "(offload(keep_for_backward=...); 4GiB, or 0: the last --prefetch + 1 units only) (default: %(default)s)"
+)
 WARMUP_HELP = (
     "untimed steps first: a node's first two updates of a bucket fault its memory in, and from the third it times its two "
     "update paths and keeps the faster (default: %(default)s)"
@@ -102,6 +106,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     train.add_argument("--steps", type=positive_int, default=3, help="timed steps; the median step time is reported (default: %(default)s)")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    train.add_argument("--keep-for-backward", type=size_or_zero, default=0, metavar="SIZE", help=KEEP_FOR_BACKWARD_HELP)
     train.add_argument(
         "--bucket-numel",
         type=positive_int,
@@ -266,6 +271,7 @@ def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     )
     gpu.add_argument("--steps", type=positive_int, default=5, help="timed steps; their mean step time is reported (default: %(default)s)")
     gpu.add_argument("--prefetch", type=non_negative_int, default=2, help="layer-wise: units fetched ahead of the one computing (default: %(default)s)")
+    gpu.add_argument("--keep-for-backward", type=size_or_zero, default=0, metavar="SIZE", help=KEEP_FOR_BACKWARD_HELP)
     gpu.add_argument(
         "--overlap-forward",
         action=argparse.BooleanOptionalAction,

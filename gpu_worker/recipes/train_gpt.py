@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layerwise", action="store_true", help="stream the blocks from the nodes (layer-wise mode): the model is never whole on a worker")
     parser.add_argument("--prefetch", type=int, default=1, help="layer-wise: blocks fetched ahead of the one computing")
     parser.add_argument(
+        "--keep-for-backward",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="layer-wise: bytes of parameters of the last blocks that stay from forward to backward, which then does not fetch them again "
+        "(default: 0, the last --prefetch + 1 blocks only)",
+    )
+    parser.add_argument(
         "--bucket-numel",
         type=int,
         default=0,
@@ -172,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = model_config(args)
     options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=nodes_option(args.nodes), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
     options.update(security_options(args, rank))
+    if args.keep_for_backward < 0:
+        raise SystemExit(f"--keep-for-backward must be a byte count >= 0, got {args.keep_for_backward}")
     if args.bucket_numel < 0:
         raise SystemExit(f"--bucket-numel must be positive (or 0: the default), got {args.bucket_numel}")
     if args.bucket_numel:
@@ -179,7 +189,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.layerwise:
         with torch.device("meta"):  # rank 0 initializes one block at a time, straight to the nodes
             model = GPT(config)
-        optimizer = offload(model, model.blocks, params=param_groups, init_fn=gpt_initializer(config), prefetch=args.prefetch, **options)
+        optimizer = offload(
+            model,
+            model.blocks,
+            params=param_groups,
+            init_fn=gpt_initializer(config),
+            prefetch=args.prefetch,
+            keep_for_backward=args.keep_for_backward,
+            **options,
+        )
     else:
         model = GPT(config)
         if args.pace_window_kib:

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
+from gpu_worker.units import kept_for_backward
 from tests.gpu_worker.harness import run_threads
 from tests.ports import restartable_address
 
@@ -47,7 +48,9 @@ def make_gpt(kind: str = "plain") -> GPT:
     return model
 
 
-def train(nodes: list[str], *, layerwise: bool, kind: str = "plain", world_size: int = 2, prefetch: int = 1, steps: int = STEPS) -> tuple[dict, list]:
+def train(
+    nodes: list[str], *, layerwise: bool, kind: str = "plain", world_size: int = 2, prefetch: int = 1, steps: int = STEPS, keep_for_backward: int = 0
+) -> tuple[dict, list]:
     """Train ``world_size`` worker threads; returns rank 0's final parameters and every rank's optimizer stats."""
     results: dict[int, dict[str, torch.Tensor]] = {}
     stats: list = [None] * world_size
@@ -58,7 +61,10 @@ def train(nodes: list[str], *, layerwise: bool, kind: str = "plain", world_size:
         try:
             model = models[rank]
             options = dict(nodes=nodes, rank=rank, world_size=world_size, lr=3e-3, weight_decay=0.1, bucket_numel=4096, timeout_s=60)
-            opt = offload(model, model.blocks, prefetch=prefetch, **options) if layerwise else RemoteAdamW(model.named_parameters(), **options)
+            if layerwise:
+                opt = offload(model, model.blocks, prefetch=prefetch, keep_for_backward=keep_for_backward, **options)
+            else:
+                opt = RemoteAdamW(model.named_parameters(), **options)
             for step in range(steps):
                 _logits, loss = model(*tokens(step, rank, world_size))
                 loss.backward()
@@ -125,6 +131,48 @@ def test_parameter_memory_stays_within_the_prefetch_window(start_node, prefetch)
     for probe in probes:
         probe.remove()
     opt.close()
+
+
+@pytest.mark.parametrize("kept_blocks", [3, CONFIG.n_layer])
+def test_units_kept_for_backward_are_fetched_once_and_change_nothing(start_node, kept_blocks):
+    """keep_for_backward: the last units forward ran stay for backward, as many as the bytes hold;
+    backward fetches none of them again, the memory held is at most those units more, and the
+    values trained are the full model's, bitwise."""
+    model = make_gpt()
+    root, block, _total = unit_bytes(model)
+    keep = kept_blocks * block + block // 2  # half a block more: not enough for another
+    prefetch = 1
+    node = start_node()
+    opt = offload(model, model.blocks, nodes=[node.address], prefetch=prefetch, keep_for_backward=keep, bucket_numel=4096, timeout_s=30)
+    opt.stream_stats.peak_param_bytes = 0
+    blocks = len(model.blocks)
+    for step in range(2):
+        fetched = opt.stream_stats.fetches
+        _logits, loss = model(*tokens(step, 0, 1))
+        loss.backward()
+        opt.step()
+        assert opt._streamer.resident_param_bytes() == 0, "between steps the worker holds no parameters"
+        assert opt.stream_stats.fetches - fetched == 1 + blocks + blocks - kept_blocks, "backward fetches only the units not kept"
+    peak = opt.stream_stats.peak_param_bytes
+    assert (prefetch + 1) * block + root < peak <= root + (kept_blocks + prefetch + 1) * block
+    opt.close()
+    full = train([start_node("full").address], layerwise=False)[0]
+    kept = train([start_node("kept").address], layerwise=True, keep_for_backward=keep)[0]
+    for name in full:
+        assert torch.equal(full[name], kept[name]), f"{name} differs from full-model training"
+
+
+def test_which_units_stay_for_backward():
+    """Counted back from the last unit: at least prefetch + 1, then as many as fit, stopping at the
+    first that does not (no unit skipped to fit a smaller one before it)."""
+    assert kept_for_backward([10, 10, 10, 10], 1, 0) == (2, 20)
+    assert kept_for_backward([10, 10, 10, 10], 1, 35) == (1, 30)
+    assert kept_for_backward([10, 10, 10, 10], 1, 40) == (0, 40)
+    assert kept_for_backward([5, 50, 10, 10], 0, 60) == (2, 20), "the 50 does not fit: the 5 before it is not taken either"
+    assert kept_for_backward([10, 10], 5, 0) == (0, 20), "a prefetch longer than the model keeps it all"
+    assert kept_for_backward([], 1, 100) == (0, 0)
+    with pytest.raises(ValueError, match="keep_for_backward"):
+        offload(make_gpt(), make_gpt().blocks, keep_for_backward=-1)
 
 
 def test_meta_model_is_initialized_unit_by_unit_and_trains(start_node):
