@@ -103,6 +103,19 @@ def unit_bytes(model: GPT) -> tuple[int, int, int]:
     return total - sum(p.numel() * 4 for p in model.blocks.parameters()), block, total
 
 
+def fetches_of_steps(opt: RemoteAdamW, model: GPT, steps: int) -> list[int]:
+    """Train ``steps`` steps on one rank; the unit fetches of each (none held between steps)."""
+    counts = []
+    for step in range(steps):
+        fetched = opt.stream_stats.fetches
+        _logits, loss = model(*tokens(step, 0, 1))
+        loss.backward()
+        opt.step()
+        assert opt._streamer.resident_param_bytes() == 0, "between steps the worker holds no parameters"
+        counts.append(opt.stream_stats.fetches - fetched)
+    return counts
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_parameter_memory_stays_within_the_prefetch_window(start_node, prefetch):
     """Measured from the parameter storages at every hook, not from the streamer's bookkeeping."""
@@ -115,14 +128,8 @@ def test_parameter_memory_stays_within_the_prefetch_window(start_node, prefetch)
     held_during: list[int] = []
     probes = [b.register_forward_hook(lambda *_: held_during.append(opt._streamer.resident_param_bytes())) for b in model.blocks]
     blocks = len(model.blocks)
-    for step in range(2):
-        fetched = opt.stream_stats.fetches
-        _logits, loss = model(*tokens(step, 0, 1))
-        loss.backward()
-        opt.step()
-        assert opt._streamer.resident_param_bytes() == 0, "between steps the worker holds no parameters"
-        # the root unit, every block for forward, and again for backward but the last prefetch + 1, kept from forward
-        assert opt.stream_stats.fetches - fetched == 1 + blocks + blocks - min(blocks, prefetch + 1)
+    # the root unit, every block for forward, and again for backward but the last prefetch + 1, kept from forward
+    assert fetches_of_steps(opt, model, 2) == [1 + blocks + blocks - min(blocks, prefetch + 1)] * 2
     peak = opt.stream_stats.peak_param_bytes
     window = root + (prefetch + 1) * block  # the unit computing and the ones prefetched
     print(f"\nprefetch {prefetch}: peak {peak} B, window {window} B, whole model {total} B")
@@ -146,13 +153,7 @@ def test_units_kept_for_backward_are_fetched_once_and_change_nothing(start_node,
     opt = offload(model, model.blocks, nodes=[node.address], prefetch=prefetch, keep_for_backward=keep, bucket_numel=4096, timeout_s=30)
     opt.stream_stats.peak_param_bytes = 0
     blocks = len(model.blocks)
-    for step in range(2):
-        fetched = opt.stream_stats.fetches
-        _logits, loss = model(*tokens(step, 0, 1))
-        loss.backward()
-        opt.step()
-        assert opt._streamer.resident_param_bytes() == 0, "between steps the worker holds no parameters"
-        assert opt.stream_stats.fetches - fetched == 1 + blocks + blocks - kept_blocks, "backward fetches only the units not kept"
+    assert fetches_of_steps(opt, model, 2) == [1 + blocks + blocks - kept_blocks] * 2, "backward fetches only the units not kept"
     peak = opt.stream_stats.peak_param_bytes
     assert (prefetch + 1) * block + root < peak <= root + (kept_blocks + prefetch + 1) * block
     opt.close()
