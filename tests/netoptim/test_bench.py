@@ -62,6 +62,7 @@ def test_train_bench_compares_ddp_full_and_layerwise():
     for mode in ("ddp", "full", "layerwise"):
         assert entry[mode]["tokens_per_s"] > 0 and entry[mode]["peak_rss_mb_per_worker"] > entry[mode]["rss_after_import_mb"] > 0
     assert 0.0 <= entry["layerwise"]["comm_hidden_fraction"] <= 1.0 and entry["layerwise"]["peak_param_mb"] > 0
+    assert entry["layerwise"]["fetched_mb_per_step"] > 0
     assert entry["compute"]["tokens_per_s"] > 0 and "node_cpu_s_per_step" not in entry["compute"]
     assert entry["full"]["peak_rss_mb_per_node"] > 0 and entry["layerwise"]["peak_rss_mb_per_node"] > 0
     assert entry["layerwise"]["node_cpu_s_per_step_by_thread"][0]["main"] > 0, "the serve loop's CPU, by thread"  # a step of 1.7 s

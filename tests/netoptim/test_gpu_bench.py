@@ -19,6 +19,7 @@ from benchmarks.common import store_io_threads
 from benchmarks.gpu_limits import offload_limit_step_s
 from benchmarks.gpu_limits_file import check_same_box, load_limits
 from benchmarks.gpu_modes import ModeSettings
+from benchmarks.train_bench import param_count
 from gpu_worker.copy_rates import copy_bandwidth_gbs
 from launch.host_cpus import format_cpu_list, update_threads
 
@@ -46,7 +47,8 @@ def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
     """The full model runs pinned (``--pin``) where there are two CPUs: the worker on one, its node on the others."""
     # the full model's node keeps payloads on the socket (--node-arg): nothing goes through shared memory
     args = argparse.Namespace(nodes=1, timeout_s=180, node_arg=["--same-host-window-mb=0"] if mode == "full" else [])
-    settings = ModeSettings(batch=2, seq=16, warmup=1, steps=2, bucket_numel=1 << 16)
+    # layer-wise keeps the whole model from forward to backward: each unit is fetched once a step
+    settings = ModeSettings(batch=2, seq=16, warmup=1, steps=2, bucket_numel=1 << 16, keep_for_backward=1 << 30 if mode == "layerwise" else 0)
     pinned = mode == "full" and PINNABLE
     split = gpu_bench.host_split(nodes=1, node_threads=1, pin=True, worker_cpus=1) if pinned else gpu_bench.HostSplit(node_threads=1)
     report = gpu_bench.run_mode(mode, "small", "float32", settings, torch.device("cpu"), args, split)
@@ -64,6 +66,8 @@ def test_each_mode_trains_the_same_batches_and_reports_its_figures(mode):
         assert report["host_to_device_mb_per_step"] == {"direct": 0.0, "staged": 0.0}  # on a GPU: straight from windows and boards, or staged
     if mode == "layerwise":
         assert 0 <= report["comm_hidden_fraction"] <= 1
+        model_mb = 4 * param_count(gpu_bench.SIZES["small"]) / 2**20
+        assert report["fetched_mb_per_step"] == pytest.approx(model_mb, rel=0.01), "every parameter fetched once a step, fp32"
     if pinned:  # where each process ran, read from the processes themselves
         assert report["worker_cpus"] == format_cpu_list(split.worker_cpus) and report["node_cpus"] == [format_cpu_list(split.node_cpus[0])]
 
