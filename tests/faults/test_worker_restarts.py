@@ -68,6 +68,7 @@ def assert_continues_bitwise(tmp_path, reference: dict, mode: str, deaths: dict[
         pytest.param("early", marks=pytest.mark.slow),
         pytest.param("paced", marks=pytest.mark.slow),
         pytest.param("layerwise", marks=pytest.mark.slow),
+        pytest.param("layerwise-kept", marks=pytest.mark.slow),  # backward fetches nothing: a restart mid-backward fetches again
     ],
 )
 @pytest.mark.parametrize("seed", range(TRIALS))
@@ -86,3 +87,9 @@ def test_both_workers_killed_and_restarted_continue_bitwise(tmp_path, reference,
 def test_the_overlapped_forward_ends_bitwise_where_the_full_model_ends(reference):
     """The reference runs themselves: overlapping the next forward changes when values are installed, not what they are."""
     assert bitwise_equal(reference["overlapped"], reference["full"]) == 0.0
+
+
+@pytest.mark.slow
+def test_units_kept_for_backward_end_bitwise_where_the_full_model_ends(reference):
+    """The reference runs themselves: keeping units from forward to backward changes what is fetched, not the values."""
+    assert bitwise_equal(reference["layerwise-kept"], reference["full"]) == 0.0

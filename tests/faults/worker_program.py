@@ -112,9 +112,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument(
         "--mode",
-        choices=["full", "early", "paced", "overlapped", "layerwise"],
+        choices=["full", "early", "paced", "overlapped", "layerwise", "layerwise-kept"],
         default="full",
-        help="early: push during backward; paced: also with a two-bucket push window; overlapped: also overlap_forward (pulls happen in forward)",
+        help="early: push during backward; paced: also with a two-bucket push window; overlapped: also overlap_forward (pulls happen in forward); "
+        "layerwise-kept: layer-wise with every block kept from forward to backward (backward fetches none)",
     )
     parser.add_argument("--die-at", default=None, help="PHASE:STEP:N, see the module docstring")
     parser.add_argument("--out", default=None, help="rank 0: where to save the final parameters")
@@ -142,8 +143,8 @@ def main() -> None:
         nodes=args.nodes.split(","), rank=args.rank, world_size=args.world, lr=3e-3, weight_decay=0.1, bucket_numel=BUCKET_NUMEL, timeout_s=args.timeout
     )
     options |= dict(heartbeat_s=args.heartbeat, silent_after_s=args.silent_after, reconnect_s=args.reconnect, same_host_ipc=not args.no_same_host)
-    if args.mode == "layerwise":
-        opt = offload(model, model.blocks, prefetch=1, **options)
+    if args.mode.startswith("layerwise"):
+        opt = offload(model, model.blocks, prefetch=1, keep_for_backward=(1 << 30) if args.mode == "layerwise-kept" else 0, **options)
     else:
         if args.mode == "paced":
             options["pace_window_bytes"] = 2 * BUCKET_NUMEL * 4
