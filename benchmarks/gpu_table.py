@@ -11,7 +11,13 @@ def _ratio(entry: dict, mode: str, baseline: str) -> str:
 
 
 def _node(result: dict) -> str:
-    """The first node's last step: the time in its passes (median bucket) and after the last gradient."""
+    """The first node's last step: the time in its passes (median bucket) and after the last gradient;
+    layer-wise, also the parameters fetched a step."""
+    fetched = f"; fetched {result['fetched_mb_per_step'] / 1024:.1f} GiB a step" if "fetched_mb_per_step" in result else ""
+    return _passes(result) + fetched
+
+
+def _passes(result: dict) -> str:
     nodes = result.get("nodes") or []
     if not nodes:
         return "-"
@@ -29,6 +35,8 @@ def _settings(settings: dict) -> str:
         parts.append(f"overlap_forward {'on' if settings['overlap_forward'] else 'off'}")
     if settings.get("keep_step_gradients") is False:  # the default says nothing
         parts.append("step gradients let go once pushed")
+    if settings.get("keep_for_backward"):
+        parts.append(f"layer-wise keeps {settings['keep_for_backward'] / 2**30:.1f} GiB of parameters for backward")
     if settings.get("node_threads"):
         parts.append(f"{settings['nodes']} node(s) of {settings['node_threads']} update threads")
     if settings.get("node_args"):

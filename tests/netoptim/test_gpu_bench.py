@@ -219,9 +219,12 @@ def test_the_table_for_people_gives_each_mode_its_ratios_and_the_nodes_last_step
     settings = {"bucket_numel": 4194304, "overlap_forward": False, "nodes": 1, "node_threads": 13, "node_args": ["--pass-thread"]}
     first = table({"settings": settings, "sizes": {}}).splitlines()[0]
     assert first == "netoptim: buckets of 4,194,304 elements, overlap_forward off, 1 node(s) of 13 update threads, node flags --pass-thread"
-    settings |= {"overlap_forward": True, "keep_step_gradients": False}
+    settings |= {"overlap_forward": True, "keep_step_gradients": False, "keep_for_backward": 8 << 30}
     first = table({"settings": settings, "sizes": {}}).splitlines()[0]
-    assert "overlap_forward on, step gradients let go once pushed, 1 node(s)" in first
+    assert "overlap_forward on, step gradients let go once pushed, layer-wise keeps 8.0 GiB of parameters for backward, 1 node(s)" in first
+    entry = {"layerwise": {"tokens_per_s": 1608.0, "step_s": 0.637, "peak_gpu_mb": 3379.0, "nodes": [node], "fetched_mb_per_step": 3846.0}}
+    layerwise = table({"sizes": {"1b": {"params": 1_008_349_184, "float32": entry}}}).splitlines()[1]
+    assert layerwise.endswith("passes 0.45 s (1.79 ms a bucket), tail 0.37 s; fetched 3.8 GiB a step"), layerwise
 
 
 def test_limits_come_from_an_earlier_report_or_a_reason_why_not(tmp_path):
