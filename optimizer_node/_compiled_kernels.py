@@ -334,15 +334,15 @@ def _block_bf16(
 
 
 @_jit(inline="always")
-def _work_buffer(keep, blocks):  # pragma: no cover - compiled
-    """With ``keep``, a buffer the size of the largest block (at most 128 KiB: it stays in cache), made
-    once a thread and reused block after block (one made per block came and went, and the allocator
-    gave its pages back and faulted them in again each time); else an empty one."""
+def _work_numel(keep, blocks):  # pragma: no cover - compiled
+    """With ``keep``, the elements of the largest block (at most 32K: its buffer stays in cache; one
+    is made per thread and reused block after block, as one made per block came and went and the
+    allocator gave its pages back and faulted them in again each time); else 0 (no buffer)."""
     widest = 0
     if keep:
         for b in range(blocks.shape[0]):
             widest = max(widest, blocks[b, 1] - blocks[b, 0])
-    return np.empty(widest, dtype=np.float32)
+    return widest
 
 
 @_jit(parallel=True)
@@ -354,8 +354,9 @@ def update_fp32(
     ``prange`` hands them out: see ``_block_fp32``."""
     count = blocks.shape[0]
     shares = min(count, threads)
+    widest = _work_numel(keep, blocks)  # once, before the threads
     for share in prange(shares):
-        work = _work_buffer(keep, blocks)
+        work = np.empty(widest, dtype=np.float32)
         for b in range(share * count // shares, (share + 1) * count // shares):
             _block_fp32(
                 p, m, v, frames, wire, prev, work, blocks[b, 0], blocks[b, 1],
@@ -368,7 +369,7 @@ def update_fp32_serial(
     p, m, v, frames, wire, prev, keep, blocks, scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
 ):  # pragma: no cover
     """``update_fp32`` in the calling thread."""
-    work = _work_buffer(keep, blocks)
+    work = np.empty(_work_numel(keep, blocks), dtype=np.float32)
     for b in range(blocks.shape[0]):
         _block_fp32(
             p, m, v, frames, wire, prev, work, blocks[b, 0], blocks[b, 1], scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step
