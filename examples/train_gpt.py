@@ -32,7 +32,7 @@ node restarted with ``--resume`` on the same address is reconnected to by the ru
 docs/faults.md.
 """
 
-from gpu_worker.recipes.train_gpt import main
+from netoptim.recipes.train_gpt import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

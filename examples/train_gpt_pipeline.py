@@ -23,7 +23,7 @@ rank lists the nodes in the same order. ``--cuts auto`` (the default) balances t
 calibration that rank 0 runs and broadcasts.
 """
 
-from gpu_worker.recipes.train_gpt_pipeline import main
+from netoptim.recipes.train_gpt_pipeline import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

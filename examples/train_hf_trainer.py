@@ -3,7 +3,7 @@
 The only change to a Trainer script is the trainer's class and where the nodes are::
 
     trainer = Trainer(model=model, args=args, train_dataset=data)                               # before: DDP + AdamW
-    trainer = NetoptimTrainer(model=model, args=args, train_dataset=data, nodes=args.nodes)   # after (integrations.huggingface)
+    trainer = NetoptimTrainer(model=model, args=args, train_dataset=data, nodes=args.nodes)   # after (netoptim.integrations.huggingface)
 
 ``NetoptimTrainer`` makes a ``RemoteAdamW`` from the ``TrainingArguments`` (learning rate, betas,
 epsilon, weight decay, ``max_grad_norm`` as the nodes' global-norm clipping), keeps the model out of
@@ -30,8 +30,8 @@ import argparse
 import torch
 import transformers
 
-from integrations.huggingface import NetoptimTrainer
-from job.discovery import nodes_option
+from netoptim.integrations.huggingface import NetoptimTrainer
+from netoptim.job.discovery import nodes_option
 
 
 class CountingTokens(torch.utils.data.Dataset):

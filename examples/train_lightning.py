@@ -3,7 +3,7 @@
 The only change to a Lightning script is the strategy::
 
     trainer = L.Trainer(devices=2, strategy="ddp")                                  # before: DDP + the module's AdamW
-    trainer = L.Trainer(devices=2, strategy=NetoptimStrategy(nodes=args.nodes))     # after (integrations.lightning)
+    trainer = L.Trainer(devices=2, strategy=NetoptimStrategy(nodes=args.nodes))     # after (netoptim.integrations.lightning)
 
 The ``LightningModule`` is unchanged: its ``configure_optimizers`` returns ``torch.optim.AdamW`` and a
 scheduler; ``NetoptimStrategy`` runs that AdamW on the nodes as a ``RemoteAdamW`` over the same param
@@ -36,8 +36,8 @@ import lightning.pytorch as pl
 import torch
 
 from gpu_worker.models import GPT, GPTConfig
-from integrations.lightning import NetoptimStrategy
-from job.discovery import nodes_option
+from netoptim.integrations.lightning import NetoptimStrategy
+from netoptim.job.discovery import nodes_option
 
 
 def counting_tokens(count: int, length: int, vocab: int, seed: int) -> torch.utils.data.TensorDataset:

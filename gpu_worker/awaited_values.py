@@ -21,9 +21,9 @@ import torch
 
 from gpu_worker.node_connections import NonFiniteGradientError
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
-from job.hyper import AdamWHyper
-from job.placement import BucketSpec
-from job.spec import JobSpec
+from netoptim.job.hyper import AdamWHyper
+from netoptim.job.placement import BucketSpec
+from netoptim.job.spec import JobSpec
 from transport.interface import Message
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.node_connections import NodeConnections
-from job.placement import BucketSpec
+from netoptim.job.placement import BucketSpec
 from transport.wire import Header, MsgType, tensor_header
 
 

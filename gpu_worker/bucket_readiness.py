@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from job.placement import BucketSpec
+from netoptim.job.placement import BucketSpec
 
 
 class BucketReadiness:

@@ -19,8 +19,8 @@ import torch
 
 from gpu_worker.gradient_sender import GradientSender
 from gpu_worker.step_timings import WorkerStepTimings, elapsed
-from job.hyper import AdamWHyper
-from job.placement import BucketSpec
+from netoptim.job.hyper import AdamWHyper
+from netoptim.job.placement import BucketSpec
 from transport.batches import BATCH_BYTES
 from transport.wire import Header, MsgType
 

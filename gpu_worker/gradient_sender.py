@@ -12,8 +12,8 @@ from gpu_worker.device_copy import host_waitable_event, in_page_locked_window, w
 from gpu_worker.finite_probe import FiniteProbe
 from gpu_worker.layout import gather_run
 from gpu_worker.node_connections import NodeConnections
-from job.hyper import AdamWHyper
-from job.placement import BucketSpec
+from netoptim.job.hyper import AdamWHyper
+from netoptim.job.placement import BucketSpec
 from transport.send_buffers import SendBuffers
 from transport.wire import MsgType, tensor_header
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from gpu_worker.forward_waits import check_held
 from gpu_worker.layout import layout_from_groups
 from gpu_worker.units import UnitPlan
-from job.placement import default_bucket_numel
-from job.spec import JobSpec
+from netoptim.job.placement import default_bucket_numel
+from netoptim.job.spec import JobSpec
 from transport.wire import dtype_name
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_worker.session import OffloadSession
-from job.hyper import AdamWHyper
+from netoptim.job.hyper import AdamWHyper
 
 
 class _SegmentGrads:

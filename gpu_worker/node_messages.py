@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpu_worker.node_connections import NodeConnections, NonFiniteGradientError, node_error
 from gpu_worker.norm_totals import NormTotals
-from job.placement import BucketSpec
+from netoptim.job.placement import BucketSpec
 from transport.batches import split_batch
 from transport.interface import Message
 from transport.wire import Header, MsgType, WireError

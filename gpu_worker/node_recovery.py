@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from gpu_worker.registration import NodeRegistration, resume_account
 from gpu_worker.resume import WorkerProgress, gradients_lost
-from job.placement import BucketSpec
-from job.spec import JobSpec
+from netoptim.job.placement import BucketSpec
+from netoptim.job.spec import JobSpec
 from transport.interface import Message
 
 if TYPE_CHECKING:

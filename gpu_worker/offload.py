@@ -10,7 +10,7 @@ from torch import nn
 
 from gpu_worker.remote_adamw import RemoteAdamW
 from gpu_worker.units import InitFn, plan_units
-from job.discovery import NodeSource
+from netoptim.job.discovery import NodeSource
 
 
 def offload(

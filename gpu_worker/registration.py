@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpu_worker.node_connections import NodeConnections
-from job.placement import BucketSpec
+from netoptim.job.placement import BucketSpec
 from transport.interface import Message
 
 log = logging.getLogger(__name__)

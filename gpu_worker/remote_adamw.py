@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from gpu_worker.remote_optimizer import RemoteOptimizer
-from job.hyper import AdamWHyper
+from netoptim.job.hyper import AdamWHyper
 
 TORCH_ADAMW_GROUP_KEYS = {
     "amsgrad": False,
@@ -38,7 +38,7 @@ class RemoteAdamW(RemoteOptimizer):
             unfrozen later; leave out the ones that never train (they would take node memory).
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``. The current values of each group
             travel with every step, so ``torch.optim.lr_scheduler`` works unchanged.
-        nodes: where the job's optimizer nodes are (:mod:`job.discovery`). A list of data-plane
+        nodes: where the job's optimizer nodes are (:mod:`netoptim.job.discovery`). A list of data-plane
             addresses, like ``["tcp://10.0.0.5:5555"]``, is used as given: every rank must list them
             in the same order. A host file's path (one address per line, ``#`` comments) or ``None``
             (the default: ``$NETOPTIM_NODES``, addresses separated by commas, else the host file

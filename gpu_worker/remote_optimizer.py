@@ -22,8 +22,8 @@ from gpu_worker.session_start import start_session
 from gpu_worker.step_hooks import StepHooks
 from gpu_worker.streaming import StreamStats
 from gpu_worker.units import UnitPlan
-from job.discovery import NodeSource, discover_nodes
-from job.hyper import AdamWHyper, validate_for_rule
+from netoptim.job.discovery import NodeSource, discover_nodes
+from netoptim.job.hyper import AdamWHyper, validate_for_rule
 from transport.host_memory import StepHeap, keep_step_heap
 
 
@@ -40,7 +40,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     when they are not Adam-style, and calls :meth:`_setup` from its ``__init__``. Every option is documented on :class:`~gpu_worker.RemoteAdamW`."""
 
     rule = "adamw"
-    """The update rule the nodes apply (:data:`job.hyper.RULES`)."""
+    """The update rule the nodes apply (:data:`netoptim.job.hyper.RULES`)."""
     torch_group_keys: ClassVar[dict[str, Any]] = {}
     """What torch's optimizer of the same rule keeps in each param group besides the hyperparameters."""
 
@@ -264,7 +264,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._sync_enabled = previous
 
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
-        """A param group's current hyperparameters in the wire's five slots (see :mod:`job.hyper`):
+        """A param group's current hyperparameters in the wire's five slots (see :mod:`netoptim.job.hyper`):
         ``lr``, ``betas``, ``eps`` and ``weight_decay`` as AdamW and Adam keep them; rules whose groups
         hold other keys (SGD, Lion) map theirs."""
         return adam_style_hyper(group)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from gpu_worker.remote_adamw import TORCH_ADAMW_GROUP_KEYS
 from gpu_worker.remote_optimizer import RemoteOptimizer
-from job.hyper import AdamWHyper, validate_for_rule
+from netoptim.job.hyper import AdamWHyper, validate_for_rule
 
 
 class RemoteAdam(RemoteOptimizer):

@@ -32,9 +32,9 @@ from gpu_worker.registration import NodeRegistration
 from gpu_worker.resume import resume_point
 from gpu_worker.step_timings import WorkerStepTimings
 from gpu_worker.value_installer import ValueInstaller
-from job.hyper import AdamWHyper
-from job.placement import BucketSpec
-from job.spec import JobSpec
+from netoptim.job.hyper import AdamWHyper
+from netoptim.job.placement import BucketSpec
+from netoptim.job.spec import JobSpec
 from transport.interface import Message
 from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, MsgType

@@ -14,8 +14,8 @@ from gpu_worker.push_pacing import PushPacer
 from gpu_worker.session import OffloadSession
 from gpu_worker.streaming import LayerStreamer
 from gpu_worker.units import UnitPlan
-from job.hyper import AdamWHyper
-from job.spec import JobSpec
+from netoptim.job.hyper import AdamWHyper
+from netoptim.job.spec import JobSpec
 from transport.security import CurveClientConfig
 from transport.wire import MsgType
 

@@ -21,7 +21,7 @@ from gpu_worker.forward_waits import ForwardWaits
 from gpu_worker.layout import GradsOf
 from gpu_worker.push_courier import PushCourier
 from gpu_worker.session import OffloadSession
-from job.hyper import AdamWHyper
+from netoptim.job.hyper import AdamWHyper
 
 
 class StepHooks:

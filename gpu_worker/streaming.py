@@ -35,7 +35,7 @@ from gpu_worker.landed_pushes import LandedPushes
 from gpu_worker.layout import GradsOf, finish_board_read
 from gpu_worker.session import OffloadSession
 from gpu_worker.units import UnitPlan, initialize, kept_for_backward
-from job.hyper import AdamWHyper
+from netoptim.job.hyper import AdamWHyper
 from transport.host_memory import keep_step_heap, trim_host_heap
 from transport.interface import Message
 from transport.wire import WIRE_DTYPES

@@ -1,3 +1,3 @@
-from netoptim.cli import console
+from netoptim.console import console
 
 console()

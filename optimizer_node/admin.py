@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from importlib import metadata
 from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+import netoptim
 from optimizer_node.adamw import HyperOverrides
 from optimizer_node.admin_address import bind_error, split_host_port
 from optimizer_node.admin_guards import BearerTokenInterceptor, RequestDecodingInterceptor
@@ -57,10 +57,7 @@ step in flight) at most at once: the other threads stay free for status calls an
 
 
 def _version() -> str:
-    try:
-        return metadata.version("netoptim")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    return netoptim.__version__
 
 
 @dataclass(kw_only=True, slots=True)

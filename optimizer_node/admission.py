@@ -15,8 +15,8 @@ import hashlib
 import json
 import logging
 
-from job.placement import BucketSpec
-from job.spec import JobSpec, LimitError
+from netoptim.job.placement import BucketSpec
+from netoptim.job.spec import JobSpec, LimitError
 from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob
 from optimizer_node.log_limits import RateLimitedLog

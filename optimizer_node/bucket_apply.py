@@ -24,7 +24,7 @@ from transport.wire import WIRE_DTYPES
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from job.hyper import AdamWHyper
+    from netoptim.job.hyper import AdamWHyper
     from optimizer_node.config import NodeConfig
     from optimizer_node.control import StepClock
     from optimizer_node.job_state import ActiveJob, BucketStep

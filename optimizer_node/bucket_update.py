@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from job.hyper import AdamWHyper
-from job.placement import BucketSpec
+from netoptim.job.hyper import AdamWHyper
+from netoptim.job.placement import BucketSpec
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.storage import BucketState
 from optimizer_node.update_pass import move_for_update_in_place, reduce_and_update, reduce_and_update_segments

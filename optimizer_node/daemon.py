@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from job.spec import JobSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.admission import JobAdmission
 from optimizer_node.bucket_apply import BucketApply, PendingUpdate
 from optimizer_node.clipping import GlobalNormRound

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from job.spec import JobSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.checkpoint import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)

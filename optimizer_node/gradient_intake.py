@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-from job.hyper import validate_for_rule
+from netoptim.job.hyper import validate_for_rule
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.bucket_update import absent_segments
 from optimizer_node.job_state import BucketStep, JobNode
@@ -30,7 +30,7 @@ from transport.batches import split_batch
 from transport.wire import ErrorCode, Header, MsgType, WireError, error_header
 
 if TYPE_CHECKING:
-    from job.placement import BucketSpec
+    from netoptim.job.placement import BucketSpec
     from optimizer_node.admission import JobAdmission
     from optimizer_node.bucket_apply import BucketApply
     from optimizer_node.clipping import GlobalNormRound

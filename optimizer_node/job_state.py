@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from job.placement import BucketSpec
-from job.spec import JobSpec
+from netoptim.job.placement import BucketSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.adamw import AdamWHyper
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.step_ledger import StepLedger

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 
 if TYPE_CHECKING:
-    from job.spec import JobSpec
+    from netoptim.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

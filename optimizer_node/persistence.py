@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from job.spec import JobSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints

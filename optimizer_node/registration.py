@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from job.spec import JobSpec, LimitError
+from netoptim.job.spec import JobSpec, LimitError
 from optimizer_node.admission import JobAdmission, job_fingerprint
 from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob, JobNode

@@ -23,7 +23,7 @@ from transport.wire import WIRE_DTYPES, ErrorCode, MsgType, WireError, tensor_he
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from job.placement import BucketSpec
+    from netoptim.job.placement import BucketSpec
     from optimizer_node.job_state import ActiveJob
     from optimizer_node.step_ledger import StepLedger
     from transport.interface import Message, ServerEndpoint

@@ -4,14 +4,14 @@ not ship, to the reference implementation in ``tests/optimizer_node/test_rules.p
 
 The gradient arrives as the fp32 sum of the ranks' gradients; it is divided by the world size here
 first (``grad_divisor``), exactly as the reference averages, then handed to torch's fused kernel.
-Slots of :class:`~job.hyper.AdamWHyper` per rule are described in :mod:`job.hyper`.
+Slots of :class:`~netoptim.job.hyper.AdamWHyper` per rule are described in :mod:`netoptim.job.hyper`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from job.hyper import AdamWHyper
+from netoptim.job.hyper import AdamWHyper
 from optimizer_node.adamw import fused_adamw
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from job.placement import SPLIT_ALIGNMENT
+from netoptim.job.placement import SPLIT_ALIGNMENT
 from optimizer_node import compiled_update
 
 CHUNK_NUMEL = 512 << 10

@@ -10,7 +10,7 @@ import logging
 import subprocess
 import sys
 
-from netoptim.cli import main
+from netoptim.console import main
 
 
 def run_netoptim(*args: str, in_process: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ A fresh ``python -m netoptim node`` spends ~2 s of a core importing torch, numba
 before it listens, and the suite starts a few hundred nodes on a 2-core machine. The launcher here
 forks each node from a ``multiprocessing`` fork server that did those imports once (no threads run
 there: nothing has been started, only imported). What runs in the child is the same command line
-through the same entry point (:func:`netoptim.cli.console`), in a process of its own with its own pid,
+through the same entry point (:func:`netoptim.console.console`), in a process of its own with its own pid,
 its output in the node's log file: SIGTERM, SIGKILL and restarts behave as for any other process.
 Only the environment is set from the caller's at each start; what a library reads from it at import
 (OpenMP's thread count, for one) is the server's, which the node's ``--threads`` overrides anyway;
@@ -23,10 +23,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.processes import ChildProcess, popen_launcher
-from launch.thread_wait import POLICY_ENV
+from netoptim.launch.processes import ChildProcess, popen_launcher
+from netoptim.launch.thread_wait import POLICY_ENV
 
-PRELOAD = ["torch", "numpy", "numba", "zmq", "grpc", "netoptim.cli", "netoptim.node_cli", "optimizer_node.daemon"]
+PRELOAD = ["torch", "numpy", "numba", "zmq", "grpc", "netoptim.console", "netoptim.cli.node", "optimizer_node.daemon"]
 """What the fork server imports before it forks the first node."""
 
 
@@ -91,7 +91,7 @@ def _start_server_with_sleeping_update_threads() -> None:
     """Start the fork server with ``OMP_WAIT_POLICY=PASSIVE``: its torch import loads OpenMP, which
     reads the policy then, once, for every node forked from it. The tests' nodes share the machine's
     CPUs with their workers, where ``netoptim node`` has its update threads sleep between passes
-    (launch/thread_wait.py); this process's own environment stays as it was."""
+    (netoptim/launch/thread_wait.py); this process's own environment stays as it was."""
     previous = os.environ.get(POLICY_ENV)
     os.environ[POLICY_ENV] = "PASSIVE"
     try:
@@ -114,6 +114,6 @@ def run_command(argv: list[str], log_file: str, environment: dict[str, str]) -> 
     os.environ.clear()
     os.environ.update(environment)
     sys.argv = ["netoptim", *argv]
-    from netoptim.cli import console
+    from netoptim.console import console
 
     console()

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # The names below load their modules (and torch) on first use: checking an address, as ``netoptim
 # node``'s flags do, must not import torch, whose OpenMP runtime reads its settings once, at load
-# (launch/thread_wait.py).
+# (netoptim/launch/thread_wait.py).
 _LAZY = {
     "ClientEndpoint": "transport.interface",
     "Message": "transport.interface",

@@ -1,4 +1,4 @@
-"""Per-block costs from a short calibration on this worker; :mod:`planning.partition` balances
+"""Per-block costs from a short calibration on this worker; :mod:`gpu_worker.pipeline.balance` balances
 stages on them.
 
 The calibration runs each block's forward and backward on a sample micro-batch, alone and in order
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu_worker.pipeline.balance import BlockCost
 from gpu_worker.pipeline.blocks import PipelineBlock
-from planning.partition import BlockCost
 
 
 def calibrate(blocks: Sequence[PipelineBlock], sample: torch.Tensor, *, repeats: int = 3) -> list[BlockCost]:

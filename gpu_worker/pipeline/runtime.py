@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from gpu_worker.pipeline.balance import balance
 from gpu_worker.pipeline.blocks import PipelineBlock, StageModule, pipeline_blocks, split_points
 from gpu_worker.pipeline.partition import calibrate
 from gpu_worker.pipeline.repartition import gather_training_state, load_training_state
 from gpu_worker.remote_adamw import RemoteAdamW
-from planning.partition import balance
 
 log = logging.getLogger(__name__)
 

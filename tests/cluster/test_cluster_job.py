@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster import cleanup
-from cluster.report import Shape
-from cluster.runner import JobSpec, LoopbackPlacement, run_job
-from cluster.scaling import param_count
-from cluster.session import ClusterRun, auto_bucket_numel, run_cluster
 from gpu_worker.models import GPTConfig
+from netoptim.cluster import cleanup
+from netoptim.cluster.report import Shape
+from netoptim.cluster.runner import JobSpec, LoopbackPlacement, run_job
+from netoptim.cluster.scaling import param_count
+from netoptim.cluster.session import ClusterRun, auto_bucket_numel, run_cluster
 
 requires_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the emulated cluster creates network namespaces, veths and a bridge: root only (the CI runs as root)"

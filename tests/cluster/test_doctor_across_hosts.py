@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from cluster import cleanup, netns, shaping, topology
-from launch.processes import NodeProcess
+from netoptim.cluster import cleanup, netns, shaping, topology
+from netoptim.launch.processes import NodeProcess
 
 LINK_BIT_S = 200e6
 

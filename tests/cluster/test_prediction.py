@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from cluster.prediction import CalibrationError, efficiencies_from_reports, predict_cluster, prediction_bytes
-from cluster.report import Shape, model_link_bytes
-from cluster.scaling import param_count
 from gpu_worker.models import GPTConfig
-from planning.cluster_model import ClusterTiming
+from netoptim.cluster.prediction import CalibrationError, efficiencies_from_reports, predict_cluster, prediction_bytes
+from netoptim.cluster.report import Shape, model_link_bytes
+from netoptim.cluster.scaling import param_count
+from netoptim.planning.cluster_model import ClusterTiming
 from tests.cli import run_netoptim
 
 CONFIG = GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=64)

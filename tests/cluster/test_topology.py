@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from cluster import cleanup, counters, netns, shaping, topology
-from cluster.scaling import scale_links
+from netoptim.cluster import cleanup, counters, netns, shaping, topology
+from netoptim.cluster.scaling import scale_links
 
 requires_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="the emulated cluster creates network namespaces, veths and a bridge: root only (the CI runs as root)"
@@ -195,7 +195,7 @@ def test_link_scale_keeps_the_targets_compute_to_communication_ratio():
 
 
 def test_without_root_the_command_says_so(monkeypatch, capsys):
-    from netoptim.cli import main
+    from netoptim.console import main
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["cluster", "--cleanup"]) == 1

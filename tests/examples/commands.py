@@ -9,8 +9,8 @@ import contextlib
 import io
 from collections.abc import Sequence
 
-from gpu_worker.recipes.train_gpt import build_parser as recipe_parser
-from netoptim.cli import build_parser as netoptim_parser
+from netoptim.console import build_parser as netoptim_parser
+from netoptim.recipes.train_gpt import build_parser as recipe_parser
 
 RECIPES = {"examples/train_gpt.py": recipe_parser}
 """The training scripts the examples run, by the path they give torchrun."""

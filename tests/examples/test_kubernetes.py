@@ -15,8 +15,8 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
-from job.discovery import NODE_FILE_ENV, NODES_ENV, resolve_nodes
-from netoptim.cli import parse_command_line
+from netoptim.console import parse_command_line
+from netoptim.job.discovery import NODE_FILE_ENV, NODES_ENV, resolve_nodes
 from tests.examples.commands import check_netoptim, check_torchrun
 
 KUBERNETES_VERSION = "1.30"

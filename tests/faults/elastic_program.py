@@ -1,6 +1,6 @@
 """A member of an elastic job, as a process: the preemption drill's worker.
 
-It trains the model and data of ``benchmarks.morph_bench`` against a node, its membership agreed
+It trains the model and data of ``netoptim.benchmarks.morph_bench`` against a node, its membership agreed
 through a TCPStore (:mod:`gpu_worker.elastic`); SIGTERM makes it leave at the next agreed boundary
 (preemption with notice), exit 0. It writes ``OUT/NAME.json``: each step it trained, at which width
 and as which rank, and (whoever is rank 0 at the end) ``OUT/final.pt``: the parameters."""
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.morph_bench import GLOBAL_BATCH, LR, WEIGHT_DECAY, loss_of, make_model, samples
 from gpu_worker import RemoteAdamW
 from gpu_worker.elastic import ElasticGroup, shard
+from netoptim.benchmarks.morph_bench import GLOBAL_BATCH, LR, WEIGHT_DECAY, loss_of, make_model, samples
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from launch.processes import NodeProcess
+from netoptim.launch.processes import NodeProcess
 from tests.node_flags import with_node_args
 
 REPO = Path(__file__).resolve().parents[2]

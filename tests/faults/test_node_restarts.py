@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from launch.processes import NodeProcess
+from netoptim.launch.processes import NodeProcess
 from optimizer_node.faults import EXIT_STATUS
 from tests.optimizer_node.test_recovery import train as train_threads
 

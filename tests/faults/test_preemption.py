@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.morph_bench import reference
 from gpu_worker.elastic import ElasticGroup
+from netoptim.benchmarks.morph_bench import reference
 
 pytestmark = pytest.mark.faults
 

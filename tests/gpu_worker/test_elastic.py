@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from benchmarks.morph_bench import measure
 from gpu_worker.elastic import ElasticGroup, shard
+from netoptim.benchmarks.morph_bench import measure
 
 
 def test_a_job_that_shrinks_and_grows_is_bitwise_equal_to_torch_at_the_same_widths(tmp_path):
@@ -79,8 +79,8 @@ def test_a_member_that_never_acknowledges_is_named():
 def test_an_operator_asks_a_rank_to_leave_and_the_job_goes_on_narrower(start_node):
     import grpc
 
-    from benchmarks.morph_bench import GLOBAL_BATCH, LR, WEIGHT_DECAY, loss_of, make_model, reference, samples
     from gpu_worker import RemoteAdamW
+    from netoptim.benchmarks.morph_bench import GLOBAL_BATCH, LR, WEIGHT_DECAY, loss_of, make_model, reference, samples
     from protos import admin_pb2, admin_pb2_grpc
 
     node = start_node(extra_args=("--admin", "127.0.0.1:0"))

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from gpu_worker.models import GPT, GPTConfig
-from gpu_worker.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
-from gpu_worker.recipes.train_gpt import lr_lambda
-from gpu_worker.recipes.train_gpt_pipeline import decay_groups, token_loss
-from launch.processes import free_port, run_workers
+from netoptim.launch.processes import free_port, run_workers
+from netoptim.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
+from netoptim.recipes.train_gpt import lr_lambda
+from netoptim.recipes.train_gpt_pipeline import decay_groups, token_loss
 
 STEPS = 4
 MODEL = {"block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 2}
@@ -94,7 +94,7 @@ def test_pipeline_matches_adamw_fed_the_same_microbatch_gradients(start_node, tm
     nodes = [start_node(f"node{i}").address for i in range(stages)]
     global_batch = 4 * replicas
     status = run_workers(pipeline_args(nodes, stages, microbatches, schedule, global_batch, tmp_path / "params"), stages * replicas,
-                         module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=180, quiet=True)  # fmt: skip
+                         module="netoptim.recipes.train_gpt_pipeline", timeout_s=180, quiet=True)  # fmt: skip
     assert status == 0
     params = gathered(tmp_path / "params", stages * replicas, stages)
     same_grads, whole_batch = reference(replicas, microbatches, global_batch)
@@ -127,7 +127,7 @@ def test_a_rank_that_dies_stops_every_other_rank(start_node, tmp_path):
         out = open(tmp_path / f"rank{rank}.out", "w")
         env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         ranks.append(
-            (subprocess.Popen([sys.executable, "-m", "gpu_worker.recipes.train_gpt_pipeline", *args], env=env, stdout=out, stderr=subprocess.STDOUT), out)
+            (subprocess.Popen([sys.executable, "-m", "netoptim.recipes.train_gpt_pipeline", *args], env=env, stdout=out, stderr=subprocess.STDOUT), out)
         )
     try:
         deadline = time.monotonic() + 90
@@ -162,7 +162,7 @@ def test_a_pipeline_repartitioned_mid_run_continues_bitwise(start_node, tmp_path
     global_batch, microbatches, at = 4, 2, 2
     args = pipeline_args(nodes, 2, microbatches, "1f1b", global_batch, tmp_path / "params")
     args += ["--cuts", cuts_before, "--repartition-at", str(at), "--repartition-stages", str(stages_after), "--repartition-cuts", cuts_after]
-    status = run_workers(args, 2, module="gpu_worker.recipes.train_gpt_pipeline", timeout_s=180, quiet=True)
+    status = run_workers(args, 2, module="netoptim.recipes.train_gpt_pipeline", timeout_s=180, quiet=True)
     assert status == 0
     params = gathered(tmp_path / "params", 2, stages_after)
     replicas_after = 2 // stages_after

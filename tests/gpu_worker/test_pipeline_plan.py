@@ -12,8 +12,8 @@ from torch import nn
 
 from gpu_worker.models import GPT, GPTConfig
 from gpu_worker.pipeline import BlockCost, PipelineConfig, PipelineTrainer, StageModule, balance, calibrate, pipeline_blocks, split_points
-from planning.planner import Candidate, OptimizerCost, PlanCalibration, candidates, in_flight, plan, predict
-from planning.simulate import BACKWARD, FORWARD, StageCosts, schedule_order, simulate
+from netoptim.planning.planner import Candidate, OptimizerCost, PlanCalibration, candidates, in_flight, plan, predict
+from netoptim.planning.simulate import BACKWARD, FORWARD, StageCosts, schedule_order, simulate
 
 CONFIG = GPTConfig(block_size=8, n_layer=3, n_embd=16, n_head=2)
 
@@ -193,7 +193,7 @@ def test_the_runtime_refuses_what_cannot_run_and_trains_one_stage_like_adamw(one
 
 
 def test_the_runtime_parameters_are_recovered_from_a_measured_pipeline_time():
-    from planning.planner import _pipeline_s, fit_action_overhead, fit_compute_scale
+    from netoptim.planning.planner import _pipeline_s, fit_action_overhead, fit_compute_scale
 
     calibration = synthetic_calibration()
     costs = calibration.block_costs[2]

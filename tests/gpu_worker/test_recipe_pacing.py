@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from gpu_worker.recipes.train_gpt import main as recipe_main
-from launch.processes import NodeProcess, run_workers
+from netoptim.launch.processes import NodeProcess, run_workers
+from netoptim.recipes.train_gpt import main as recipe_main
 
 SCRIPT = ["--steps", "6", "--n-layer", "1", "--n-embd", "64", "--block-size", "32", "--sample-tokens", "0", "--seed", "3", "--bucket-numel", "4096"]
 

@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker import RemoteAdamW, node_connections
 from gpu_worker.session import BYE_WAIT_S
-from job.placement import default_bucket_numel
+from netoptim.job.placement import default_bucket_numel
 from tests.gpu_worker.harness import run_threads
 from tests.ports import restartable_address
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launch.processes import NodeProcess
+from netoptim.launch.processes import NodeProcess
 from tests.gpu_worker import ddp_programs
 from tests.gpu_worker.ddp_programs import SCENARIOS
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from launch.processes import NodeProcess
+from netoptim.launch.processes import NodeProcess
 from tests.gpu_worker.harness import average_in_rank_order, make_model
 
 WORLD_SIZE = 2

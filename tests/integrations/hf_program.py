@@ -28,9 +28,9 @@ import torch.distributed as dist
 import transformers
 
 from gpu_worker import RemoteAdamW
-from integrations.hf_accelerate import NetoptimAccelerator
-from integrations.huggingface import NetoptimTrainer
-from integrations.remote import parameter_names
+from netoptim.integrations.hf_accelerate import NetoptimAccelerator
+from netoptim.integrations.huggingface import NetoptimTrainer
+from netoptim.integrations.remote import parameter_names
 from tests.integrations.common import CLIP, LOOSE, LR, PER_RANK, SAVED_AT, STEPS, WARMUP, WEIGHT_DECAY, Regression, decay_groups, samples, warmup_then_linear
 
 

@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from integrations.lightning import NetoptimStrategy
+from netoptim.integrations.lightning import NetoptimStrategy
 from tests.gpu_worker.harness import make_model
 from tests.integrations.common import CLIP, LR, PER_RANK, SAVED_AT, STEPS, WORLD_SIZE, decay_groups, loss_of, samples, warmup_then_linear
 

@@ -15,24 +15,28 @@ import torch
 from torch import nn
 
 from gpu_worker import RemoteAdam, RemoteAdamW, RemoteSGD
-from integrations.remote import parameter_names, rebind_schedulers, remote_optimizers, to_remote
+from netoptim.integrations.remote import parameter_names, rebind_schedulers, remote_optimizers, to_remote
 from tests.integrations.common import ROOT
 
 
 @pytest.mark.parametrize(
     ("module", "framework"),
-    [("integrations.huggingface", "transformers"), ("integrations.hf_accelerate", "accelerate"), ("integrations.lightning", "lightning")],
+    [
+        ("netoptim.integrations.huggingface", "transformers"),
+        ("netoptim.integrations.hf_accelerate", "accelerate"),
+        ("netoptim.integrations.lightning", "lightning"),
+    ],
 )
 def test_a_missing_framework_fails_naming_the_extra(monkeypatch, module, framework):
     """(e) Importing an integration without its framework raises ImportError with the pip extra."""
     monkeypatch.setitem(sys.modules, framework, None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, module, raising=False)
-    with pytest.raises(ImportError, match=rf"needs the package '{framework}', which is not installed: pip install 'netoptim\[integrations\]'"):
+    with pytest.raises(ImportError, match=rf"needs the package '{framework}', which is not installed: pip install 'netoptim-train\[integrations\]'"):
         importlib.import_module(module)
 
 
 def test_the_package_imports_no_framework():
-    code = "import integrations, integrations.remote, sys; print(sorted({'transformers', 'accelerate', 'lightning'} & set(sys.modules)))"
+    code = "import netoptim.integrations, netoptim.integrations.remote, sys; print(sorted({'transformers', 'accelerate', 'lightning'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

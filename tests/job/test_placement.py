@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from job.placement import ParamSpec, plan_buckets
-from job.spec import JobSpec
+from netoptim.job.placement import ParamSpec, plan_buckets
+from netoptim.job.spec import JobSpec
 
 
 def params(count: int, numel: int = 1024) -> list[ParamSpec]:

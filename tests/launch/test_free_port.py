@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from launch.processes import LOWEST_PICKED_PORT, _ephemeral_low, free_port
+from netoptim.launch.processes import LOWEST_PICKED_PORT, _ephemeral_low, free_port
 
 
 def test_the_port_is_free_and_below_the_kernels_ephemeral_range():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
-from launch.host_cpus import CpuPlacement, format_cpu_list, numa_nodes, parse_cpu_list, split_cpus, update_threads
+from netoptim.launch.host_cpus import CpuPlacement, format_cpu_list, numa_nodes, parse_cpu_list, split_cpus, update_threads
 
 USABLE = tuple(sorted(os.sched_getaffinity(0)))
 
@@ -79,7 +79,7 @@ def test_pin_process_moves_the_threads_already_running_and_those_started_later()
     code = """
 import os, sys, threading
 from pathlib import Path
-from launch.host_cpus import pin_process
+from netoptim.launch.host_cpus import pin_process
 gate = threading.Event()
 before = threading.Thread(target=gate.wait); before.start()
 pin_process({int(sys.argv[1])})

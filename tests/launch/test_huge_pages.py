@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from launch import huge_pages
-from launch.huge_pages import THP_ENV, anonymous_huge_pages, apply_huge_pages
+from netoptim.launch import huge_pages
+from netoptim.launch.huge_pages import THP_ENV, anonymous_huge_pages, apply_huge_pages
 
 HUGE_PAGES_PROBE = """
 import sys
-from launch.huge_pages import apply_huge_pages
+from netoptim.launch.huge_pages import apply_huge_pages
 apply_huge_pages(sys.argv[1] == "on")
 import torch
 values = torch.empty(16 << 20)  # 64 MiB, written: resident

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from job.discovery import NODE_FILE_ENV, NODES_ENV
-from launch.processes import NodeProcess, free_port
+from netoptim.job.discovery import NODE_FILE_ENV, NODES_ENV
+from netoptim.launch.processes import NodeProcess, free_port
 from tests.launch.discovery_worker import build_model, train
 
 pytestmark = pytest.mark.slow  # ~20 s a case on 2 busy cores: 2 launchers, 2 workers and 2 nodes, each importing torch

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launch.niceness import apply_niceness
+from netoptim.launch.niceness import apply_niceness
 
 
 def thread_niceness(pid: int) -> dict[int, int]:

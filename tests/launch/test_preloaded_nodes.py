@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from launch.processes import NodeProcess
+from netoptim.launch.processes import NodeProcess
 from tests.preloaded_nodes import ForkedNode
 
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from launch.thread_wait import apply_update_thread_wait, resolve_update_thread_wait
+from netoptim.launch.thread_wait import apply_update_thread_wait, resolve_update_thread_wait
 
 IDLE_CPU_PROBE = """
 import sys, time
-from launch.thread_wait import apply_update_thread_wait
+from netoptim.launch.thread_wait import apply_update_thread_wait
 applied = apply_update_thread_wait(sys.argv[1]) if sys.argv[2] == "before" else None
 import torch
 if sys.argv[2] == "after":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from netoptim import cli
+from netoptim import console
 
 
 def in_process(args: list[str], capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> tuple[int, str]:
@@ -13,7 +13,7 @@ def in_process(args: list[str], capsys: pytest.CaptureFixture[str], caplog: pyte
     (in a process of its own the log goes to stderr)."""
     said = ""
     try:
-        code = cli.main(args)
+        code = console.main(args)
     except SystemExit as exc:  # a message for SystemExit is what the interpreter prints to stderr, with status 1
         code, said = (exc.code, "") if isinstance(exc.code, int) else (1, str(exc.code))
     return code, capsys.readouterr().err + caplog.text + said

@@ -29,7 +29,7 @@ def test_optimizer_bench_reports_a_ratio():
 def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
     import argparse
 
-    from benchmarks.rule_bench import run
+    from netoptim.benchmarks.rule_bench import run
 
     for rule, baseline in (("sgd-nesterov", "SGD"), ("lion", "AdamW")):
         report = run(argparse.Namespace(rule=rule, numel=3 << 19, bucket_numel=1 << 20, workers=2, wire_dtype="bfloat16", repeats=1))
@@ -96,7 +96,7 @@ def test_step_bench_reports_phases_and_the_cost_of_a_bucket():
 def test_train_bench_gives_each_node_its_own_state_directory(tmp_path):
     import argparse
 
-    from benchmarks.train_bench import node_flags
+    from netoptim.benchmarks.train_bench import node_flags
 
     args = argparse.Namespace(same_host_board=False, out_of_core=64 << 20, node_arg=["--pass-thread"])
     flags = [node_flags(args, tmp_path / f"node{i}-state") for i in range(2)]
@@ -107,7 +107,7 @@ def test_train_bench_gives_each_node_its_own_state_directory(tmp_path):
 
 
 def test_train_bench_rounds_report_the_median_round_and_median_ratios():
-    from benchmarks.train_bench import _median_ratio, _median_round
+    from netoptim.benchmarks.train_bench import _median_ratio, _median_round
 
     ddp = [{"tokens_per_s": rate, "round": i} for i, rate in enumerate((100.0, 300.0, 200.0))]
     layerwise = [{"tokens_per_s": rate, "round": i} for i, rate in enumerate((110.0, 240.0, 260.0))]
@@ -119,7 +119,7 @@ def test_train_bench_rounds_report_the_median_round_and_median_ratios():
 
 
 def test_a_state_directory_that_several_nodes_would_share_is_refused():
-    from benchmarks.common import check_node_args
+    from netoptim.benchmarks.common import check_node_args
 
     check_node_args(["--state-dir=/scratch", "--memory-budget=1GiB"], 1)  # one node: its own
     check_node_args(["--pass-thread"], 4)

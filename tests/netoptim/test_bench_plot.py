@@ -8,8 +8,8 @@ import builtins
 
 import pytest
 
-from benchmarks import run_benchmark
-from benchmarks.plot import bars_of, plot_result
+from netoptim.benchmarks import run_benchmark
+from netoptim.benchmarks.plot import bars_of, plot_result
 
 STEP = {
     "benchmark": "step", "ratio": 0.664, "numel": 1048576,
@@ -47,4 +47,4 @@ def test_without_matplotlib_plot_is_refused_before_the_benchmark_runs(monkeypatc
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     status = run_benchmark(argparse.Namespace(bench="optimizer", plot="out.png"))  # would take seconds if it ran
-    assert status == 2 and "pip install 'netoptim[plot]'" in capsys.readouterr().err
+    assert status == 2 and "pip install 'netoptim-train[plot]'" in capsys.readouterr().err

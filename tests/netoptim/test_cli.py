@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from netoptim.cli import build_parser
+from netoptim.console import build_parser
 from tests.netoptim.in_process import in_process
 
 
@@ -49,7 +49,7 @@ def test_help_explains_every_flag():
 
 
 def test_pipeline_recipe_explains_every_flag():
-    from gpu_worker.recipes.train_gpt_pipeline import build_parser as pipeline_parser
+    from netoptim.recipes.train_gpt_pipeline import build_parser as pipeline_parser
 
     parser = pipeline_parser()
     assert all(action.help for action in parser._actions if action.option_strings)
@@ -174,7 +174,7 @@ def test_plan_refuses_bad_flags(flags, message, capsys, caplog):
 def test_the_command_line_is_built_without_importing_torch():
     """``netoptim --help`` and every subcommand's flags answer at once: torch (seconds to import) is
     imported by the commands that run, not by the parser."""
-    probe = "import sys; from netoptim.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    probe = "import sys; from netoptim.console import build_parser; build_parser(); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from gpu_worker.recipes.train_gpt import build_parser as recipe_parser
-from gpu_worker.recipes.train_gpt import parse_recipe_args
-from netoptim.cli import parse_command_line
+from netoptim.console import parse_command_line
+from netoptim.recipes.train_gpt import build_parser as recipe_parser
+from netoptim.recipes.train_gpt import parse_recipe_args
 from tests.netoptim.in_process import in_process
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from netoptim.doctor_disk import file_system
-from netoptim.doctor_findings import Finding, as_text
-from netoptim.doctor_node import _dialable
+from netoptim.doctor.disk import file_system
+from netoptim.doctor.findings import Finding, as_text
+from netoptim.doctor.node import _dialable
 from tests.cli import run_netoptim
 from transport.security import generate_keypair
 
@@ -209,9 +209,9 @@ def test_help_explains_every_flag():
 def test_a_gpu_s_copy_rates_bound_a_step(tmp_path):
     """The arithmetic of the GPU check (its copies run where CUDA exists): the slower way sets the floor."""
     from gpu_worker.copy_rates import copy_bandwidth_gbs
-    from netoptim.cli import build_parser
-    from netoptim.doctor_host import copy_rates_said
-    from netoptim.job_size_args import job_size
+    from netoptim.cli.job_size_args import job_size
+    from netoptim.console import build_parser
+    from netoptim.doctor.host import copy_rates_said
 
     plan = job_size(build_parser().parse_args(["doctor", "--params", "1B", "--wire-dtype", "bfloat16"]))
     said, figures = copy_rates_said({"pinned_h2d_gbs": 50.0, "pinned_d2h_gbs": 40.0, "pageable_h2d_gbs": 7.0}, plan)

@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from launch.processes import NodeProcess
-from netoptim.cli import build_parser
+from netoptim.console import build_parser
+from netoptim.launch.processes import NodeProcess
 from transport.wire import Header, MsgType
 from transport.zmq_backend import ZmqTransport
 
@@ -156,7 +156,7 @@ def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParse
 
 
 def test_operations_doc_names_only_real_flags_and_every_node_flag():
-    from gpu_worker.recipes.train_gpt_pipeline import build_parser as pipeline_parser  # the doc's --cuts is the pipeline recipe's
+    from netoptim.recipes.train_gpt_pipeline import build_parser as pipeline_parser  # the doc's --cuts is the pipeline recipe's
 
     doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
     parsers = [*_parsers(build_parser()), pipeline_parser()]
@@ -173,8 +173,8 @@ def test_operations_doc_names_only_real_flags_and_every_node_flag():
 def test_every_netoptim_command_the_docs_show_uses_real_flags():
     """Each ``netoptim SUBCOMMAND ...`` the README and docs/ show (inline or in a code block, with
     its continuation lines) names flags its command (or the training recipes) has."""
-    from gpu_worker.recipes.train_gpt import build_parser as recipe_parser
-    from gpu_worker.recipes.train_gpt_pipeline import build_parser as pipeline_parser
+    from netoptim.recipes.train_gpt import build_parser as recipe_parser
+    from netoptim.recipes.train_gpt_pipeline import build_parser as pipeline_parser
 
     root = Path(__file__).parents[2]
     parsers = {parser.prog.split(" ")[1]: parser for parser in _parsers(build_parser()) if len(parser.prog.split(" ")) == 2}

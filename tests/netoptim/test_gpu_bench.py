@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from benchmarks import gpu_bench
-from benchmarks.common import store_io_threads
-from benchmarks.gpu_limits import offload_limit_step_s
-from benchmarks.gpu_limits_file import check_same_box, load_limits
-from benchmarks.gpu_modes import ModeSettings
-from benchmarks.train_bench import param_count
 from gpu_worker.copy_rates import copy_bandwidth_gbs
-from launch.host_cpus import format_cpu_list, update_threads
+from netoptim.benchmarks.gpu import bench as gpu_bench
+from netoptim.benchmarks.common import store_io_threads
+from netoptim.benchmarks.gpu.limits import offload_limit_step_s
+from netoptim.benchmarks.gpu.limits_file import check_same_box, load_limits
+from netoptim.benchmarks.gpu.modes import ModeSettings
+from netoptim.benchmarks.train_bench import param_count
+from netoptim.launch.host_cpus import format_cpu_list, update_threads
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
@@ -180,7 +180,7 @@ def _alive(pid: int) -> bool:
 def test_sigterm_stops_the_mode_running_in_its_child():
     """``timeout`` or a scheduler ends a run with SIGTERM: the mode's process goes with it, instead of
     training on alone on the GPU that the next run measures."""
-    script = "import time\nfrom benchmarks.gpu_bench import in_child, sigterm_unwinds\nwith sigterm_unwinds():\n    print('ready', flush=True)\n    in_child(time.sleep, (120,), 300)\n"
+    script = "import time\nfrom netoptim.benchmarks.gpu.bench import in_child, sigterm_unwinds\nwith sigterm_unwinds():\n    print('ready', flush=True)\n    in_child(time.sleep, (120,), 300)\n"
     bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert bench.stdout.readline().strip() == "ready"
@@ -202,7 +202,7 @@ def test_sigterm_stops_the_mode_running_in_its_child():
 
 
 def test_the_table_for_people_gives_each_mode_its_ratios_and_the_nodes_last_step():
-    from benchmarks.gpu_table import table
+    from netoptim.benchmarks.gpu.table import table
 
     node = {"last_step_passes": {"seconds": 0.45, "median_ms": 1.79}, "last_step_s": {"tail": 0.37}}
     entry = {

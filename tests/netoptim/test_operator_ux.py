@@ -51,7 +51,7 @@ def test_ctrl_c_is_quiet(start_node):
 def test_no_progress_reaches_the_processes_a_command_starts(monkeypatch):
     import os
 
-    from netoptim.cli import _run_command, parse_command_line
+    from netoptim.console import _run_command, parse_command_line
 
     monkeypatch.setenv("TQDM_DISABLE", "0")  # restored (unset) after the test
     args = parse_command_line(["--no-progress", "plan-memory", "--params", "1M", "--workers", "1"])

@@ -7,8 +7,8 @@ import secrets
 
 import torch
 
-from job.placement import ParamSpec
-from job.spec import JobSpec
+from netoptim.job.placement import ParamSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.adamw import AdamWHyper, adamw_update
 from transport.wire import Header, MsgType, tensor_header
 from transport.zmq_backend import ZmqClient, ZmqTransport

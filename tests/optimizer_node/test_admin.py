@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpu_worker import RemoteAdamW
-from netoptim.admin_cli import _render_status
+from netoptim.cli.admin import _render_status
 from protos import admin_pb2, admin_pb2_grpc
 from tests.cli import run_netoptim
 

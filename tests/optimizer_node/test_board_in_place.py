@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from job.placement import ParamSpec
+from netoptim.job.placement import ParamSpec
 from optimizer_node.adamw import adamw_update
 from tests.optimizer_node.raw_client import HYPER, JOB, RawWorker
 from tests.optimizer_node.test_metrics import scrape

@@ -15,7 +15,7 @@ from torch import nn
 
 from gpu_worker import RemoteAdamW
 from gpu_worker.node_connections import NodeError
-from job.spec import JobSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon
 from protos import admin_pb2, admin_pb2_grpc
@@ -73,7 +73,7 @@ def wait_for_state(stub, state: str, timeout_s: float = 10.0) -> admin_pb2.GetSt
 
 @pytest.fixture(scope="module")
 def fresh_b(tmp_path_factory) -> list[torch.Tensor]:
-    from launch.processes import NodeProcess
+    from netoptim.launch.processes import NodeProcess
 
     with NodeProcess(tmp_path_factory.mktemp("fresh")) as node:
         params, _ = train(node.address, model_b)

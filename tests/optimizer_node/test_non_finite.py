@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gpu_worker import NonFiniteGradientError, RemoteAdamW
-from netoptim.node_configs import node_config_from_args
-from netoptim.node_parser import add_node_parser
+from netoptim.cli.node_configs import node_config_from_args
+from netoptim.cli.node_parser import add_node_parser
 from optimizer_node import compiled_update
 from optimizer_node.checkpoint import read_latest
 from optimizer_node.config import NodeConfig

@@ -13,7 +13,7 @@ from google.protobuf.json_format import MessageToDict
 
 from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
-from netoptim.admin_cli import _render_status
+from netoptim.cli.admin import _render_status
 from optimizer_node.config import NodeConfig
 from optimizer_node.memory_plan import node_needs
 from protos import admin_pb2, admin_pb2_grpc

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from job.spec import JobSpec, ParamSpec
+from netoptim.job.spec import JobSpec, ParamSpec
 from optimizer_node.adamw import AdamWHyper, HyperOverrides
 from optimizer_node.overrides import OperatorOverrides
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from job.placement import ParamSpec
-from job.spec import JobSpec
+from netoptim.job.placement import ParamSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.adamw import adamw_update
 from optimizer_node.pass_thread import DEPTH, PassThread, shorten_switch_interval
 from tests.optimizer_node.raw_client import HYPER, RawWorker

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
-from netoptim import cli
+from netoptim import console
 from optimizer_node.faults import EXIT_STATUS
 from protos import admin_pb2, admin_pb2_grpc
 from tests.gpu_worker.harness import run_threads
@@ -58,7 +58,7 @@ def train(address: str | list[str], steps: int = STEPS, **options) -> tuple[list
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    from launch.processes import NodeProcess
+    from netoptim.launch.processes import NodeProcess
 
     with NodeProcess(tmp_path_factory.mktemp("reference")) as node:
         params, errors = train(node.address)
@@ -187,7 +187,7 @@ def test_export_merges_the_nodes_into_a_loadable_state_dict(start_node, tmp_path
             assert result.returncode == 0, result.stderr
             assert f"exported step 3: {sum(p.numel() for p in named.values()):,} parameters from 2 node checkpoint(s)" in result.stdout
         else:
-            assert cli.main(["export", "--to", str(output), *map(str, roots)]) == 0
+            assert console.main(["export", "--to", str(output), *map(str, roots)]) == 0
         if suffix == ".safetensors":
             from safetensors.torch import load_file
 
@@ -199,7 +199,7 @@ def test_export_merges_the_nodes_into_a_loadable_state_dict(start_node, tmp_path
         assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
     # Only one node's checkpoint: a clear error naming what is missing.
     with caplog.at_level("ERROR", logger="netoptim"):
-        assert cli.main(["export", "--to", str(output), str(roots[0])]) == 1
+        assert console.main(["export", "--to", str(output), str(roots[0])]) == 1
     assert "checkpoints of node(s) [1] are missing" in caplog.text
 
 

@@ -16,7 +16,7 @@ PROGRAM = r"""
 import json, sys, threading
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from job.hyper import AdamWHyper
+from netoptim.job.hyper import AdamWHyper
 from optimizer_node import compiled_update
 from optimizer_node.reduce import OrderedReduction
 from optimizer_node.update_pass import reduce_and_update

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from planning.catalog import CatalogError, load_catalog, parse_catalog
+from netoptim.planning.catalog import CatalogError, load_catalog, parse_catalog
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "machines.toml"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from planning.cluster_model import TCP_PAYLOAD_SHARE, ClusterTiming, predict_step
+from netoptim.planning.cluster_model import TCP_PAYLOAD_SHARE, ClusterTiming, predict_step
 
 
 def timing(**changes) -> ClusterTiming:

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from planning.catalog import parse_catalog
-from planning.cost_model import CostProfile, Hardware, ProfileError, estimate_step, local_hardware, node_memory_bytes
-from planning.cost_search import Job, Option, Rental, hardware, lost_fraction, plan_cost, why
-from planning.partition import BlockCost
-from planning.planner import Candidate, OptimizerCost, PlanCalibration
+from gpu_worker.pipeline.balance import BlockCost
+from netoptim.planning.catalog import parse_catalog
+from netoptim.planning.cost_model import CostProfile, Hardware, ProfileError, estimate_step, local_hardware, node_memory_bytes
+from netoptim.planning.cost_search import Job, Option, Rental, hardware, lost_fraction, plan_cost, why
+from netoptim.planning.planner import Candidate, OptimizerCost, PlanCalibration
 
 MILLION = 1_000_000
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from launch.processes import NodeProcess
+from netoptim.launch.processes import NodeProcess
 
 DEFAULT_SECONDS = 4.0
 """Seconds of fuzzing per loop unless NETOPTIM_FUZZ_SECONDS says otherwise."""

@@ -25,9 +25,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gpu_worker import RemoteAdamW
 from gpu_worker.node_connections import NodeError
-from job.placement import ParamSpec
-from job.spec import JobLimits, JobSpec, LimitError
-from launch.processes import NodeProcess
+from netoptim.job.placement import ParamSpec
+from netoptim.job.spec import JobLimits, JobSpec, LimitError
+from netoptim.launch.processes import NodeProcess
 from optimizer_node.config import NodeConfig
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.waiting_hellos import WaitingHellos

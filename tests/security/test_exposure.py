@@ -136,8 +136,8 @@ def test_the_admin_token_comes_from_a_file_and_argv_warns(tmp_path):
     loose = tmp_path / "loose"
     loose.write_text("tok-123\n")
     loose.chmod(0o644)
-    from netoptim.cli import parse_command_line
-    from netoptim.node_configs import admin_config_from_args
+    from netoptim.cli.node_configs import admin_config_from_args
+    from netoptim.console import parse_command_line
 
     with pytest.raises(ValueError, match="chmod 600"):
         admin_config_from_args(parse_command_line(["node", "--admin", "127.0.0.1:0", "--admin-token-file", str(loose)]))
@@ -169,8 +169,8 @@ def test_the_admin_token_comes_from_a_file_and_argv_warns(tmp_path):
 
 
 def test_a_token_on_the_command_line_works_with_a_warning(caplog):
-    from netoptim.cli import parse_command_line
-    from netoptim.node_configs import admin_token
+    from netoptim.cli.node_configs import admin_token
+    from netoptim.console import parse_command_line
 
     args = parse_command_line(["node", "--admin", "127.0.0.1:0", "--admin-token", "tok-123"])
     with caplog.at_level("WARNING", logger="netoptim"):

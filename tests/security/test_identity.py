@@ -17,9 +17,9 @@ import torch
 import zmq
 
 from gpu_worker import RemoteAdamW
-from job.placement import ParamSpec
-from job.spec import JobSpec
-from netoptim.cli import main as netoptim_main
+from netoptim.console import main as netoptim_main
+from netoptim.job.placement import ParamSpec
+from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon
 from transport.interface import Message, SendHandle

@@ -1,4 +1,4 @@
-"""Whether the optional Mooncake transport can run here (CI installs it: netoptim[rdma] + system libraries).
+"""Whether the optional Mooncake transport can run here (CI installs it: netoptim-train[rdma] + system libraries).
 
 A missing Mooncake fails its tests with the install hint instead of skipping them in silence; set
 ``NETOPTIM_SKIP_MOONCAKE=1`` to skip them on purpose (a machine that cannot install the libraries).

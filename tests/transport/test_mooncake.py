@@ -36,7 +36,7 @@ def test_without_the_package_the_error_says_what_to_install():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.startswith("TransportUnavailable"), result.stdout + result.stderr
-    assert "pip install 'netoptim[rdma]'" in result.stdout and "libibverbs1 librdmacm1 libnuma1" in result.stdout
+    assert "pip install 'netoptim-train[rdma]'" in result.stdout and "libibverbs1 librdmacm1 libnuma1" in result.stdout
 
 
 def test_curve_is_refused_with_the_alternative():

@@ -1,0 +1,175 @@
+"""``netoptim bench optimizer``: the node's update rate against torch's fused AdamW in the same run.
+
+The node's work per bucket is what ``NodeDaemon`` does for it: the W workers' gradients arrive in
+the wire dtype into an :class:`~optimizer_node.reduce.OrderedReduction` that leaves the sum to the
+update pass, and :func:`~optimizer_node.update_pass.reduce_and_update` sums them in rank order and
+applies AdamW in one pass (the compiled loop where numba is installed and agrees with torch's
+kernel here, ``compiled_loop`` in the report; torch ops chunk by chunk otherwise), then writes the
+outgoing copy in the wire dtype.
+
+The node also keeps each bucket's parameters as they were, for a worker that restarts in the middle
+of the step. With a 16-bit wire it keeps the outgoing copy it sent, which costs no pass; with an fp32
+wire and two or more workers it copies them when the first gradient of the bucket arrives, while it
+waits for the others, off the path from the last gradient to the new values that ``ratio`` measures.
+``ratio_with_kept_copy`` is the same pass writing that copy too, as a node with one worker does
+(4 bytes per parameter more, and a cache-line read for each line it writes). Where same-host workers
+read a parameter board (fp32), the pass writes the new masters into the bucket's other slot instead
+(``ratio_board``; the slot read is what is kept); ``ratio_board_copy`` is the way before, the masters
+updated in place and copied onto the board.
+They arrive last rank first, so every frame is held until the pass (with two workers every arrival
+order gives the pass the same work). ``ratio`` is the node's work for pushes a worker vouched for
+(:mod:`gpu_worker.finite_probe`: GPU and CPU workers do for every bucket pushed alone), which the
+node does not read for NaN/inf; ``ratio_checked`` checks each arrival first, as the node does for a
+push without the word (a batch of small buckets, ``--non-finite-check node``):
+:func:`~optimizer_node.non_finite.count_non_finite`.
+
+Where the frames are matters as much as what is done with them. In the daemon a frame is checked
+the moment the transport has written it, so it is in the last-level cache, and when the workers push
+together the pass finds the bucket's frames there too. ``ratio`` and ``ratio_checked`` measure that:
+before the node's turn with a bucket, each rank's frame is copied into a landing buffer (the
+transport's write; staged, not timed), and the node's time is the pass (and the check of each arrival). ``ratio_cold_frames`` is
+the same work on frames that were written long before (a worker that pushed long before the others),
+read from memory by the check and again by the pass. ``finite_check_cost`` and
+``finite_check_cost_cold`` are what the check adds against the same pass without it. The baseline
+is ``torch.optim.AdamW(fused=True)`` stepping the same number of parameters, with the averaged
+gradient already in place (it sums nothing, checks nothing and sends nothing). The runs take turns,
+and each ratio is the median over rounds of the rates' ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from netoptim.benchmarks.common import bucket_sizes, interleaved_seconds, median_ratio, memory_bandwidth_gbs
+from optimizer_node import compiled_update
+from optimizer_node.adamw import AdamWHyper
+from optimizer_node.non_finite import count_non_finite
+from optimizer_node.reduce import OrderedReduction
+from optimizer_node.update_pass import reduce_and_update
+
+FUSED_ADAMW_BYTES_PER_PARAM = 4 * 7
+"""torch's fused AdamW reads the parameter, both moments and the gradient, and writes the first three."""
+
+
+def node_bytes_per_param(workers: int, wire_bytes: int, *, frames_in_cache: bool = False) -> int:
+    """Memory traffic of the node's one-pass update per parameter: each worker's gradient is read
+    once (from the cache when the frames have just landed: ``frames_in_cache``), the parameter and
+    both moments are read and written, and a non-fp32 wire writes the cast copy. The sum and the
+    averaged gradient stay in cache (a block of the compiled loop, a chunk of the torch-ops path),
+    and so do most of the parameters the cast reads right after the update."""
+    cast = 0 if wire_bytes == 4 else wire_bytes
+    return (0 if frames_in_cache else workers * wire_bytes) + 4 * 6 + cast
+
+
+def run(args: argparse.Namespace) -> dict:
+    wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.wire_dtype]
+    sizes = bucket_sizes(args.numel, args.bucket_numel)
+    num_buckets, numel = len(sizes), args.numel
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=generator) for n in sizes]
+    exp_avgs = [torch.zeros(n) for n in sizes]
+    exp_avg_sqs = [torch.zeros(n) for n in sizes]
+    steps = [torch.zeros(()) for _ in sizes]
+    scratch = [torch.empty(n) for n in sizes]  # the reduction's buffer; the pass does not need it
+    wire_out = [torch.empty(n, dtype=wire_dtype) for n in sizes] if wire_dtype != torch.float32 else None
+    kept = [torch.empty(n) for n in sizes] if wire_dtype == torch.float32 else None  # the values a restarted worker may need
+    # fp32 with same-host workers: the parameter board's other slot a bucket, where the masters go (or, the way before, a copy of them)
+    board = [torch.empty(n) for n in sizes] if wire_dtype == torch.float32 else None
+    frames = [[torch.randn(n, generator=generator).to(wire_dtype) for _ in range(args.workers)] for n in sizes]
+    hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01)
+    divisor = torch.tensor(float(args.workers))
+
+    landing = [torch.empty(max(sizes), dtype=wire_dtype) for _ in range(args.workers)]  # where the transport writes each rank's frame
+
+    def node_update(keep_copy: bool = False, check: bool = True, landed: bool = True, onto_board: str | None = None) -> float:
+        """The node's work on every bucket; returns its own time (a frame's landing is not the node's).
+        ``onto_board``: ``"masters"`` (the new values into the board's other slot, which then holds the
+        masters) or ``"copy"`` (updated in place, then copied onto the board)."""
+        seconds = 0.0
+        for index in range(num_buckets):
+            reduction = OrderedReduction(sizes[index], args.workers, lambda index=index: scratch[index], defer=True)
+            for rank in reversed(range(args.workers)):
+                frame = frames[index][rank]
+                if landed:
+                    frame = landing[rank][: sizes[index]].copy_(frame)
+                started = time.perf_counter()
+                pieces = [(0, frame)]
+                if check and count_non_finite(pieces):
+                    raise AssertionError("the benchmark's gradients are finite")
+                reduction.add(rank, pieces)
+                seconds += time.perf_counter() - started
+            wire = None if wire_out is None else wire_out[index]
+            if onto_board == "copy" and board is not None:
+                wire = board[index]
+            beside = board[index] if onto_board == "masters" and board is not None else None
+            previous = kept[index] if keep_copy and kept is not None else None
+            started = time.perf_counter()
+            reduce_and_update(
+                reduction, params[index], exp_avgs[index], exp_avg_sqs[index], steps[index], hyper,
+                grad_divisor=divisor, wire_out=wire, previous_out=previous, param_out=beside,
+            )  # fmt: skip
+            seconds += time.perf_counter() - started
+            if beside is not None and board is not None:  # the slot written holds the masters; the next update writes the other
+                params[index], board[index] = beside, params[index]
+        return seconds
+
+    baseline_params = [torch.nn.Parameter(p.clone()) for p in params]
+    for p, per_bucket in zip(baseline_params, frames, strict=True):
+        p.grad = per_bucket[0].float()
+    fused = torch.optim.AdamW(baseline_params, lr=1e-4, weight_decay=0.01, fused=True)
+
+    compiled = compiled_update.usable()  # the check (and numba's compilation) before any timing
+    timed = {
+        "node": node_update,
+        "fused": fused.step,
+        "node_unchecked": lambda: node_update(check=False),
+        "node_cold": lambda: node_update(landed=False),
+        "node_cold_unchecked": lambda: node_update(check=False, landed=False),
+    }
+    if kept is not None:
+        timed["node_keeping"] = lambda: node_update(keep_copy=True)
+    if board is not None:
+        timed["node_board"] = lambda: node_update(check=False, onto_board="masters")
+        timed["node_board_copy"] = lambda: node_update(check=False, onto_board="copy")
+    times = interleaved_seconds(timed, args.repeats, label="node update and torch fused AdamW")
+    node_s, fused_s = statistics.median(times["node"]), statistics.median(times["fused"])
+    bandwidth = memory_bandwidth_gbs(args.repeats)
+    node_rate, fused_rate = numel / node_s / 1e6, numel / fused_s / 1e6
+    bytes_per_param = node_bytes_per_param(args.workers, wire_dtype.itemsize, frames_in_cache=True)
+    bytes_cold = node_bytes_per_param(args.workers, wire_dtype.itemsize)
+    return {
+        "benchmark": "optimizer",
+        # the default: a worker vouches for each lone bucket's gradient (finite_probe), the node reads it once
+        "ratio": round(median_ratio(times["fused"], times["node_unchecked"]), 3),
+        "ratio_checked": round(median_ratio(times["fused"], times["node"]), 3),
+        "ratio_with_kept_copy": round(median_ratio(times["fused"], times["node_keeping"]), 3) if kept is not None else None,
+        # fp32 with same-host workers: the masters on the parameter board, and the way before (a copy onto it)
+        "ratio_board": round(median_ratio(times["fused"], times["node_board"]), 3) if board is not None else None,
+        "ratio_board_copy": round(median_ratio(times["fused"], times["node_board_copy"]), 3) if board is not None else None,
+        "ratio_cold_frames": round(median_ratio(times["fused"], times["node_cold_unchecked"]), 3),
+        "ratio_cold_frames_checked": round(median_ratio(times["fused"], times["node_cold"]), 3),
+        "finite_check_cost": round(median_ratio(times["node"], times["node_unchecked"]) - 1, 3),
+        "finite_check_cost_cold": round(median_ratio(times["node_cold"], times["node_cold_unchecked"]) - 1, 3),
+        "numel": numel,
+        "bucket_numel": args.bucket_numel,
+        "buckets": num_buckets,
+        "workers": args.workers,
+        "wire_dtype": args.wire_dtype,
+        "threads": torch.get_num_threads(),
+        "compiled_loop": compiled,
+        "repeats": args.repeats,
+        "node_mparams_per_s": round(numel / statistics.median(times["node_unchecked"]) / 1e6, 1),
+        "node_checked_mparams_per_s": round(node_rate, 1),
+        "node_cold_frames_mparams_per_s": round(numel / statistics.median(times["node_cold_unchecked"]) / 1e6, 1),
+        "torch_fused_adamw_mparams_per_s": round(fused_rate, 1),
+        "memory_bandwidth_gbs": round(bandwidth, 1),
+        "node_bytes_per_param": bytes_per_param,
+        "node_bandwidth_bound_mparams_per_s": round(bandwidth * 1e3 / bytes_per_param, 1),
+        "node_bytes_per_param_cold_frames": bytes_cold,
+        "node_cold_frames_bandwidth_bound_mparams_per_s": round(bandwidth * 1e3 / bytes_cold, 1),
+        "fused_adamw_bandwidth_bound_mparams_per_s": round(bandwidth * 1e3 / FUSED_ADAMW_BYTES_PER_PARAM, 1),
+    }
