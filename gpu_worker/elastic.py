@@ -19,7 +19,7 @@ order, joiners after):
   to leave leaves (``Change.leaving``), and a joiner, which waited for ``E``, starts.
 
 No step is lost or repeated and none mixes widths: every node changes the width between steps ``E - 1``
-and ``E`` (see :mod:`optimizer_node.morphing`). The data a rank trains on must be a function of the step
+and ``E`` (see :mod:`optimizer_node.intake.morphing`). The data a rank trains on must be a function of the step
 and the global sample index (:func:`shard`), so that the result depends on the width schedule only.
 A member that dies without notice never acknowledges: the others stop with an error naming it.
 """

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gpu_worker.forward_waits import check_held
+from gpu_worker.exchange.forward_waits import check_held
+from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.layout import layout_from_groups
-from gpu_worker.units import UnitPlan
 from netoptim.job.placement import default_bucket_numel
 from netoptim.job.spec import JobSpec
 from transport.wire import dtype_name

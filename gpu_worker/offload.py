@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpu_worker.layerwise.units import InitFn, plan_units
 from gpu_worker.remote_adamw import RemoteAdamW
-from gpu_worker.units import InitFn, plan_units
 from netoptim.job.discovery import NodeSource
 
 

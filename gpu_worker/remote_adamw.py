@@ -112,7 +112,7 @@ class RemoteAdamW(RemoteOptimizer):
             optimizer or the module, the end of the module's forward and the next ``step()`` call it.
             A step's gradients are held until its values are in (pushed again to a node that
             restarts meanwhile), through the next forward, unless ``keep_step_gradients=False``.
-            See :mod:`gpu_worker.forward_waits`.
+            See :mod:`gpu_worker.exchange.forward_waits`.
         keep_step_gradients: full-model mode: hold each step's gradients until its new values are in,
             so that a node that restarts in the middle of the step (``netoptim node --resume``) gets
             them pushed again and the job goes on (the default). ``False`` lets them go once the

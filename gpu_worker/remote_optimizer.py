@@ -13,15 +13,15 @@ from typing import Any, ClassVar
 import torch
 
 from gpu_worker.buffers import BufferBroadcast
-from gpu_worker.forward_waits import check_held
+from gpu_worker.exchange.forward_waits import check_held
+from gpu_worker.exchange.step_hooks import StepHooks
 from gpu_worker.job_setup import check_options, extend_job, job_from_groups, rank_and_world
+from gpu_worker.layerwise.streaming import StreamStats
+from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.layout import step_grads
-from gpu_worker.liveness import WorkerTimeouts
+from gpu_worker.links.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import NodeHeldState, entries_to_load, load_state, with_node_state
 from gpu_worker.session_start import start_session
-from gpu_worker.step_hooks import StepHooks
-from gpu_worker.streaming import StreamStats
-from gpu_worker.units import UnitPlan
 from netoptim.job.discovery import NodeSource, discover_nodes
 from netoptim.job.hyper import AdamWHyper, validate_for_rule
 from transport.host_memory import StepHeap, keep_step_heap
@@ -287,7 +287,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         finishes it (the other ranks wait meanwhile).
 
         With ``overlap_forward`` it returns once the gradients are out; the next forward waits for
-        each module's new values (:mod:`gpu_worker.forward_waits`), and a refusal is raised there
+        each module's new values (:mod:`gpu_worker.exchange.forward_waits`), and a refusal is raised there
         (or by :meth:`synchronize`), the step open as above."""
         loss = None
         if closure is not None:

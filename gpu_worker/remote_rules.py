@@ -2,7 +2,7 @@
 ``torch.optim.SGD`` (momentum, dampening, Nesterov), and Lion, a rule that keeps one moment instead
 of two when the state does not fit. Each takes the options of :class:`~gpu_worker.RemoteAdamW`
 (``nodes``, ``rank``, ``world_size``, ``wire_dtype``, ``max_grad_norm``, ...) and behaves like it;
-only the update on the nodes differs (see :mod:`optimizer_node.rules`). AdamW stays the fast path:
+only the update on the nodes differs (see :mod:`optimizer_node.update.rules`). AdamW stays the fast path:
 the others update each parameter piece with torch's kernel of the rule, not the one-pass loop.
 """
 

@@ -4,7 +4,7 @@
 nodes send back. In full mode (:meth:`connect` + :meth:`finish_step`, or its two halves) every bucket
 comes back after every step; in layer-wise mode the caller asks for buckets when it needs them (:meth:`request`) and
 handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`` or of modules;
-:class:`gpu_worker.RemoteAdamW` and :class:`gpu_worker.streaming.LayerStreamer` sit on top of it.
+:class:`gpu_worker.RemoteAdamW` and :class:`gpu_worker.layerwise.streaming.LayerStreamer` sit on top of it.
 """
 
 from __future__ import annotations
@@ -16,28 +16,28 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.awaited_values import AwaitedValues
-from gpu_worker.bucket_exchange import BucketExchange
-from gpu_worker.gradient_pushes import GradientPushes
+from gpu_worker.exchange.awaited_values import AwaitedValues
+from gpu_worker.exchange.gradient_pushes import GradientPushes
+from gpu_worker.exchange.push_pacing import PushPacer
+from gpu_worker.exchange.value_installer import ValueInstaller
 from gpu_worker.layout import describe_bucket, gather_bucket
-from gpu_worker.liveness import WorkerTimeouts
-from gpu_worker.node_connections import NodeConnections, NodeError, NonFiniteGradientError
-from gpu_worker.node_messages import NodeMessages
-from gpu_worker.node_news import NodeNews
-from gpu_worker.node_recovery import NodeRecovery
-from gpu_worker.push_pacing import PushPacer
-from gpu_worker.receive_loop import ReceiveLoop
-from gpu_worker.refusals import RefusedGradients
-from gpu_worker.registration import NodeRegistration
-from gpu_worker.resume import resume_point
-from gpu_worker.step_timings import WorkerStepTimings
-from gpu_worker.value_installer import ValueInstaller
+from gpu_worker.links.bucket_exchange import BucketExchange
+from gpu_worker.links.connections import NodeConnections, NodeError, NonFiniteGradientError
+from gpu_worker.links.liveness import WorkerTimeouts
+from gpu_worker.links.messages import NodeMessages
+from gpu_worker.links.news import NodeNews
+from gpu_worker.links.receive_loop import ReceiveLoop
+from gpu_worker.links.recovery import NodeRecovery
+from gpu_worker.links.refusals import RefusedGradients
+from gpu_worker.links.registration import NodeRegistration
+from gpu_worker.links.resume import resume_point
+from gpu_worker.links.step_timings import WorkerStepTimings
 from netoptim.job.hyper import AdamWHyper
 from netoptim.job.placement import BucketSpec
 from netoptim.job.spec import JobSpec
 from transport.interface import Message
-from transport.security import CurveClientConfig
 from transport.wire import WIRE_DTYPES, MsgType
+from transport.zeromq.security import CurveClientConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class OffloadSession:
         self._installer = ValueInstaller(cuda=self._cuda, staging_numel=max([job.bucket_numel, *(b.numel for b in self.buckets)]))
         self.timings = WorkerStepTimings()
         self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
-        # Flow control (gpu_worker.push_pacing): gradient bytes pushed and not yet acknowledged; a push
+        # Flow control (gpu_worker.exchange.push_pacing): gradient bytes pushed and not yet acknowledged; a push
         # that would exceed the window first waits. Layer-wise, a node's CONSUMED acknowledges a push;
         # paced full-model pushes, the bucket's new values do.
         self.pacer: PushPacer | None = None
@@ -235,7 +235,7 @@ class OffloadSession:
     def morph(self, rank: int, world_size: int, at_step: int) -> None:
         """Between steps: go on as ``rank`` of ``world_size`` workers from step ``at_step``, the step the
         job's workers agreed to change its width at (:mod:`gpu_worker.elastic`). Every node takes the new
-        width once it reaches that step (:mod:`optimizer_node.morphing`); the parameters stay as they are."""
+        width once it reaches that step (:mod:`optimizer_node.intake.morphing`); the parameters stay as they are."""
         if self.job.mode != "full":
             raise ValueError("a layer-wise job cannot change its width: morphing is for full-model jobs")
         if not 0 <= rank < world_size:
@@ -394,7 +394,7 @@ class OffloadSession:
 
         PARAMS go to ``on_params``; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
         clipped step here, whatever it was waiting for; an ERROR raises :class:`NodeError`. Silent
-        nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.liveness`)."""
+        nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.links.liveness`)."""
         self._receiver.run_until(done, missing, self.timings)
 
     def close(self) -> None:

@@ -9,15 +9,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gpu_worker.liveness import WorkerTimeouts
-from gpu_worker.push_pacing import PushPacer
+from gpu_worker.exchange.push_pacing import PushPacer
+from gpu_worker.layerwise.streaming import LayerStreamer
+from gpu_worker.layerwise.units import UnitPlan
+from gpu_worker.links.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
-from gpu_worker.streaming import LayerStreamer
-from gpu_worker.units import UnitPlan
 from netoptim.job.hyper import AdamWHyper
 from netoptim.job.spec import JobSpec
-from transport.security import CurveClientConfig
 from transport.wire import MsgType
+from transport.zeromq.security import CurveClientConfig
 
 
 def start_session(

@@ -55,7 +55,7 @@ def _add_plan_memory_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_plan_memory(args: argparse.Namespace) -> int:
     import json
 
-    from optimizer_node.memory_plan import available_memory
+    from optimizer_node.state.memory_plan import available_memory
 
     job = job_size(args)
     assert job is not None, "plan-memory requires --params"
@@ -98,7 +98,7 @@ def _add_keygen_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _ranks(text: str) -> str:
     """A rank list like 3, 0,1 or 0-3,8, checked here so that a typo is a usage error."""
-    from transport.security import format_ranks, parse_ranks
+    from transport.zeromq.security import format_ranks, parse_ranks
 
     try:
         return format_ranks(parse_ranks(text))
@@ -107,7 +107,7 @@ def _ranks(text: str) -> str:
 
 
 def run_keygen(args: argparse.Namespace) -> int:
-    from transport.security import generate_keypair
+    from transport.zeromq.security import generate_keypair
 
     if args.name and args.name_option and args.name != args.name_option:
         log.error("keygen: give the name once, as NAME or --name")
@@ -147,8 +147,8 @@ def _add_export_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from optimizer_node.checkpoint import CheckpointError, resolve
-    from optimizer_node.export import export
+    from optimizer_node.state.checkpoint import CheckpointError, resolve
+    from optimizer_node.state.export import export
 
     try:
         checkpoints = [resolve(Path(path)) for path in args.checkpoints]

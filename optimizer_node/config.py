@@ -128,7 +128,7 @@ class NodeConfig:
 
     pass_thread: bool = False
     """Run the update passes on a thread of their own, so the serve loop checks and takes pushes and
-    sends new values while they run (:mod:`optimizer_node.pass_thread`); in memory only (refused
+    sends new values while they run (:mod:`optimizer_node.update.pass_thread`); in memory only (refused
     with ``state_dir``: an out-of-core node updates on its loop's thread)."""
 
     send_timeout_s: float = 60.0
@@ -231,7 +231,7 @@ class NodeConfig:
     @property
     def frame_limit_bytes(self) -> int:
         """The frame cap in force: ``max_frame_bytes``, or the default it has when ``None``."""
-        from transport.zmq_backend import default_max_frame_bytes
+        from transport.zeromq.backend import default_max_frame_bytes
 
         return default_max_frame_bytes(self.chunk_bytes, self.max_header_bytes) if self.max_frame_bytes is None else self.max_frame_bytes
 

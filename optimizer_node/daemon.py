@@ -23,42 +23,42 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 
 from netoptim.job.spec import JobSpec
-from optimizer_node.admission import JobAdmission
-from optimizer_node.bucket_apply import BucketApply, PendingUpdate
-from optimizer_node.clipping import GlobalNormRound
+from optimizer_node.admin.operator import NodeOperator
+from optimizer_node.admin.overrides import OperatorOverrides
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.data_plane import bind_data_plane
-from optimizer_node.delivery import BucketDelivery
 from optimizer_node.dispatch import MessageDispatch
-from optimizer_node.echoes import EchoReplies
 from optimizer_node.faults import CrashPoints
-from optimizer_node.gradient_intake import GradientIntake, IntakeParts
+from optimizer_node.intake.admission import JobAdmission
+from optimizer_node.intake.gradients import GradientIntake, IntakeParts
+from optimizer_node.intake.morphing import MorphGate
+from optimizer_node.intake.non_finite import NonFiniteStats
+from optimizer_node.intake.registration import JobRegistrar
+from optimizer_node.intake.step_ledger import StepLedger
+from optimizer_node.intake.waiting_hellos import WaitingHellos
 from optimizer_node.job_end import JobEnd
 from optimizer_node.job_state import ActiveJob
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.metrics import NodeMetrics
-from optimizer_node.morphing import MorphGate
-from optimizer_node.non_finite import NonFiniteStats
-from optimizer_node.ooc_store import OutOfCoreStore
-from optimizer_node.operator import NodeOperator
-from optimizer_node.outgoing import Outgoing
-from optimizer_node.overrides import OperatorOverrides
-from optimizer_node.pass_thread import PassThread, shorten_switch_interval
-from optimizer_node.persistence import Checkpoints
-from optimizer_node.registration import JobRegistrar
-from optimizer_node.replies import ParameterReplies
-from optimizer_node.reply_budget import UnregisteredReplyBudget
-from optimizer_node.round_gate import RoundGate
 from optimizer_node.serve_loop import ServeLoop
-from optimizer_node.state_transfer import StateRequests
-from optimizer_node.status_replies import StatusReplies
+from optimizer_node.serving.delivery import BucketDelivery
+from optimizer_node.serving.echoes import EchoReplies
+from optimizer_node.serving.outgoing import Outgoing
+from optimizer_node.serving.replies import ParameterReplies
+from optimizer_node.serving.reply_budget import UnregisteredReplyBudget
+from optimizer_node.serving.status_replies import StatusReplies
+from optimizer_node.state.ooc_store import OutOfCoreStore
+from optimizer_node.state.persistence import Checkpoints
+from optimizer_node.state.storage import BucketStore, InMemoryStore
+from optimizer_node.state.transfer import StateRequests
 from optimizer_node.step_end import StepEnd
-from optimizer_node.step_ledger import StepLedger
-from optimizer_node.storage import BucketStore, InMemoryStore
-from optimizer_node.update_path_choice import UpdatePathChoice
-from optimizer_node.update_queue import UpdateQueue
-from optimizer_node.waiting_hellos import WaitingHellos
+from optimizer_node.update.bucket_apply import BucketApply, PendingUpdate
+from optimizer_node.update.clipping import GlobalNormRound
+from optimizer_node.update.pass_thread import PassThread, shorten_switch_interval
+from optimizer_node.update.path_choice import UpdatePathChoice
+from optimizer_node.update.queue import UpdateQueue
+from optimizer_node.update.round_gate import RoundGate
 from transport.interface import Message
 from transport.wire import Header, MsgType
 
@@ -288,7 +288,7 @@ class NodeDaemon:
 
     def change_width(self, spec: JobSpec, at: int) -> None:
         """Every owned bucket reached step ``at``: the job goes on at the width ``spec`` says
-        (:mod:`optimizer_node.morphing`). What the old width sent of step ``at`` is dropped: none of
+        (:mod:`optimizer_node.intake.morphing`). What the old width sent of step ``at`` is dropped: none of
         it is applied, none mixed with the new width's gradients."""
         job = self._job
         assert job is not None
@@ -354,7 +354,7 @@ class NodeDaemon:
         """Drop the registered job (its state, ranks, overrides) so the node takes the next one, as if
         just started. With a checkpoint directory, the job's last state is checkpointed first (between
         steps) and its checkpoints move to ``finished/<job>-step-<step>/`` there, where ``--resume`` no
-        longer looks (:func:`~optimizer_node.checkpoint.archive_checkpoints`). The job's ranks still
+        longer looks (:func:`~optimizer_node.state.checkpoint.archive_checkpoints`). The job's ranks still
         connected are told; their next message is refused. Returns what was let go."""
         job = self._job
         if job is None:
@@ -390,7 +390,7 @@ class NodeDaemon:
     # ---------------------------------------------------------------- gradients in (gradient_intake.py)
 
     def gradients_complete(self, job: ActiveJob, bucket_id: int, step: int) -> None:
-        """Every rank's gradient of ``bucket_id`` at ``step`` is in (:class:`~optimizer_node.round_gate.RoundGate`)."""
+        """Every rank's gradient of ``bucket_id`` at ``step`` is in (:class:`~optimizer_node.update.round_gate.RoundGate`)."""
         self._round_gate.gradients_complete(job, bucket_id, step)
 
     def rank_rejoined(self, rank: int) -> None:

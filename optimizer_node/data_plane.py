@@ -8,11 +8,11 @@ import logging
 from typing import NamedTuple
 
 from optimizer_node.config import NodeConfig
+from optimizer_node.intake.registration import load_allow_list
 from optimizer_node.log_limits import RateLimitedLog
-from optimizer_node.registration import load_allow_list
 from transport import create_transport
 from transport.interface import ServerEndpoint, Transport
-from transport.security import AllowList, CurveServerConfig
+from transport.zeromq.security import AllowList, CurveServerConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from transport.interface import Message
 from transport.wire import ErrorCode, MsgType, WireError
 
 if TYPE_CHECKING:
-    from optimizer_node.admission import JobAdmission
+    from optimizer_node.intake.admission import JobAdmission
+    from optimizer_node.intake.registration import JobRegistrar
     from optimizer_node.metrics import NodeMetrics
-    from optimizer_node.outgoing import Outgoing
-    from optimizer_node.registration import JobRegistrar
-    from optimizer_node.update_queue import UpdateQueue
+    from optimizer_node.serving.outgoing import Outgoing
+    from optimizer_node.update.queue import UpdateQueue
 
 log = logging.getLogger(__name__)
 

@@ -14,20 +14,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from optimizer_node.admission import job_fingerprint
-from optimizer_node.checkpoint import archive_checkpoints
+from optimizer_node.intake.admission import job_fingerprint
 from optimizer_node.job_state import JobNode
+from optimizer_node.state.checkpoint import archive_checkpoints
 from transport.interface import Message
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
+    from optimizer_node.admin.overrides import OperatorOverrides
     from optimizer_node.config import NodeConfig
+    from optimizer_node.intake.registration import JobRegistrar
     from optimizer_node.job_state import ActiveJob
-    from optimizer_node.outgoing import Outgoing
-    from optimizer_node.overrides import OperatorOverrides
-    from optimizer_node.persistence import Checkpoints
-    from optimizer_node.registration import JobRegistrar
-    from optimizer_node.replies import ParameterReplies
+    from optimizer_node.serving.outgoing import Outgoing
+    from optimizer_node.serving.replies import ParameterReplies
+    from optimizer_node.state.persistence import Checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class JobEnd:
     def let_go(self, job: ActiveJob, reason: str) -> tuple[str, int, Path | None]:
         """The job's side of letting it go: its batched values sent, its last state checkpointed (between
         steps), its checkpoints moved to ``finished/<job>-step-<step>/`` under the checkpoint directory
-        (:func:`~optimizer_node.checkpoint.archive_checkpoints`), its ranks still connected told, the
+        (:func:`~optimizer_node.state.checkpoint.archive_checkpoints`), its ranks still connected told, the
         checkpoints waited for cancelled. Returns the job's fingerprint, its step and where its
         checkpoints went."""
         step, fingerprint = self._node.step, job_fingerprint(job.spec)

@@ -10,9 +10,9 @@ import torch
 
 from netoptim.job.placement import BucketSpec
 from netoptim.job.spec import JobSpec
-from optimizer_node.adamw import AdamWHyper
-from optimizer_node.reduce import OrderedReduction
-from optimizer_node.step_ledger import StepLedger
+from optimizer_node.intake.step_ledger import StepLedger
+from optimizer_node.update.adamw import AdamWHyper
+from optimizer_node.update.reduce import OrderedReduction
 
 
 @dataclass(slots=True)

@@ -29,8 +29,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from optimizer_node.control import StepTimings
-from optimizer_node.non_finite import NonFiniteStats
-from optimizer_node.storage import no_store_io
+from optimizer_node.intake.non_finite import NonFiniteStats
+from optimizer_node.state.storage import no_store_io
 from transport.interface import no_shared_memory
 
 log = logging.getLogger(__name__)
@@ -191,10 +191,10 @@ class NodeMetrics:
     - ``last_checkpoint_unix``: when the newest checkpoint was written (``None``: none yet);
     - ``shared_memory``: same-host connections with shared windows and the bytes through them;
     - ``store_io``: an out-of-core node's state bytes read and written
-      (:meth:`~optimizer_node.storage.BucketStore.io_counters`);
+      (:meth:`~optimizer_node.state.storage.BucketStore.io_counters`);
     - ``curve_refused``: data-plane connections whose CURVE key the allow-list refused;
     - ``master_bytes_on_board``: fp32 master values kept on the parameter board
-      (:meth:`~optimizer_node.storage.BucketStore.master_bytes_on_board`).
+      (:meth:`~optimizer_node.state.storage.BucketStore.master_bytes_on_board`).
     """
 
     def __init__(

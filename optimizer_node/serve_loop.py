@@ -4,7 +4,7 @@ Once the node serves it says so, in its log (with a warning where the data plane
 the network without CURVE) and in the ready file, written atomically so that a reader never sees half
 of it. Then each turn of the loop runs the admin calls waiting (between two passes), takes every
 message already waiting, and only then applies ready updates, up to ``APPLY_BURST`` in a row: the
-lowest bucket id first (:mod:`optimizer_node.update_queue`). With ``--pass-thread`` a ready update is
+lowest bucket id first (:mod:`optimizer_node.update.queue`). With ``--pass-thread`` a ready update is
 handed to the pass thread before any message is read, and a pass that ends wakes the wait for
 messages (where the endpoint cannot be woken, the loop looks for ended passes every
 ``PASS_POLL_S``). Once stopped, the passes are settled, the batched values sent, the admin calls
@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Protocol
 from transport.wire import WireError
 
 if TYPE_CHECKING:
-    from optimizer_node.bucket_apply import PendingUpdate
     from optimizer_node.config import NodeConfig
     from optimizer_node.control import CommandQueue, StepClock
-    from optimizer_node.outgoing import Outgoing
-    from optimizer_node.pass_thread import PassThread
-    from optimizer_node.persistence import Checkpoints
-    from optimizer_node.replies import ParameterReplies
-    from optimizer_node.storage import BucketStore
-    from optimizer_node.update_queue import UpdateQueue
+    from optimizer_node.serving.outgoing import Outgoing
+    from optimizer_node.serving.replies import ParameterReplies
+    from optimizer_node.state.persistence import Checkpoints
+    from optimizer_node.state.storage import BucketStore
+    from optimizer_node.update.bucket_apply import PendingUpdate
+    from optimizer_node.update.pass_thread import PassThread
+    from optimizer_node.update.queue import UpdateQueue
     from transport.interface import Message, ServerEndpoint
 
 log = logging.getLogger(__name__)

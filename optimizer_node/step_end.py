@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 from transport.interface import Message
 
 if TYPE_CHECKING:
+    from optimizer_node.admin.overrides import OperatorOverrides
     from optimizer_node.control import StepClock
+    from optimizer_node.intake.morphing import MorphGate
     from optimizer_node.job_end import JobEnd
     from optimizer_node.metrics import NodeMetrics
-    from optimizer_node.morphing import MorphGate
-    from optimizer_node.overrides import OperatorOverrides
-    from optimizer_node.persistence import Checkpoints
+    from optimizer_node.state.persistence import Checkpoints
 
 
 class StepEnd:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from netoptim.launch.processes import NodeProcess, use_node_launcher
-from optimizer_node import compiled_update
+from optimizer_node.update.kernels import compiled_update
 from tests.node_flags import with_node_args
 from tests.preloaded_nodes import PreloadedNodeLauncher
 from tests.transport.availability import check_mooncake

@@ -55,11 +55,11 @@ def create_transport(url: str, **options: object) -> Transport:
     """A transport able to bind or connect to ``url``."""
     backend = backend_for(url)
     if backend == "zmq":
-        from transport.zmq_backend import ZmqTransport
+        from transport.zeromq.backend import ZmqTransport
 
         return ZmqTransport(**options)  # type: ignore[arg-type]
     if backend == "mooncake":
-        from transport.mooncake_backend import MooncakeTransport
+        from transport.mooncake.backend import MooncakeTransport
 
         return MooncakeTransport(**options)  # type: ignore[arg-type]
     raise AssertionError(f"no backend module for {backend}")

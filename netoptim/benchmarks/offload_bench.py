@@ -7,10 +7,10 @@ In one run, over the same number of parameters in buckets of ``--bucket-numel``:
   ``O_DIRECT``, the faster of the two kept for each direction; an out-of-core step must read and
   write every byte of state once, so the best possible rate is ``params / (state/read_bw + state/write_bw)``;
 - out of core: every bucket acquired (read ahead), updated with AdamW and released (written behind)
-  through :class:`~optimizer_node.ooc_store.OutOfCoreStore` under ``--memory-budget``, as the daemon
+  through :class:`~optimizer_node.state.ooc_store.OutOfCoreStore` under ``--memory-budget``, as the daemon
   does; the peak RSS it added (from after a two-bucket warm-up store has paged in the code) is
   measured against the budget;
-- in memory: the same loop over :class:`~optimizer_node.storage.InMemoryStore`.
+- in memory: the same loop over :class:`~optimizer_node.state.storage.InMemoryStore`.
 
 ``ratio`` is the out-of-core rate over the disk bound. With ``--io buffered`` and more free RAM than
 state, the page cache keeps what the store writes and serves its reads: the ratio can pass 1, and
@@ -29,10 +29,10 @@ import torch
 from tqdm import tqdm
 
 from netoptim.benchmarks.common import vm_bytes
-from optimizer_node.adamw import AdamWHyper, adamw_update
-from optimizer_node.disk_rate import measure_disk
-from optimizer_node.ooc_store import OutOfCoreStore
-from optimizer_node.storage import BucketStore, InMemoryStore
+from optimizer_node.state.disk_rate import measure_disk
+from optimizer_node.state.ooc_store import OutOfCoreStore
+from optimizer_node.state.storage import BucketStore, InMemoryStore
+from optimizer_node.update.adamw import AdamWHyper, adamw_update
 
 
 def _reset_peak_rss() -> None:

@@ -1,8 +1,8 @@
 """``netoptim bench optimizer``: the node's update rate against torch's fused AdamW in the same run.
 
 The node's work per bucket is what ``NodeDaemon`` does for it: the W workers' gradients arrive in
-the wire dtype into an :class:`~optimizer_node.reduce.OrderedReduction` that leaves the sum to the
-update pass, and :func:`~optimizer_node.update_pass.reduce_and_update` sums them in rank order and
+the wire dtype into an :class:`~optimizer_node.update.reduce.OrderedReduction` that leaves the sum to the
+update pass, and :func:`~optimizer_node.update.bucket_pass.reduce_and_update` sums them in rank order and
 applies AdamW in one pass (the compiled loop where numba is installed and agrees with torch's
 kernel here, ``compiled_loop`` in the report; torch ops chunk by chunk otherwise), then writes the
 outgoing copy in the wire dtype.
@@ -18,10 +18,10 @@ read a parameter board (fp32), the pass writes the new masters into the bucket's
 updated in place and copied onto the board.
 They arrive last rank first, so every frame is held until the pass (with two workers every arrival
 order gives the pass the same work). ``ratio`` is the node's work for pushes a worker vouched for
-(:mod:`gpu_worker.finite_probe`: GPU and CPU workers do for every bucket pushed alone), which the
+(:mod:`gpu_worker.exchange.finite_probe`: GPU and CPU workers do for every bucket pushed alone), which the
 node does not read for NaN/inf; ``ratio_checked`` checks each arrival first, as the node does for a
 push without the word (a batch of small buckets, ``--non-finite-check node``):
-:func:`~optimizer_node.non_finite.count_non_finite`.
+:func:`~optimizer_node.intake.non_finite.count_non_finite`.
 
 Where the frames are matters as much as what is done with them. In the daemon a frame is checked
 the moment the transport has written it, so it is in the last-level cache, and when the workers push
@@ -45,11 +45,11 @@ import time
 import torch
 
 from netoptim.benchmarks.common import bucket_sizes, interleaved_seconds, median_ratio, memory_bandwidth_gbs
-from optimizer_node import compiled_update
-from optimizer_node.adamw import AdamWHyper
-from optimizer_node.non_finite import count_non_finite
-from optimizer_node.reduce import OrderedReduction
-from optimizer_node.update_pass import reduce_and_update
+from optimizer_node.intake.non_finite import count_non_finite
+from optimizer_node.update.adamw import AdamWHyper
+from optimizer_node.update.bucket_pass import reduce_and_update
+from optimizer_node.update.kernels import compiled_update
+from optimizer_node.update.reduce import OrderedReduction
 
 FUSED_ADAMW_BYTES_PER_PARAM = 4 * 7
 """torch's fused AdamW reads the parameter, both moments and the gradient, and writes the first three."""

@@ -1,7 +1,7 @@
 """``netoptim bench optimizer --rule R``: the node's update of a rule other than AdamW (Adam, SGD,
 SGD with Nesterov momentum, Lion) against torch's fused optimizer of the same rule, in the same run.
 
-These rules take the node's per-piece path (:func:`~optimizer_node.update_pass.reduce_and_update_segments`):
+These rules take the node's per-piece path (:func:`~optimizer_node.update.bucket_pass.reduce_and_update_segments`):
 the W workers' gradients summed in rank order into a scratch buffer, divided by W, then the rule's
 kernel on the piece (torch's fused Adam or SGD; Lion in torch ops), with the outgoing copy cast for a
 16-bit wire; each arrival is checked for NaN/inf first, as the daemon checks every push. The baseline steps the same parameters with the averaged gradient in place; torch has
@@ -17,10 +17,10 @@ import statistics
 import torch
 
 from netoptim.benchmarks.common import bucket_sizes, interleaved_seconds, median_ratio
-from optimizer_node.adamw import AdamWHyper
-from optimizer_node.non_finite import count_non_finite
-from optimizer_node.reduce import OrderedReduction
-from optimizer_node.update_pass import reduce_and_update_segments
+from optimizer_node.intake.non_finite import count_non_finite
+from optimizer_node.update.adamw import AdamWHyper
+from optimizer_node.update.bucket_pass import reduce_and_update_segments
+from optimizer_node.update.reduce import OrderedReduction
 
 HYPERS = {
     "adam": AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.01),

@@ -31,12 +31,12 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from gpu_worker.liveness import WorkerTimeouts
+from gpu_worker.links.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
 from netoptim.job.placement import ParamSpec
 from netoptim.job.spec import JobSpec
 from netoptim.launch.processes import NodeProcess
-from optimizer_node.adamw import AdamWHyper
+from optimizer_node.update.adamw import AdamWHyper
 from protos import admin_pb2, admin_pb2_grpc
 from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
 

@@ -36,7 +36,7 @@ from netoptim.benchmarks.common import check_node_args, vm_bytes
 from netoptim.benchmarks.gpu.modes import node_status
 from transport.host_memory import resident_bytes
 from transport.host_threads import cpu_seconds_between, process_cpu_seconds, thread_cpu_seconds
-from transport.shm_window import shared_huge_pages
+from transport.shm.window import shared_huge_pages
 
 SIZES = {
     "small": GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),

@@ -32,8 +32,8 @@ import torch
 from netoptim.benchmarks.common import median_seconds
 from netoptim.launch.processes import NodeProcess
 from transport import create_transport
-from transport.security import CurveClientConfig, generate_keypair
 from transport.wire import MsgType, tensor_header
+from transport.zeromq.security import CurveClientConfig, generate_keypair
 
 
 def _echo_server(listener: socket.socket, bucket_bytes: int, messages: int) -> None:

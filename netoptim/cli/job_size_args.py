@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from netoptim.cli.arg_types import non_negative_int, param_count, positive_int, size
 
 if TYPE_CHECKING:  # the command line is built without importing torch, which the node's package loads
-    from optimizer_node.memory_plan import NodeNeeds
+    from optimizer_node.state.memory_plan import NodeNeeds
 
 DEFAULTS = {"workers": 1, "nodes": 1, "wire_dtype": "float32", "push_window": 1 << 30, "keep": 0}
 """What an optional job's flags mean when not given (``plan-memory`` requires ``--params`` and ``--workers``)."""
@@ -40,8 +40,8 @@ class JobSize:
         return 4 if self.wire_dtype == "float32" else 2
 
     def needs(self, *, board: bool = False) -> NodeNeeds:
-        """RAM and disk one node needs for its share (:func:`optimizer_node.memory_plan.node_needs`)."""
-        from optimizer_node.memory_plan import node_needs
+        """RAM and disk one node needs for its share (:func:`optimizer_node.state.memory_plan.node_needs`)."""
+        from optimizer_node.state.memory_plan import node_needs
 
         return node_needs(
             self.share,

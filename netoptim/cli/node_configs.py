@@ -1,6 +1,6 @@
 """The one place where ``netoptim node``'s flags become configs: the node's
 :class:`~optimizer_node.NodeConfig`, and the admin service's
-:class:`~optimizer_node.admin.AdminConfig` with its token. What they configure is imported lazily,
+:class:`~optimizer_node.admin.service.AdminConfig` with its token. What they configure is imported lazily,
 to keep ``--help`` fast."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from netoptim.cli.node_parser import LIMIT_FLAGS
 
 if TYPE_CHECKING:
     from optimizer_node import NodeConfig
-    from optimizer_node.admin import AdminConfig
+    from optimizer_node.admin.service import AdminConfig
 
 log = logging.getLogger("netoptim")
 
@@ -63,8 +63,8 @@ def admin_config_from_args(args: argparse.Namespace) -> AdminConfig | None:
     """The admin service's settings, or ``None`` when ``--admin`` is not given; ``ValueError`` for bad ones."""
     if args.admin is None:
         return None
-    from optimizer_node.admin import AdminConfig
-    from optimizer_node.admin_address import split_host_port
+    from optimizer_node.admin.address import split_host_port
+    from optimizer_node.admin.service import AdminConfig
     from transport.exposure import reachable_from_network
 
     host, _port = split_host_port(args.admin)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from optimizer_node import NodeConfig, NodeDaemon
-    from optimizer_node.admin import AdminConfig, AdminServer
+    from optimizer_node.admin.service import AdminConfig, AdminServer
     from optimizer_node.metrics import MetricsServer
 
 
@@ -57,7 +57,7 @@ def bind_servers(args: argparse.Namespace, admin_config: AdminConfig | None) -> 
     cannot be bound (what was bound is released)."""
     servers = NodeServers()
     if admin_config is not None:
-        from optimizer_node.admin import AdminServer
+        from optimizer_node.admin.service import AdminServer
 
         try:
             servers.admin = AdminServer(admin_config)

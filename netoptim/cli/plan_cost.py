@@ -96,7 +96,7 @@ def run_calibrate(args: argparse.Namespace, *, announce: bool = True) -> int:
     from netoptim.cli.plan_calibration import calibration_for
     from netoptim.planning.cost_model import CostProfile, estimate_step, local_hardware
     from netoptim.planning.planner import Candidate, predict
-    from optimizer_node.update_profile import update_pass_seconds_per_param
+    from optimizer_node.update.profile import update_pass_seconds_per_param
 
     if args.workers < 2:
         raise SystemExit("--calibrate measures updates with 1 and 2 workers: give --workers 2 or more")

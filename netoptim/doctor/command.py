@@ -71,7 +71,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     from netoptim.doctor.disk import state_dir_findings
     from netoptim.doctor.host import host_findings
     from netoptim.doctor.node import admin_findings, data_plane_findings
-    from transport.security import CurveClientConfig
+    from transport.zeromq.security import CurveClientConfig
 
     if (args.curve_secret_key is None) != (args.curve_server_key is None):
         log.error("doctor: give --curve-secret-key and --curve-server-key together")

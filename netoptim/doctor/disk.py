@@ -11,9 +11,9 @@ from pathlib import Path
 from netoptim.cli.job_size_args import JobSize
 from netoptim.doctor.findings import Finding
 from netoptim.doctor.host import GIB
-from optimizer_node.disk_rate import measure_disk
-from optimizer_node.memory_plan import STATE_BYTES_PER_PARAM
-from optimizer_node.ooc_files import probe_direct_io
+from optimizer_node.state.disk_rate import measure_disk
+from optimizer_node.state.memory_plan import STATE_BYTES_PER_PARAM
+from optimizer_node.state.ooc_files import probe_direct_io
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 IN_MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})

@@ -13,8 +13,8 @@ from netoptim.cli.job_size_args import JobSize
 from netoptim.doctor.findings import Finding
 from netoptim.launch.host_cpus import format_cpu_list, numa_nodes, update_threads, usable_cpus
 from netoptim.launch.huge_pages import ANONYMOUS_HUGE_PAGES, anonymous_huge_pages
-from optimizer_node.memory_plan import available_memory
-from transport.shm_window import SHMEM_HUGE_ON_ADVICE, SHMEM_HUGE_PAGES, shared_huge_pages
+from optimizer_node.state.memory_plan import available_memory
+from transport.shm.window import SHMEM_HUGE_ON_ADVICE, SHMEM_HUGE_PAGES, shared_huge_pages
 
 HOST = "this host"
 GIB = 2**30
@@ -82,7 +82,7 @@ def memory(plan: JobSize | None) -> Finding:
 def update_path() -> Finding:
     """Which update a node here runs: the compiled one-pass loop, checked bitwise against torch's
     fused AdamW on this CPU (seconds the first time: numba compiles or loads its cache), or torch ops."""
-    from optimizer_node import compiled_update
+    from optimizer_node.update.kernels import compiled_update
 
     if os.environ.get("NETOPTIM_COMPILED_UPDATE", "1") == "0":
         return Finding(HOST, "update path", "note", "torch ops: NETOPTIM_COMPILED_UPDATE=0 turns the compiled loop off (the same bits, slower)")
@@ -115,8 +115,8 @@ def update_rate(plan: JobSize | None) -> Finding:
     least time a step's update of one node's share takes."""
     import torch
 
-    from optimizer_node import compiled_update
-    from optimizer_node.update_profile import update_pass_seconds_per_param
+    from optimizer_node.update.kernels import compiled_update
+    from optimizer_node.update.profile import update_pass_seconds_per_param
 
     threads = update_threads(len(usable_cpus()))
     previous = torch.get_num_threads()
@@ -170,7 +170,7 @@ def huge_pages() -> list[Finding]:
 
 
 def memory_files() -> Finding:
-    from transport.shm_board import seals_supported
+    from transport.shm.board import seals_supported
 
     if seals_supported():
         return Finding(HOST, "memory files", "ok", "sealed memory files work: workers on a node's host read its new values in place (the board)")
@@ -222,7 +222,7 @@ def gpus(plan: JobSize | None, *, measure: bool = True) -> Finding:
         )
     if not measure:
         return Finding(HOST, "gpus", "ok", f"{detail}; page-locked host memory works", figures={"cuda_devices": count})
-    from gpu_worker.copy_rates import copy_bandwidth_gbs
+    from gpu_worker.layerwise.copy_rates import copy_bandwidth_gbs
 
     said, figures = copy_rates_said(copy_bandwidth_gbs(torch.device("cuda", 0), GPU_PROBE_BYTES, repeats=3), plan)
     return Finding(HOST, "gpus", "ok", f"{detail}; {said}", figures={"cuda_devices": count, **figures})

@@ -17,8 +17,8 @@ import torch
 from netoptim.doctor.findings import Finding
 from transport import create_transport
 from transport.interface import ClientEndpoint, Message
-from transport.security import CurveClientConfig
 from transport.wire import ErrorCode, Header, MsgType, tensor_header
+from transport.zeromq.security import CurveClientConfig
 
 PINGS = 20
 """Empty ECHOs timed one after another: the median is the round trip."""

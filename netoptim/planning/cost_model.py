@@ -36,7 +36,7 @@ from netoptim.planning.planner import Candidate, OptimizerCost, PlanCalibration,
 
 PROFILE_VERSION = 1
 WIRE_BYTES = 4  # fp32 gradients and parameters on the wire
-NODE_FIXED_BYTES = 400 << 20  # an idle node process, with headroom (as optimizer_node.memory_plan counts it)
+NODE_FIXED_BYTES = 400 << 20  # an idle node process, with headroom (as optimizer_node.state.memory_plan counts it)
 NODE_STATE_BYTES_PER_PARAM = 12  # fp32 master and two moments
 
 

@@ -21,10 +21,10 @@ import signal
 import torch
 
 from gpu_worker import RemoteAdamW, offload
-from gpu_worker.awaited_values import AwaitedValues
-from gpu_worker.gradient_pushes import GradientPushes
+from gpu_worker.exchange.awaited_values import AwaitedValues
+from gpu_worker.exchange.gradient_pushes import GradientPushes
+from gpu_worker.layerwise.streaming import LayerStreamer
 from gpu_worker.models import GPT, GPTConfig
-from gpu_worker.streaming import LayerStreamer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 BUCKET_NUMEL = 2048

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from gpu_worker import offload
-from gpu_worker.board_aliases import BoardAliases
+from gpu_worker.layerwise.board_aliases import BoardAliases
 from netoptim.job.placement import ParamSpec, plan_buckets
 from tests.gpu_worker.test_layerwise import make_gpt, tokens
 from transport.interface import Message
 from transport.payload_views import board_payload_views
-from transport.shm_board import BoardPublisher, BoardReader, board_bytes
-from transport.shm_window import window_holding
+from transport.shm.board import BoardPublisher, BoardReader, board_bytes
+from transport.shm.window import window_holding
 from transport.wire import MsgType, tensor_header
 
 CHUNK = 256  # bytes a chunk: every test payload spans several chunks

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpu_worker import NonFiniteGradientError, RemoteAdamW, offload
-from gpu_worker.device_copy import HostToDevice, host_waitable_event, wait_for_stream, wait_on_host
+from gpu_worker.layerwise.device_copy import HostToDevice, host_waitable_event, wait_for_stream, wait_on_host
 from gpu_worker.models import GPT, GPTConfig
 from tests.gpu_worker.harness import run_threads
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.device_copy import canonical_device
+from gpu_worker.layerwise.device_copy import canonical_device
+from gpu_worker.layerwise.units import plan_units
 from gpu_worker.models import GPT, GPTConfig
-from gpu_worker.units import plan_units
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

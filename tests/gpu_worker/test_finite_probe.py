@@ -1,4 +1,4 @@
-"""A worker's word that a bucket's gradient is finite (:mod:`gpu_worker.finite_probe`): given for a
+"""A worker's word that a bucket's gradient is finite (:mod:`gpu_worker.exchange.finite_probe`): given for a
 finite sum only, never for NaN, inf, a sum that overflows or a gradient the wire casts. The probe's
 torch calls are the same on CPU tensors; the CUDA path (the copy stream, page-locked sums, the word on
 real pushes) is tested in ``test_cuda_path.py``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.finite_probe import FiniteProbe
+from gpu_worker.exchange.finite_probe import FiniteProbe
 from netoptim.job.placement import BucketSpec, Segment
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpu_worker.landed_pushes import LandedPushes
+from gpu_worker.layerwise.landed_pushes import LandedPushes
 
 
 class StandInSession:

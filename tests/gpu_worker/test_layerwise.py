@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gpu_worker import NodeError, RemoteAdamW, offload
+from gpu_worker.layerwise.units import kept_for_backward
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
-from gpu_worker.units import kept_for_backward
 from tests.gpu_worker.harness import run_threads
 from tests.ports import restartable_address
 

@@ -123,7 +123,7 @@ def test_oracle_holds_over_every_transport(start_node, tmp_path, transport):
     if transport == "ipc":
         node = start_node(listen=f"ipc://{tmp_path}/node.sock")
     else:
-        from transport.security import generate_keypair
+        from transport.zeromq.security import generate_keypair
 
         node_public, node_secret = generate_keypair(str(tmp_path / "keys"), "node")
         _, worker_secret = generate_keypair(str(tmp_path / "allowed"), "worker")

@@ -1,4 +1,4 @@
-"""Pushes during backward from the courier thread (:mod:`gpu_worker.push_courier`): on a GPU autograd
+"""Pushes during backward from the courier thread (:mod:`gpu_worker.exchange.push_courier`): on a GPU autograd
 runs the hooks on its device thread, which stages each bucket's copy; the courier sends it once
 landed, and ``step()`` sends what it did not. Here a backward on a thread other than the optimizer's
 plays autograd's device thread (the staged copies are then CPU gathers), against a real node."""
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpu_worker import RemoteAdamW
-from gpu_worker.push_courier import PushCourier
+from gpu_worker.exchange.push_courier import PushCourier
 
 BUCKET_NUMEL = 1 << 18  # 1 MiB of fp32: too large for a batch of small buckets, so each is staged
 

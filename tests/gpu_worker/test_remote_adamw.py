@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from gpu_worker import RemoteAdamW, node_connections
+from gpu_worker import RemoteAdamW
+from gpu_worker.links import connections as node_connections
 from gpu_worker.session import BYE_WAIT_S
 from netoptim.job.placement import default_bucket_numel
 from tests.gpu_worker.harness import run_threads
@@ -137,7 +138,7 @@ def test_unreachable_node_times_out_clearly():
 def test_a_worker_says_early_that_nothing_listens_at_a_nodes_address(caplog, monkeypatch):
     """The connection refused: a warning once the first seconds passed, not only the timeout's error."""
     monkeypatch.setattr(node_connections, "LINK_WARNING_S", 0.5)
-    with caplog.at_level(logging.WARNING, logger="gpu_worker.node_connections"), pytest.raises(TimeoutError):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.links.connections"), pytest.raises(TimeoutError):
         RemoteAdamW(torch.nn.Linear(2, 2).parameters(), nodes=["tcp://127.0.0.1:9"], rank=0, world_size=1, connect_timeout_s=1.5)
     warned = [record.getMessage() for record in caplog.records if "no answer from node tcp://127.0.0.1:9 after" in record.getMessage()]
     assert len(warned) == 1 and "nothing accepts connections at that address" in warned[0] and "still trying for 1 s" in warned[0], warned

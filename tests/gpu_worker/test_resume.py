@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.norm_totals import NormTotals
-from gpu_worker.resume import WorkerProgress, gradients_lost, resume_point
+from gpu_worker.links.norm_totals import NormTotals
+from gpu_worker.links.resume import WorkerProgress, gradients_lost, resume_point
 from transport.wire import Header, MsgType
 
 OWNERS = [0, 0, 1, 1]  # bucket -> node

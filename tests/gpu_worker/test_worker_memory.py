@@ -13,7 +13,8 @@ import pytest
 PROGRAM = r"""
 import json, sys
 import torch
-from gpu_worker import RemoteAdamW, offload
+from gpu_worker import RemoteAdamW
+from gpu_worker import offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from transport.host_memory import resident_bytes
 

@@ -15,7 +15,7 @@ from netoptim.doctor.disk import file_system
 from netoptim.doctor.findings import Finding, as_text
 from netoptim.doctor.node import _dialable
 from tests.cli import run_netoptim
-from transport.security import generate_keypair
+from transport.zeromq.security import generate_keypair
 
 TOKEN = "doctor-token"
 
@@ -208,7 +208,7 @@ def test_help_explains_every_flag():
 
 def test_a_gpu_s_copy_rates_bound_a_step(tmp_path):
     """The arithmetic of the GPU check (its copies run where CUDA exists): the slower way sets the floor."""
-    from gpu_worker.copy_rates import copy_bandwidth_gbs
+    from gpu_worker.layerwise.copy_rates import copy_bandwidth_gbs
     from netoptim.cli.job_size_args import job_size
     from netoptim.console import build_parser
     from netoptim.doctor.host import copy_rates_said

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netoptim.console import build_parser
 from netoptim.launch.processes import NodeProcess
 from transport.wire import Header, MsgType
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 REFUSAL_DEADLINE_S = 15.0
 """A node refused its address must say so within this; it imports torch first (~3 s on a busy host)."""

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from gpu_worker.copy_rates import copy_bandwidth_gbs
-from netoptim.benchmarks.gpu import bench as gpu_bench
+from gpu_worker.layerwise.copy_rates import copy_bandwidth_gbs
 from netoptim.benchmarks.common import store_io_threads
+from netoptim.benchmarks.gpu import bench as gpu_bench
 from netoptim.benchmarks.gpu.limits import offload_limit_step_s
 from netoptim.benchmarks.gpu.limits_file import check_same_box, load_limits
 from netoptim.benchmarks.gpu.modes import ModeSettings

@@ -9,9 +9,9 @@ import torch
 
 from netoptim.job.placement import ParamSpec
 from netoptim.job.spec import JobSpec
-from optimizer_node.adamw import AdamWHyper, adamw_update
+from optimizer_node.update.adamw import AdamWHyper, adamw_update
 from transport.wire import Header, MsgType, tensor_header
-from transport.zmq_backend import ZmqClient, ZmqTransport
+from transport.zeromq.backend import ZmqClient, ZmqTransport
 
 HYPER = AdamWHyper(1e-2, 0.9, 0.999, 1e-8, 0.1)
 # Two parameters, bucket size 128: bucket 0 = w[0:128], bucket 1 = w[128:200] + b[0:10].

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from netoptim.job.placement import ParamSpec
-from optimizer_node.adamw import adamw_update
+from optimizer_node.update.adamw import adamw_update
 from tests.optimizer_node.raw_client import HYPER, JOB, RawWorker
 from tests.optimizer_node.test_metrics import scrape
 from transport.wire import WIRE_DTYPES, Header, MsgType, tensor_header
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 STEPS = 3
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimizer_node.checkpoint import LATEST, CheckpointError, list_checkpoints, read_checkpoint, read_latest, write_checkpoint
-from optimizer_node.storage import InMemoryStore
+from optimizer_node.state.checkpoint import LATEST, CheckpointError, list_checkpoints, read_checkpoint, read_latest, write_checkpoint
+from optimizer_node.state.storage import InMemoryStore
 
 
 def store_at(step: int, sizes=(100, 37)) -> InMemoryStore:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from optimizer_node import compiled_cache
+from optimizer_node.update.kernels import compiled_cache
 
 pytest.importorskip("numba")
 

@@ -14,7 +14,7 @@ import torch
 from netoptim.job.placement import ParamSpec
 from tests.optimizer_node.raw_client import JOB, RawWorker
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 
 @pytest.mark.parametrize("path", ["tcp", "same-host"])

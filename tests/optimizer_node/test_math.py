@@ -8,11 +8,11 @@ import itertools
 import pytest
 import torch
 
-from optimizer_node import compiled_update
-from optimizer_node.adamw import AdamWHyper, adamw_update, clip_coefficient, sum_of_squares
-from optimizer_node.reduce import OrderedReduction
-from optimizer_node.update_pass import reduce_and_update
-from optimizer_node.update_plan import plan_chunks, plan_loop
+from optimizer_node.update.adamw import AdamWHyper, adamw_update, clip_coefficient, sum_of_squares
+from optimizer_node.update.bucket_pass import reduce_and_update
+from optimizer_node.update.kernels import compiled_update
+from optimizer_node.update.pass_plan import plan_chunks, plan_loop
+from optimizer_node.update.reduce import OrderedReduction
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
@@ -374,7 +374,7 @@ def test_the_streaming_copy_is_exact_at_every_alignment_and_length():
     stores, a scalar tail; every element lands, nothing past the end is touched."""
     if importlib.util.find_spec("numba") is None:
         pytest.skip("numba is not installed")
-    from optimizer_node._compiled_kernels import stream_copy
+    from optimizer_node.update.kernels._numba_loops import stream_copy
 
     source = torch.randn(300).numpy()
     for shift in range(9):  # target starts 0..8 floats past a 32-byte boundary
@@ -389,8 +389,8 @@ def test_a_bucket_with_segments_not_stepped_writes_beside_too():
     """The per-segment pass (a segment without a gradient on any rank keeps its values and step
     count) and a push with no gradient at all, with the new values going to another slot: the same
     bits as in place, the slot read unchanged."""
-    from optimizer_node.bucket_update import update_bucket
-    from optimizer_node.storage import BucketState
+    from optimizer_node.state.storage import BucketState
+    from optimizer_node.update.bucket_update import update_bucket
 
     generator = torch.Generator().manual_seed(3)
     segments = _segments(SEGMENT_SIZES)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpu_worker import RemoteAdamW
-from gpu_worker.node_connections import NodeError
+from gpu_worker.links.connections import NodeError
 from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon

@@ -18,16 +18,16 @@ import torch
 from gpu_worker import NonFiniteGradientError, RemoteAdamW
 from netoptim.cli.node_configs import node_config_from_args
 from netoptim.cli.node_parser import add_node_parser
-from optimizer_node import compiled_update
-from optimizer_node.checkpoint import read_latest
 from optimizer_node.config import NodeConfig
-from optimizer_node.non_finite import count_non_finite
+from optimizer_node.intake.non_finite import count_non_finite
+from optimizer_node.state.checkpoint import read_latest
+from optimizer_node.update.kernels import compiled_update
 from protos import admin_pb2, admin_pb2_grpc
 from tests.gpu_worker.harness import loss_fn, make_model, max_difference, param_groups, reference_averaged, run_threads, schedule, shard
 from tests.optimizer_node.raw_client import JOB, Mirror, RawWorker
 from transport.batches import BATCH_BYTES
 from transport.wire import ErrorCode, MsgType, tensor_header
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 STEPS = 6
 BAD_STEP = 3  # the step at which rank 1's gradient holds a NaN

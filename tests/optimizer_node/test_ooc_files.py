@@ -10,9 +10,20 @@ import pytest
 import torch
 import xxhash
 
-from optimizer_node import ooc_files
-from optimizer_node.ooc_files import ALIGN, HUGE_PAGE, _pieces, describe_file, digest, probe_direct_io, read_checked, state_buffer, state_digests, write_version
-from optimizer_node.storage import StorageError
+from optimizer_node.state import ooc_files
+from optimizer_node.state.ooc_files import (
+    ALIGN,
+    HUGE_PAGE,
+    _pieces,
+    describe_file,
+    digest,
+    probe_direct_io,
+    read_checked,
+    state_buffer,
+    state_digests,
+    write_version,
+)
+from optimizer_node.state.storage import StorageError
 
 
 @pytest.mark.parametrize("length", [0, 1, 3, 4096, 12345, (3 << 20) + 12])

@@ -15,11 +15,11 @@ import pytest
 import torch
 import xxhash
 
-from optimizer_node import ooc_files
-from optimizer_node.adamw import AdamWHyper, adamw_update
-from optimizer_node.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from optimizer_node.ooc_store import OutOfCoreStore
-from optimizer_node.storage import InMemoryStore, StorageError
+from optimizer_node.state import ooc_files
+from optimizer_node.state.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from optimizer_node.state.ooc_store import OutOfCoreStore
+from optimizer_node.state.storage import InMemoryStore, StorageError
+from optimizer_node.update.adamw import AdamWHyper, adamw_update
 
 NUMEL = 1024
 BUCKET_BYTES = 12 * NUMEL
@@ -28,7 +28,7 @@ BUCKET_BYTES = 12 * NUMEL
 @pytest.fixture(params=["buffered", "sync", "sync-page-cache"])
 def io(request, monkeypatch) -> str:
     if request.param == "sync-page-cache":  # a file system without O_DIRECT
-        monkeypatch.setattr("optimizer_node.ooc_store.probe_direct_io", lambda directory: False)
+        monkeypatch.setattr("optimizer_node.state.ooc_store.probe_direct_io", lambda directory: False)
     return request.param
 
 
@@ -310,7 +310,7 @@ def test_a_failed_write_in_place_keeps_the_values_and_the_next_write_goes_to_a_n
 def test_a_budget_too_small_to_overlap_the_io_is_said_at_registration(tmp_path, caplog):
     store = OutOfCoreStore(tmp_path / "state", 3 * 12 * 1024)
     try:
-        with caplog.at_level("WARNING", logger="optimizer_node.ooc_store"):
+        with caplog.at_level("WARNING", logger="optimizer_node.state.ooc_store"):
             store.expect_buckets([512] * 100)  # 16 buckets' worth of the largest: room to overlap
             assert not caplog.records
             store.expect_buckets([1024] * 10)  # holds fewer than 4 of them

@@ -9,18 +9,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from optimizer_node.adamw import HyperOverrides
+from optimizer_node.admin.operator import NodeOperator
+from optimizer_node.admin.overrides import OperatorOverrides
 from optimizer_node.config import NodeConfig
 from optimizer_node.control import StepClock
 from optimizer_node.faults import CrashPoints
-from optimizer_node.morphing import MorphGate
-from optimizer_node.non_finite import NonFiniteStats
-from optimizer_node.operator import NodeOperator
-from optimizer_node.overrides import OperatorOverrides
-from optimizer_node.persistence import Checkpoints
-from optimizer_node.step_ledger import StepLedger
-from optimizer_node.storage import InMemoryStore
-from optimizer_node.update_path_choice import UpdatePathChoice
+from optimizer_node.intake.morphing import MorphGate
+from optimizer_node.intake.non_finite import NonFiniteStats
+from optimizer_node.intake.step_ledger import StepLedger
+from optimizer_node.state.persistence import Checkpoints
+from optimizer_node.state.storage import InMemoryStore
+from optimizer_node.update.adamw import HyperOverrides
+from optimizer_node.update.path_choice import UpdatePathChoice
 
 
 class StandInNode:

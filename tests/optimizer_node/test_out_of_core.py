@@ -15,7 +15,7 @@ from gpu_worker import NodeError, RemoteAdamW, offload
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from netoptim.cli.admin import _render_status
 from optimizer_node.config import NodeConfig
-from optimizer_node.memory_plan import node_needs
+from optimizer_node.state.memory_plan import node_needs
 from protos import admin_pb2, admin_pb2_grpc
 from tests.optimizer_node.test_metrics import scrape
 from transport.host_threads import MAIN_THREAD, thread_cpu_seconds

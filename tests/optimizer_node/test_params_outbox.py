@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from optimizer_node.params_outbox import ParamsOutbox
-from optimizer_node.storage import BucketState
+from optimizer_node.serving.params_outbox import ParamsOutbox
+from optimizer_node.state.storage import BucketState
 from transport.batches import COALESCE_BELOW, split_batch
 from transport.interface import Message, SendHandle
 from transport.payload_views import payload_views

@@ -11,11 +11,11 @@ import torch
 
 from netoptim.job.placement import ParamSpec
 from netoptim.job.spec import JobSpec
-from optimizer_node.adamw import adamw_update
-from optimizer_node.pass_thread import DEPTH, PassThread, shorten_switch_interval
+from optimizer_node.update.adamw import adamw_update
+from optimizer_node.update.pass_thread import DEPTH, PassThread, shorten_switch_interval
 from tests.optimizer_node.raw_client import HYPER, RawWorker
 from transport.wire import Header, MsgType, tensor_header
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 
 def test_passes_end_in_order_and_wait_returns_what_ended_up_to_a_bucket() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from optimizer_node.state_transfer import load_part
-from optimizer_node.storage import InMemoryStore
+from optimizer_node.state.storage import InMemoryStore
+from optimizer_node.state.transfer import load_part
 from transport.interface import Message
 from transport.wire import Header, MsgType
 

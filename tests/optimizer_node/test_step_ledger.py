@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from optimizer_node.step_ledger import StepLedger
+from optimizer_node.intake.step_ledger import StepLedger
 
 
 def test_resume_point_of_a_rank_killed_mid_push():

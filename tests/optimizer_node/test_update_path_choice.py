@@ -10,8 +10,8 @@ import grpc
 import torch
 
 from gpu_worker import RemoteAdamW
-from optimizer_node import compiled_update
-from optimizer_node.update_path_choice import (
+from optimizer_node.update.kernels import compiled_update
+from optimizer_node.update.path_choice import (
     COMPILED_MARGIN,
     TRIAL_MAX_UPDATES,
     TRIAL_MIN_NUMEL,

@@ -17,9 +17,9 @@ import json, sys, threading
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 from netoptim.job.hyper import AdamWHyper
-from optimizer_node import compiled_update
-from optimizer_node.reduce import OrderedReduction
-from optimizer_node.update_pass import reduce_and_update
+from optimizer_node.update.kernels import compiled_update
+from optimizer_node.update.reduce import OrderedReduction
+from optimizer_node.update.bucket_pass import reduce_and_update
 
 assert compiled_update.usable()
 

@@ -24,20 +24,20 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gpu_worker import RemoteAdamW
-from gpu_worker.node_connections import NodeError
+from gpu_worker.links.connections import NodeError
 from netoptim.job.placement import ParamSpec
 from netoptim.job.spec import JobLimits, JobSpec, LimitError
 from netoptim.launch.processes import NodeProcess
 from optimizer_node.config import NodeConfig
+from optimizer_node.intake.waiting_hellos import WaitingHellos
 from optimizer_node.log_limits import RateLimitedLog
-from optimizer_node.waiting_hellos import WaitingHellos
 from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, run_offloaded
 from tests.optimizer_node.raw_client import JOB
-from transport import zmq_server
 from transport.interface import Message
-from transport.security import generate_keypair, load_keypair
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
-from transport.zmq_backend import ZmqClient, ZmqTransport
+from transport.zeromq import server as zmq_server
+from transport.zeromq.backend import ZmqClient, ZmqTransport
+from transport.zeromq.security import generate_keypair, load_keypair
 
 pytestmark = pytest.mark.fresh_nodes  # the nodes' resident memory is measured
 

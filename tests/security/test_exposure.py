@@ -18,7 +18,7 @@ import pytest
 from optimizer_node.config import NodeConfig
 from transport.exposure import reachable_from_network
 from transport.secret_files import check_private, read_token_file
-from transport.security import generate_keypair, load_keypair
+from transport.zeromq.security import generate_keypair, load_keypair
 
 
 def netoptim(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -42,7 +42,7 @@ import torch
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from optimizer_node.admin import MAX_LONG_CALLS, MAX_REASON_CHARS, MAX_WAIT_S
+from optimizer_node.admin.service import MAX_LONG_CALLS, MAX_REASON_CHARS, MAX_WAIT_S
 from protos import admin_pb2, admin_pb2_grpc
 from tests.optimizer_node.raw_client import HYPER, JOB
 from tests.security.fuzzing import WatchedNode, fuzz_seconds, fuzz_seed, seed_named_on_failure, watched_nodes

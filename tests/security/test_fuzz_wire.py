@@ -49,7 +49,6 @@ from tests.security.wire_fuzz import (
     send_accepted,
 )
 from tests.security.wire_mutations import Draft, Template, header_bomb
-from transport import zmq_backend
 from transport.wire import (
     MAX_ERROR_CHARS,
     MAX_HEADER_BYTES,
@@ -64,6 +63,7 @@ from transport.wire import (
     error_header,
     tensor_header,
 )
+from transport.zeromq import backend as zmq_backend
 
 pytestmark = pytest.mark.fresh_nodes  # the nodes' resident memory is measured
 
@@ -422,9 +422,9 @@ def test_the_compiled_update_rounds_the_decay_factor_as_torch():
     multiply-add); the node's compiled loop rounds the product first (0.0), so where the update term
     vanishes (here: exp_avg_sq overflowed to inf) the parameters differ, and the difference grows
     over the next steps."""
-    from optimizer_node import compiled_update
-    from optimizer_node.reduce import OrderedReduction
-    from optimizer_node.update_pass import reduce_and_update
+    from optimizer_node.update.bucket_pass import reduce_and_update
+    from optimizer_node.update.kernels import compiled_update
+    from optimizer_node.update.reduce import OrderedReduction
 
     if not compiled_update.usable():
         pytest.skip("the compiled update is not available here")

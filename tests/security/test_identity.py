@@ -24,8 +24,8 @@ from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon
 from transport.interface import Message, SendHandle
 from transport.payload_views import payload_views
-from transport.security import AllowList, CurveClientConfig, CurveServerConfig, parse_ranks, read_metadata, secure_client_socket
 from transport.wire import ErrorCode, Header, MsgType, decode_header, encode_message, tensor_header
+from transport.zeromq.security import AllowList, CurveClientConfig, CurveServerConfig, parse_ranks, read_metadata, secure_client_socket
 
 # Names and a shape no reply to a peer that is not a registered rank may contain.
 SECRET_NAMES = ("encoder.secret_kernel", "decoder.hidden_bias")
@@ -165,7 +165,7 @@ def test_a_bad_allow_list_stops_the_node_at_start(tmp_path, keys):
 
 
 def test_a_worker_that_is_not_registered_says_so_on_a_timeout():
-    from gpu_worker.diagnosis import _account
+    from gpu_worker.links.diagnosis import _account
 
     assert "not registered there" in _account({"registered": True, "rank_registered": False})
     assert "has no job" in _account({"registered": False, "rank_registered": False})

@@ -357,7 +357,7 @@ def header_bomb(rng: random.Random) -> tuple[bytes, str]:
 
 def answerable(chosen: bytes) -> bool:
     """Whether every answer of the node reaches a socket with routing id ``chosen``: a laned client's
-    id (see transport.zmq_backend) is answered on the id of the lane of the bucket a message is about,
+    id (see transport.zeromq.backend) is answered on the id of the lane of the bucket a message is about,
     which is this socket's own only for lane 0 of one lane."""
     return not (len(chosen) == 10 and chosen[:1] == b"\x01") or chosen[8:] == b"\x00\x01"
 

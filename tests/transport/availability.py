@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from transport.mooncake_link import INSTALL_HINT, TransportUnavailable, engine_class
+from transport.mooncake.link import INSTALL_HINT, TransportUnavailable, engine_class
 
 
 def mooncake_importable() -> bool:

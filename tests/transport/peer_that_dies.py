@@ -9,8 +9,8 @@ import sys
 import torch
 
 from transport import create_transport
-from transport.security import CurveClientConfig
 from transport.wire import MsgType, tensor_header
+from transport.zeromq.security import CurveClientConfig
 
 MESSAGE_NUMEL = 2 << 20  # 8 MiB
 MESSAGES = 64  # 512 MiB in all: a good fraction of a second on loopback, so the kill lands mid-stream

@@ -14,8 +14,8 @@ import torch
 
 from tests.transport.availability import requires_mooncake
 from transport import backend_for, create_transport
-from transport.security import CurveClientConfig, CurveServerConfig, generate_keypair
 from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
+from transport.zeromq.security import CurveClientConfig, CurveServerConfig, generate_keypair
 
 CHUNK = 1 << 16
 MOONCAKE_WINDOW = 16 << 20  # smaller than the 12 MiB case plus what is in flight: windows fill and drain

@@ -1,11 +1,11 @@
-"""What a client's monitor events say of its connection (:class:`transport.link_watch.LinkWatch`);
+"""What a client's monitor events say of its connection (:class:`transport.zeromq.link_watch.LinkWatch`);
 the same texts on real sockets are in ``test_curve.py`` and ``test_remote_adamw.py``."""
 
 from __future__ import annotations
 
 import zmq
 
-from transport.link_watch import LinkWatch
+from transport.zeromq.link_watch import LinkWatch
 
 
 def watched(*events: int, curve: bool = False) -> LinkWatch:
@@ -45,7 +45,7 @@ def test_events_left_undrained_never_stop_the_sockets_io():
     import socket as sockets
     import time
 
-    from transport.zmq_backend import _monitor_of
+    from transport.zeromq.backend import _monitor_of
 
     probe = sockets.socket()
     probe.bind(("127.0.0.1", 0))  # a free loopback port, closed again: nothing listens there yet

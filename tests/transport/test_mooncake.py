@@ -16,7 +16,7 @@ from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header,
 
 def test_addresses_pick_the_backend_and_protocol():
     assert backend_for("mooncake://10.0.0.11:5555") == backend_for("mooncake+rdma://10.0.0.11:5555") == "mooncake"
-    from transport.mooncake_link import split_address
+    from transport.mooncake.link import split_address
 
     assert split_address("mooncake://10.0.0.11:5555") == ("tcp", "10.0.0.11", "5555")
     assert split_address("mooncake+rdma://node-3:5555") == ("rdma", "node-3", "5555")

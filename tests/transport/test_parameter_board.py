@@ -13,12 +13,12 @@ import torch
 import zmq
 
 from tests.transport.test_shared_windows import CHUNK, Link, joined
-from transport import shm_window
-from transport.same_host_shm import BOARD, HANDSHAKE, SharedClient
-from transport.shm_board import SLOT_HEADER_BYTES, BoardPublisher, BoardReader, board_bytes, slot_bytes
-from transport.shm_window import SHMEM_HUGE_ON_ADVICE, shared_huge_pages, shared_pages_said
+from transport.shm import window as shm_window
+from transport.shm.board import SLOT_HEADER_BYTES, BoardPublisher, BoardReader, board_bytes, slot_bytes
+from transport.shm.same_host import BOARD, HANDSHAKE, SharedClient
+from transport.shm.window import SHMEM_HUGE_ON_ADVICE, shared_huge_pages, shared_pages_said
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 
 def _settle(link: Link) -> None:

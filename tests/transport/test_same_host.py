@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW, offload
-from gpu_worker.node_connections import reachable_here as _reachable_here
+from gpu_worker.links.connections import reachable_here as _reachable_here
 from tests.gpu_worker.harness import RunConfig, average_in_rank_order, max_difference, reference_averaged, run_offloaded, run_threads
 from tests.optimizer_node.test_metrics import scrape
 from transport.batches import BATCH_BYTES

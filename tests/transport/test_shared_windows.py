@@ -14,10 +14,10 @@ import msgpack
 import pytest
 import torch
 
-from transport.same_host_shm import CREDIT, HANDSHAKE, SHARED, SharedPeers
-from transport.shm_window import TRIM_PERIOD_S, UNIT_BYTES, SharedWindow, WindowWriter, window_holding
+from transport.shm.same_host import CREDIT, HANDSHAKE, SHARED, SharedPeers
+from transport.shm.window import TRIM_PERIOD_S, UNIT_BYTES, SharedWindow, WindowWriter, window_holding
 from transport.wire import ErrorCode, Header, MsgType, WireError, encode_header, tensor_header
-from transport.zmq_backend import ZmqTransport
+from transport.zeromq.backend import ZmqTransport
 
 CHUNK = 1 << 16
 
@@ -163,7 +163,7 @@ def test_the_windows_go_when_the_worker_closes_or_its_process_exits(link, tmp_pa
     script = textwrap.dedent(
         f"""
         import sys, time
-        from transport.zmq_backend import ZmqTransport
+        from transport.zeromq.backend import ZmqTransport
         from transport.wire import Header, MsgType
         client = ZmqTransport().connect({link.server.address!r})
         client.send(Header(msg_type=MsgType.QUERY, rank=0))
@@ -354,7 +354,7 @@ def test_pages_a_device_may_have_locked_are_never_given_back(how):
     if how == "peer locks":
         writer.keep_resident = True
     else:
-        window.page_locked = True  # what gpu_worker.device_copy.page_locked records once CUDA locked it
+        window.page_locked = True  # what gpu_worker.layerwise.device_copy.page_locked records once CUDA locked it
     writer.credit([msgpack.unpackb(writer.write(torch.ones(4 << 20), CHUNK))[0]])  # a 16 MiB burst
     for _ in range(4):
         now[0] += TRIM_PERIOD_S

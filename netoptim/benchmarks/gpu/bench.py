@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.copy_rates import copy_bandwidth_gbs
+from gpu_worker.layerwise.copy_rates import copy_bandwidth_gbs
 from gpu_worker.models import GPTConfig
 from netoptim.benchmarks.common import check_node_args, node_flag, store_io_threads
 from netoptim.benchmarks.gpu.limits import cpu_adamw_mparams, node_update_mparams, offload_limit_step_s
@@ -48,7 +48,7 @@ from netoptim.benchmarks.gpu.modes import DTYPES, ModeSettings, train_mode
 from netoptim.benchmarks.gpu.table import table
 from netoptim.benchmarks.train_bench import param_count
 from netoptim.launch.host_cpus import format_cpu_list, numa_nodes, pin_process, split_cpus, update_threads, usable_cpus
-from transport.shm_window import shared_huge_pages
+from transport.shm.window import shared_huge_pages
 
 log = logging.getLogger(__name__)
 

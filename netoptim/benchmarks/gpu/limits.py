@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from gpu_worker.copy_rates import median_seconds
+from gpu_worker.layerwise.copy_rates import median_seconds
 
 
 def cpu_adamw_mparams(numel: int = 1 << 26, threads: int | None = None, repeats: int = 5) -> dict[str, float]:
@@ -30,7 +30,7 @@ def node_update_mparams(threads: int, numel: int = 1 << 26, bucket_numel: int = 
     """The node's update pass (one gradient term, ``bucket_numel``-element buckets, at most ``numel``) on
     ``threads`` threads, Mparam/s: its compiled loop and torch ops, the two paths a node can take (which
     is faster depends on the cores)."""
-    from optimizer_node.update_profile import update_pass_seconds_per_param
+    from optimizer_node.update.profile import update_pass_seconds_per_param
 
     bucket_numel = min(bucket_numel, numel)
     rates = {
