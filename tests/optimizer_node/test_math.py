@@ -374,7 +374,7 @@ def test_the_streaming_copy_is_exact_at_every_alignment_and_length():
     stores, a scalar tail; every element lands, nothing past the end is touched."""
     if importlib.util.find_spec("numba") is None:
         pytest.skip("numba is not installed")
-    from optimizer_node.update.kernels._numba_loops import stream_copy
+    from optimizer_node.update.kernels._numba_kernels import stream_copy
 
     source = torch.randn(300).numpy()
     for shift in range(9):  # target starts 0..8 floats past a 32-byte boundary

@@ -61,17 +61,17 @@ def _kernels() -> SimpleNamespace:
     """The numba functions, imported (and compiled, or loaded from numba's cache) on first use."""
     import numba
 
-    from optimizer_node.update.kernels import _numba_counts, _numba_loops
+    from optimizer_node.update.kernels import _numba_kernels
 
     return SimpleNamespace(
         numba=numba,
-        update_fp32=_numba_loops.update_fp32,
-        update_bf16=_numba_loops.update_bf16,
-        update_fp32_serial=_numba_loops.update_fp32_serial,
-        update_bf16_serial=_numba_loops.update_bf16_serial,
-        cast_bf16=_numba_loops.cast_bf16,
-        count_exponent_all_ones=_numba_counts.count_exponent_all_ones,
-        count_exponent_all_ones_serial=_numba_counts.count_exponent_all_ones_serial,
+        update_fp32=_numba_kernels.update_fp32,
+        update_bf16=_numba_kernels.update_bf16,
+        update_fp32_serial=_numba_kernels.update_fp32_serial,
+        update_bf16_serial=_numba_kernels.update_bf16_serial,
+        cast_bf16=_numba_kernels.cast_bf16,
+        count_exponent_all_ones=_numba_kernels.count_exponent_all_ones,
+        count_exponent_all_ones_serial=_numba_kernels.count_exponent_all_ones_serial,
     )
 
 
@@ -313,7 +313,7 @@ def _check() -> bool:
         compiled_cache.fill_cache(kernels, MAX_TERMS)  # numba holds the GIL while it compiles: not in this process
         directory = Path(kernels.update_fp32._cache._cache_path)
         fingerprint = compiled_cache.build_fingerprint(
-            [Path(__file__), *(Path(__file__).with_name(name) for name in ("_numba_loops.py", "_numba_counts.py", "self_check.py"))]
+            [Path(__file__), *(Path(__file__).with_name(name) for name in ("_numba_kernels.py", "_numba_kernels.py", "self_check.py"))]
         )
         recorded, mismatch = compiled_cache.recorded_verdict(directory, fingerprint)
         if not recorded:  # once per build and CPU (compiled_cache), not in every process
