@@ -52,7 +52,20 @@ def backend_for(url: str) -> str:
 
 
 def create_transport(url: str, **options: object) -> Transport:
-    """A transport able to bind or connect to ``url``."""
+    """A transport able to bind or connect to ``url``.
+
+    ``options`` are the keyword arguments of the backend ``url``'s scheme picks, passed on unchanged,
+    so that a caller can set what only one backend has:
+
+    - ``tcp://`` and ``ipc://``: :class:`transport.zeromq.backend.ZmqTransport` (``max_message_bytes``,
+      ``chunk_bytes``, ``io_threads``, ``curve_server``, ``curve_client``, ``connections_per_peer``,
+      ``max_frame_bytes``, ``max_header_bytes``, ``max_peers``, ``same_host_window_bytes``, ...);
+    - ``mooncake://`` and ``mooncake+rdma://``: :class:`transport.mooncake.backend.MooncakeTransport`
+      (``max_message_bytes``, ``chunk_bytes``, ``window_bytes``, ``curve_server``/``curve_client``
+      (refused: CURVE is the ZeroMQ backend's), ``connections_per_peer`` (1 only), ``io_threads``).
+
+    A keyword the backend does not take raises ``TypeError``; ``ValueError`` for an unsupported scheme.
+    """
     backend = backend_for(url)
     if backend == "zmq":
         from transport.zeromq.backend import ZmqTransport
