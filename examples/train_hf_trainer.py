@@ -10,7 +10,7 @@ epsilon, weight decay, ``max_grad_norm`` as the nodes' global-norm clipping), ke
 ``DistributedDataParallel`` (the nodes average the gradients), and saves and resumes through
 Trainer's own checkpoints. The model is built from a config and the data is synthetic (token
 sequences that count up by a random stride, a pattern the model learns in a few hundred steps), so
-nothing is downloaded. Install the frameworks with ``pip install -e '.[integrations]'``.
+nothing is downloaded. Install the frameworks with ``pip install 'netoptim-train[integrations]'``.
 
 One host, two workers, one optimizer node::
 

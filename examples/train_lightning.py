@@ -11,7 +11,7 @@ groups and hyperparameters, keeps the module out of ``DistributedDataParallel`` 
 the gradients), turns ``gradient_clip_val`` into the nodes' global-norm clipping, and puts the
 optimizer state into Lightning's checkpoints. The model is the project's GPT
 (``gpu_worker.models``), the data synthetic (token sequences that count up by a random stride), so
-nothing is downloaded. Install Lightning with ``pip install -e '.[integrations]'``.
+nothing is downloaded. Install Lightning with ``pip install 'netoptim-train[integrations]'``.
 
 One host, two workers, one optimizer node::
 

@@ -92,7 +92,7 @@ def update_path() -> Finding:
             "update path",
             "warn",
             "torch ops: numba is not installed, so a node here cannot run its compiled one-pass update (the same bits, slower)",
-            "pip install 'numba>=0.60' (a dependency of netoptim: the install was incomplete)",
+            "pip install 'numba>=0.60' (a dependency of netoptim-train: the install was incomplete)",
         )
     if compiled_update.usable():
         return Finding(HOST, "update path", "ok", "the compiled one-pass update, checked bitwise against torch's fused AdamW on this CPU")
