@@ -10,12 +10,11 @@ connected told.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from optimizer_node.intake.admission import job_fingerprint
-from optimizer_node.job_state import JobNode
 from optimizer_node.state.checkpoint import archive_checkpoints
 from transport.interface import Message
 from transport.wire import Header, MsgType
@@ -23,42 +22,38 @@ from transport.wire import Header, MsgType
 if TYPE_CHECKING:
     from optimizer_node.admin.overrides import OperatorOverrides
     from optimizer_node.config import NodeConfig
-    from optimizer_node.intake.registration import JobRegistrar
-    from optimizer_node.job_state import ActiveJob
-    from optimizer_node.serving.outgoing import Outgoing
+    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.job_state import ActiveJob, CurrentJob
     from optimizer_node.serving.replies import ParameterReplies
     from optimizer_node.state.persistence import Checkpoints
 
 log = logging.getLogger(__name__)
 
 
-class EndingNode(JobNode, Protocol):
-    """What :class:`JobEnd` reads and asks of the daemon, besides :class:`JobNode`."""
-
-    def between_steps(self) -> bool: ...
-    def tell_workers(self, meta: dict, *, peers: Iterable[bytes] | None = None, rank: int = -1) -> None: ...
-
-
 class JobEnd:
     """The job's BYEs, the step at which it finished, and its side of being let go.
 
-    ``replies``: the job's batched values, sent before it is let go; ``overrides``: what an operator
-    set for it, dropped with it."""
+    ``current``: where the job stands; ``ranks``: who may send what; ``replies``: the job's batched
+    values, sent before it is let go; ``overrides``: what an operator set for it, dropped with it;
+    ``send``: how a message goes out; ``tell_workers``: a NOTICE to every rank of the job."""
 
     def __init__(
         self,
-        node: EndingNode,
         config: NodeConfig,
-        registrar: JobRegistrar,
-        outgoing: Outgoing,
+        current: CurrentJob,
+        ranks: RankCheck,
         replies: ParameterReplies,
         checkpoints: Checkpoints,
         overrides: OperatorOverrides,
+        *,
+        send: Callable[[bytes, Header], None],
+        tell_workers: Callable[[dict], None],
     ) -> None:
-        self._node = node
         self._config = config
-        self._registrar = registrar
-        self._outgoing = outgoing
+        self._current = current
+        self._ranks = ranks
+        self._send = send
+        self._tell_workers = tell_workers
         self._replies = replies
         self._checkpoints = checkpoints
         self._overrides = overrides
@@ -66,20 +61,20 @@ class JobEnd:
 
     def on_bye(self, message: Message) -> None:
         """A rank closed its optimizer. When every rank has, between steps, the job is finished."""
-        self._registrar.require_rank(message)
-        node = self._node
-        node.ledger.mark_left(message.header.rank)
-        self._outgoing.send(message.peer, Header(msg_type=MsgType.ACK, rank=message.header.rank, step=node.step, meta={"bye": True}))
-        log.info("rank %d closed its optimizer at step %d", message.header.rank, node.step)
+        self._ranks.require_rank(message)
+        current = self._current
+        current.ledger.mark_left(message.header.rank)
+        self._send(message.peer, Header(msg_type=MsgType.ACK, rank=message.header.rank, step=current.step, meta={"bye": True}))
+        log.info("rank %d closed its optimizer at step %d", message.header.rank, current.step)
         self.check_finished()
 
     def check_finished(self) -> None:
         """The job is finished if every rank said BYE and the node is between steps."""
-        node = self._node
-        job = node.active_job
-        if job is None or self.finished_step is not None or not node.ledger.all_left(job.spec.world_size) or not node.between_steps():
+        current = self._current
+        job = current.job
+        if job is None or self.finished_step is not None or not current.ledger.all_left(job.spec.world_size) or not current.between_steps():
             return
-        self.finished_step = node.step
+        self.finished_step = current.step
         self._checkpoints.on_exit()  # the final state, as at a node's exit
         log.warning(
             "job %s finished at step %d: all %d ranks closed their optimizers; %s",
@@ -99,11 +94,11 @@ class JobEnd:
         (:func:`~optimizer_node.state.checkpoint.archive_checkpoints`), its ranks still connected told, the
         checkpoints waited for cancelled. Returns the job's fingerprint, its step and where its
         checkpoints went."""
-        step, fingerprint = self._node.step, job_fingerprint(job.spec)
+        step, fingerprint = self._current.step, job_fingerprint(job.spec)
         self._replies.flush()
         self._checkpoints.on_exit()
         archived = archive_checkpoints(Path(self._config.checkpoint_dir), f"job-{fingerprint}-step-{step:010d}") if self._config.checkpoint_dir else None
-        self._node.tell_workers({"job_dropped": f"{reason}; its state at step {step} is {f'in {archived}' if archived else 'gone (no --checkpoint-dir)'}"})
+        self._tell_workers({"job_dropped": f"{reason}; its state at step {step} is {f'in {archived}' if archived else 'gone (no --checkpoint-dir)'}"})
         self._checkpoints.cancel_waiters(reason)
         if self._overrides.origins:
             log.warning("the job's hyperparameter overrides are dropped with it: %s", ", ".join(sorted(self._overrides.origins)))

@@ -1,10 +1,11 @@
-"""A node's state for the job it serves and for each bucket's step in flight (shared by the
-daemon and the parts it composes, so none of them imports the daemon)."""
+"""A node's state for the job it serves and for each bucket's step in flight: what the parts of one
+job (:class:`~optimizer_node.job.NodeJob`) share and read of each other, so that none of them holds
+the job, or the node, that composed it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from netoptim.job.spec import JobSpec
 from optimizer_node.intake.step_ledger import StepLedger
 from optimizer_node.update.adamw import AdamWHyper
 from optimizer_node.update.reduce import OrderedReduction
+
+if TYPE_CHECKING:
+    from optimizer_node.state.storage import BucketStore
 
 
 @dataclass(slots=True)
@@ -52,17 +56,25 @@ class ActiveJob:
         return cls(spec, node_index, owned, segments, torch.tensor(float(spec.workers), dtype=torch.float32), base_step)
 
 
-class JobNode(Protocol):
-    """What every part the daemon composes may read of it: who it is, its job, and where the job is."""
+class CurrentJob:
+    """Where one job stands on a node, as its parts read it: the registered job (``None`` before
+    registration; replaced when the job changes its width or adds a param group), who its ranks are
+    (a new ledger at each width), its bucket states and its steps in flight. State only: it calls no
+    part."""
 
-    node_id: str
-    jobs_let_go: int  # jobs the node finished or was reset from, and let go
+    def __init__(self, store: BucketStore) -> None:
+        self.job: ActiveJob | None = None
+        self.ledger = StepLedger()  # who each rank is, what it still owes, the values it may need again
+        self.store = store
+        self.in_flight: dict[int, BucketStep] = {}  # bucket -> its step's gradients, until its update is applied
 
     @property
-    def step(self) -> int: ...
-    @property
-    def active_job(self) -> ActiveJob | None: ...
-    @property
-    def ledger(self) -> StepLedger: ...
-    @property
-    def finished_step(self) -> int | None: ...
+    def step(self) -> int:
+        """The step every owned bucket has reached (0 before registration)."""
+        return min((state.step for state in self.store), default=0)
+
+    def between_steps(self) -> bool:
+        """Whether every owned bucket is at the same step and no gradient of the next is in."""
+        job = self.job
+        steps = {state.step for state in self.store}
+        return job is not None and len(steps) <= 1 and not self.in_flight and len(self.store) == len(job.owned)

@@ -17,16 +17,16 @@ import json
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from transport.wire import WireError
 
 if TYPE_CHECKING:
     from optimizer_node.config import NodeConfig
-    from optimizer_node.control import CommandQueue, StepClock
+    from optimizer_node.control import CommandQueue
     from optimizer_node.serving.outgoing import Outgoing
     from optimizer_node.serving.replies import ParameterReplies
-    from optimizer_node.state.persistence import Checkpoints
     from optimizer_node.state.storage import BucketStore
     from optimizer_node.update.bucket_apply import PendingUpdate
     from optimizer_node.update.pass_thread import PassThread
@@ -43,101 +43,89 @@ PASS_POLL_S = 0.001
 loop looks for finished passes while it waits for messages."""
 
 
-class ServedNode(Protocol):
-    """What the loop reads and asks of the daemon: who it is and where it is reached, the job's parts
-    of the moment (letting a job go makes new ones), the handling of a message, and its close."""
+class ServedParts(NamedTuple):
+    """The job's parts the loop works with at each turn (letting a job go makes new ones)."""
 
-    config: NodeConfig
-    node_id: str
-    address: str
-    same_host_address: str | None
-    admin_address: str | None
-    metrics_address: str | None
-    clock: StepClock
-
-    @property
-    def step(self) -> int: ...
-    @property
-    def updates(self) -> UpdateQueue: ...
-    @property
-    def store(self) -> BucketStore: ...
-    @property
-    def replies(self) -> ParameterReplies: ...
-    @property
-    def checkpoints(self) -> Checkpoints: ...
-    def handle(self, message: Message) -> None: ...
-    def close(self) -> None: ...
+    updates: UpdateQueue
+    store: BucketStore
+    replies: ParameterReplies
 
 
 class ServeLoop:
-    """Receives each message and has the daemon handle it, applies the ready updates, runs the admin
-    service's calls.
+    """Receives each message and has it handled, applies the ready updates, runs the admin service's
+    calls.
 
-    ``commands``: those calls; ``passes``: the node's pass thread, ``None`` without ``--pass-thread``."""
+    ``commands``: those calls; ``passes``: the node's pass thread, ``None`` without ``--pass-thread``;
+    ``parts``: the job's parts of the moment; ``handle``: the handling of one message; ``finish``: what
+    the node does once the loop stopped (its last state out, its close)."""
 
     def __init__(
-        self, node: ServedNode, endpoint: ServerEndpoint, outgoing: Outgoing, commands: CommandQueue, passes: PassThread[PendingUpdate] | None
+        self,
+        config: NodeConfig,
+        endpoint: ServerEndpoint,
+        outgoing: Outgoing,
+        commands: CommandQueue,
+        passes: PassThread[PendingUpdate] | None,
+        *,
+        parts: Callable[[], ServedParts],
+        handle: Callable[[Message], None],
+        finish: Callable[[], None],
     ) -> None:
-        self._node = node
+        self._config = config
+        self._parts = parts
+        self._handle = handle
+        self._finish = finish
         self._endpoint = endpoint
         self._outgoing = outgoing
         self._commands = commands
         self._passes = passes
         self._woken_by_passes = passes is not None and endpoint.wake_on(passes.wake_fd)  # else it looks every PASS_POLL_S
 
-    def run(self, stop: threading.Event) -> None:
-        """Handle messages until ``stop`` is set, then release the endpoint."""
-        node = self._node
+    def run(self, stop: threading.Event, ready: dict[str, str]) -> None:
+        """Handle messages until ``stop`` is set, then release the endpoint. ``ready``: where the node
+        is reached (``data``, ``node_id``; ``same_host``, ``admin``, ``metrics`` where it has them), for
+        its log and its ready file."""
         log.info(
-            "node %s serving on %s%s", node.node_id, node.address, f" (and {node.same_host_address} for workers on this host)" if node.same_host_address else ""
+            "node %s serving on %s%s", ready["node_id"], ready["data"], f" (and {ready['same_host']} for workers on this host)" if "same_host" in ready else ""
         )
-        if node.config.exposed_without_curve:  # allowed by --insecure; said at every start
+        if self._config.exposed_without_curve:  # allowed by --insecure; said at every start
             log.warning(
                 "INSECURE: the data plane %s is reachable from the network without authentication (--insecure): anyone who reaches it can "
                 "read and change the model; use --curve-secret-key/--curve-allow off a trusted network",
-                node.address,
+                ready["data"],
             )
-        self._write_ready_file()
+        self._write_ready_file(ready)
         try:
             self._serve(stop)
         finally:
-            node.updates.settle()
-            node.replies.flush()
+            updates, _store, replies = self._parts()
+            updates.settle()
+            replies.flush()
             self._commands.run_pending()
-            node.checkpoints.on_exit()
-            node.clock.close()
-            node.close()
-        log.info("node %s stopped at step %s", node.node_id, node.step)
+            self._finish()
 
-    def _write_ready_file(self) -> None:
+    def _write_ready_file(self, ready: dict[str, str]) -> None:
         """Write the ready file atomically, so a reader never sees half of it."""
-        node = self._node
-        if not node.config.ready_file:
+        ready_file = self._config.ready_file
+        if not ready_file:
             return
-        tmp = f"{node.config.ready_file}.tmp"
+        tmp = f"{ready_file}.tmp"
         with open(tmp, "w") as handle:
-            ready = {"data": node.address, "pid": os.getpid(), "node_id": node.node_id}
-            if node.same_host_address:
-                ready["same_host"] = node.same_host_address
-            if node.admin_address:
-                ready["admin"] = node.admin_address
-            if node.metrics_address:
-                ready["metrics"] = f"http://{node.metrics_address}/metrics"
-            json.dump(ready, handle)
-        os.replace(tmp, node.config.ready_file)
+            contents: dict[str, object] = {"data": ready["data"], "pid": os.getpid(), "node_id": ready["node_id"]}
+            contents.update((key, ready[key]) for key in ("same_host", "admin", "metrics") if key in ready)
+            json.dump(contents, handle)
+        os.replace(tmp, ready_file)
 
     def _serve(self, stop: threading.Event) -> None:
         """Handle messages and apply the ready updates until ``stop`` is set."""
-        node = self._node
-        poll_interval_s = node.config.poll_interval_s
+        poll_interval_s = self._config.poll_interval_s
         while not stop.is_set():
-            updates = node.updates  # a new queue when a job is let go
+            updates, store, replies = self._parts()  # new ones when a job is let go
             updates.finish_ended()
             if self._commands.waiting:
                 updates.settle()  # an admin call sees (and may change) the node between passes
                 self._commands.run_pending()
-                updates = node.updates
-            store = node.store
+                updates, store, replies = self._parts()
             store.poll()
             if store.last_error is not None:
                 updates.storage_error, store.last_error = store.last_error, None
@@ -148,7 +136,6 @@ class ServeLoop:
                 updates.hand_over()
                 can_apply = False
             passing = updates.passing
-            replies = node.replies
             if replies.outbox and not can_apply and not passing:  # no more updates to add to them: the batches leave
                 replies.flush()
             if can_apply:
@@ -165,7 +152,7 @@ class ServeLoop:
                     self._outgoing.send_error(exc.peer, exc.code, exc.message)
                 continue
             if message is not None:
-                node.handle(message)
+                self._handle(message)
                 continue
             updates.woken()  # by a pass that ended, or by one taken back already: the wake-up drained
             if can_apply:  # a few in a row: a look for messages costs a system call

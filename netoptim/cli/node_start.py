@@ -39,7 +39,8 @@ class NodeServers:
     def start(self, daemon: NodeDaemon) -> None:
         """Serve ``daemon`` on the bound addresses; they go into its ready file."""
         if self.admin is not None:
-            self.admin.start(daemon)
+            self.admin.start(daemon.admin_handle())
+            daemon.admin_address = self.admin.address
         if self.metrics is not None:
             self.metrics.start(daemon.metrics)
             daemon.metrics_address = self.metrics.address

@@ -1,9 +1,9 @@
 """The node's admin plane: the ``OptimizerNodeAdmin`` gRPC service, the standard health service and
 server reflection, optionally behind a bearer token.
 
-RPC handlers run on gRPC's threads and never touch daemon state: each submits a function to the
-daemon's :class:`~optimizer_node.control.CommandQueue`, which the daemon thread runs between two
-messages.
+RPC handlers run on gRPC's threads and never touch the node's state: they reach the node through its
+:class:`~optimizer_node.daemon.AdminHandle`, whose ``call`` submits a function to the node's
+:class:`~optimizer_node.control.CommandQueue`, which the node's thread runs between two messages.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import netoptim
 from optimizer_node.admin.address import bind_error, split_host_port
 from optimizer_node.admin.guards import BearerTokenInterceptor, RequestDecodingInterceptor
 from optimizer_node.control import StepTimings
-from optimizer_node.daemon import NodeDaemon
+from optimizer_node.daemon import AdminHandle
 from optimizer_node.state.checkpoint import CheckpointError
 from optimizer_node.update.adamw import HyperOverrides
 from protos import admin_pb2, admin_pb2_grpc
@@ -121,10 +121,10 @@ def _workers(last_seen: dict[int, float]) -> list[admin_pb2.WorkerInfo]:
 
 
 class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
-    """Translates RPCs into calls on the daemon thread."""
+    """Translates RPCs into calls on the node's thread."""
 
-    def __init__(self, daemon: NodeDaemon, config: AdminConfig) -> None:
-        self._daemon = daemon
+    def __init__(self, node: AdminHandle, config: AdminConfig) -> None:
+        self._node = node
         self._config = config
         self._long_calls = threading.BoundedSemaphore(MAX_LONG_CALLS)
 
@@ -143,7 +143,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
 
     def _call(self, context: grpc.ServicerContext, function: Callable[[], T]) -> T:
         try:
-            return self._daemon.commands.call(function, self._config.call_timeout_s)
+            return self._node.call(function, self._config.call_timeout_s)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TimeoutError:
@@ -153,7 +153,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         raise AssertionError("unreachable: abort raises")
 
     def GetStatus(self, request: admin_pb2.GetStatusRequest, context: grpc.ServicerContext) -> admin_pb2.GetStatusResponse:
-        status = self._call(context, self._daemon.operator.status)
+        status = self._call(context, lambda: self._node.operator().status())
         return admin_pb2.GetStatusResponse(
             node_id=status["node_id"],
             version=_version(),
@@ -183,19 +183,15 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:
-        status = self._call(context, self._daemon.operator.status)
+        status = self._call(context, lambda: self._node.operator().status())
         return admin_pb2.ListWorkersResponse(world_size=status["world_size"], workers=_workers(status["workers"]))
 
     def GetHyperparameters(self, request: admin_pb2.GetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.GetHyperparametersResponse:
-        overrides, clip, applied, origins = self._call(
-            context,
-            lambda: (
-                self._daemon.operator.hyper_overrides,
-                self._daemon.operator.clip_override,
-                self._daemon.operator.last_applied(),
-                self._daemon.operator.override_list(),
-            ),
-        )
+        def read() -> tuple:
+            operator = self._node.operator()
+            return operator.hyper_overrides, operator.clip_override, operator.last_applied(), operator.override_list()
+
+        overrides, clip, applied, origins = self._call(context, read)
         return admin_pb2.GetHyperparametersResponse(
             overrides=_overrides_message(overrides, clip),
             origins=[admin_pb2.Override(**entry) for entry in origins],
@@ -207,7 +203,8 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
 
     def SetHyperparameters(self, request: admin_pb2.SetHyperparametersRequest, context: grpc.ServicerContext) -> admin_pb2.SetHyperparametersResponse:
         def change() -> tuple[HyperOverrides, float | None]:
-            base = HyperOverrides() if request.clear else self._daemon.operator.hyper_overrides
+            operator = self._node.operator()
+            base = HyperOverrides() if request.clear else operator.hyper_overrides
             values = {name: getattr(base, name) for name in _OVERRIDE_FIELDS}
             for name in _OVERRIDE_FIELDS:
                 if request.overrides.HasField(name):
@@ -219,12 +216,12 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             clip_changes = request.overrides.HasField("max_grad_norm") or request.clear
             clip = request.overrides.max_grad_norm if request.overrides.HasField("max_grad_norm") else None
             if clip_changes:
-                self._daemon.operator.check_max_grad_norm(clip)
+                operator.check_max_grad_norm(clip)
             # Both validated: apply both, or neither.
-            self._daemon.operator.set_overrides(overrides)
+            operator.set_overrides(overrides)
             if clip_changes:
-                self._daemon.operator.set_max_grad_norm(clip)
-            return self._daemon.operator.hyper_overrides, self._daemon.operator.clip_override
+                operator.set_max_grad_norm(clip)
+            return operator.hyper_overrides, operator.clip_override
 
         return admin_pb2.SetHyperparametersResponse(overrides=_overrides_message(*self._call(context, change)))
 
@@ -234,10 +231,10 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         # would let a caller forge log lines.
         if len(reason) > MAX_REASON_CHARS or not reason.isprintable():
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the reason must be printable text on one line, at most {MAX_REASON_CHARS} characters")
-        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._daemon.operator.pause(reason)))
+        return admin_pb2.PauseResponse(step=self._call(context, lambda: self._node.operator().pause(reason)))
 
     def Resume(self, request: admin_pb2.ResumeRequest, context: grpc.ServicerContext) -> admin_pb2.ResumeResponse:
-        applied, step = self._call(context, lambda: (self._daemon.operator.resume(), self._daemon.step))
+        applied, step = self._call(context, lambda: (self._node.operator().resume(), self._node.step()))
         return admin_pb2.ResumeResponse(step=step, buckets_applied=applied)
 
     def _await_checkpoint(self, context: grpc.ServicerContext, start: Callable[[], futures.Future], timeout_s: float) -> dict:
@@ -259,27 +256,27 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
                         )
 
     def Checkpoint(self, request: admin_pb2.CheckpointRequest, context: grpc.ServicerContext) -> admin_pb2.CheckpointResponse:
-        manifest = self._await_checkpoint(context, self._daemon.request_checkpoint, request.timeout_seconds)
+        manifest = self._await_checkpoint(context, self._node.request_checkpoint, request.timeout_seconds)
         return admin_pb2.CheckpointResponse(step=manifest["step"], path=manifest["path"], manifest_json=json.dumps(manifest))
 
     def Drain(self, request: admin_pb2.DrainRequest, context: grpc.ServicerContext) -> admin_pb2.DrainResponse:
-        manifest = self._await_checkpoint(context, self._daemon.drain, request.timeout_seconds)
+        manifest = self._await_checkpoint(context, self._node.drain, request.timeout_seconds)
         return admin_pb2.DrainResponse(step=manifest["step"], path=manifest["path"], manifest_json=json.dumps(manifest))
 
     def Shutdown(self, request: admin_pb2.ShutdownRequest, context: grpc.ServicerContext) -> admin_pb2.ShutdownResponse:
         log.warning("shutdown requested through the admin service")
-        self._call(context, self._daemon.request_stop)
+        self._call(context, self._node.request_stop)
         return admin_pb2.ShutdownResponse()
 
     def Reset(self, request: admin_pb2.ResetRequest, context: grpc.ServicerContext) -> admin_pb2.ResetResponse:
-        node_id = self._daemon.node_id
+        node_id = self._node.node_id
         if request.confirm_node_id != node_id:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"a reset drops this node's job: confirm it with this node's id, {node_id!r} (netoptim admin reset asks for it); got {request.confirm_node_id!r}",
             )
         log.warning("reset requested through the admin service")
-        dropped = self._call(context, lambda: self._daemon.let_job_go("an operator reset the node (netoptim admin reset)"))
+        dropped = self._call(context, lambda: self._node.let_job_go("an operator reset the node (netoptim admin reset)"))
         return admin_pb2.ResetResponse(job=dropped["job"], step=dropped["step"], archived=dropped["archived"])
 
     def Morph(self, request: admin_pb2.MorphRequest, context: grpc.ServicerContext) -> admin_pb2.MorphResponse:
@@ -287,26 +284,26 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
         if len(reason) > MAX_REASON_CHARS or not reason.isprintable():
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the reason must be printable text on one line, at most {MAX_REASON_CHARS} characters")
         told, width = self._call(
-            context, lambda: (self._daemon.operator.ask_to_leave(list(request.leave), reason), self._daemon.operator.status()["world_size"])
+            context, lambda: (self._node.operator().ask_to_leave(list(request.leave), reason), self._node.operator().status()["world_size"])
         )
         return admin_pb2.MorphResponse(told=told, world_size=width)
 
     def WatchSteps(self, request: admin_pb2.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[admin_pb2.StepEvent]:
         with self._long_call(context):
-            events = self._daemon.clock.subscribe()
+            events = self._node.clock.subscribe()
             context.add_callback(lambda: events.put(None))  # a cancelled call unblocks the loop
             context.send_initial_metadata(())  # the watcher knows it is subscribed before any step
             try:
                 while (event := events.get()) is not None:
                     yield admin_pb2.StepEvent(step=event.step, unix_time=event.unix_time, timings=_timings(event.timings))
             finally:
-                self._daemon.clock.unsubscribe(events)
+                self._node.clock.unsubscribe(events)
 
 
 class AdminServer:
-    """The admin service of one daemon. Constructing it binds the address exclusively (no
+    """The admin service of one node. Constructing it binds the address exclusively (no
     SO_REUSEPORT: a second node cannot share it), so a node learns that its address is taken before it
-    loads anything; :meth:`start` then serves a daemon there. ``address`` is the bound HOST:PORT.
+    loads anything; :meth:`start` then serves a node there. ``address`` is the bound HOST:PORT.
 
     Raises ``ValueError`` for a malformed address or TLS settings, and ``OSError`` (``EADDRINUSE``
     when another process holds the port, ``filename`` the address) when the address cannot be bound."""
@@ -324,7 +321,7 @@ class AdminServer:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self.address = f"{host}:{self._bind(config)}"
         self._config = config
-        self._daemon: NodeDaemon | None = None
+        self._node: AdminHandle | None = None
 
     def _bind(self, config: AdminConfig) -> int:
         """Add the listening port; gRPC returns 0 on failure in some versions and raises in others."""
@@ -343,14 +340,14 @@ class AdminServer:
             raise bind_error(config.address, "no port was added")
         return port
 
-    def start(self, daemon: NodeDaemon) -> AdminServer:
-        """Serve ``daemon``'s admin calls on the bound address."""
-        admin_pb2_grpc.add_OptimizerNodeAdminServicer_to_server(AdminServicer(daemon, self._config), self._server)
+    def start(self, node: AdminHandle) -> AdminServer:
+        """Serve ``node``'s admin calls on the bound address (:meth:`NodeDaemon.admin_handle`); the node's
+        ready file names :attr:`address` once it is given it (``admin_address``)."""
+        admin_pb2_grpc.add_OptimizerNodeAdminServicer_to_server(AdminServicer(node, self._config), self._server)
         self._server.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._daemon = daemon
-        daemon.admin_address = self.address
+        self._node = node
         log.info(
             "admin service on %s (%s, %s)",
             self.address,
@@ -362,6 +359,6 @@ class AdminServer:
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving (calls in flight get ``grace_s``) and release the address."""
         self._health.enter_graceful_shutdown()
-        if self._daemon is not None:
-            self._daemon.clock.close()
+        if self._node is not None:
+            self._node.clock.close()
         self._server.stop(grace_s).wait(grace_s + 1)

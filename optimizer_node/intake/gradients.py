@@ -8,21 +8,22 @@ the same hyperparameters as the other ranks, no duplicate, no new gradient while
 norm is awaited or while the node drains. A rejected push leaves the node exactly as it was. NaN/inf
 is refused (``--non-finite refuse``: the pushing rank is told, and the job's other ranks, which wait
 for the bucket) or taken for the step's global round to skip (``--non-finite skip``). Once every
-rank's gradient of a bucket is in, the daemon is told (``gradients_complete``): it queues the update,
-or the global round first. The daemon composes one per job and calls it on its thread only.
+rank's gradient of a bucket is in, ``complete`` is told (the job's round gate): it queues the update, or
+the global round first. One a job, called on the node's thread only.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from netoptim.job.hyper import validate_for_rule
 from optimizer_node.intake.non_finite import count_non_finite
-from optimizer_node.job_state import BucketStep, JobNode
+from optimizer_node.job_state import BucketStep
 from optimizer_node.update.adamw import AdamWHyper
 from optimizer_node.update.bucket_update import absent_segments
 from optimizer_node.update.reduce import OrderedReduction
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
     from optimizer_node.intake.admission import JobAdmission
     from optimizer_node.intake.morphing import MorphGate
     from optimizer_node.intake.non_finite import NonFiniteStats
-    from optimizer_node.intake.registration import JobRegistrar
-    from optimizer_node.job_state import ActiveJob
+    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.job_state import ActiveJob, CurrentJob
     from optimizer_node.metrics import NodeMetrics
     from optimizer_node.state.persistence import Checkpoints
     from optimizer_node.state.storage import BucketState, BucketStore
@@ -50,22 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class IntakeNode(JobNode, Protocol):
-    """What :class:`GradientIntake` reads and asks of the daemon, besides :class:`JobNode`."""
-
-    config: NodeConfig
-    non_finite: NonFiniteStats
-    metrics: NodeMetrics
-    clock: StepClock
-
-    def reply(self, peer: bytes, header: Header) -> None: ...
-    def gradients_complete(self, job: ActiveJob, bucket_id: int, step: int) -> None: ...
-
-
 class IntakeParts(NamedTuple):
     """The parts of the job (and the node's) that taking a push reads and changes."""
 
-    registrar: JobRegistrar
+    current: CurrentJob
+    ranks: RankCheck
     admission: JobAdmission
     store: BucketStore
     overrides: OperatorOverrides
@@ -74,6 +64,10 @@ class IntakeParts(NamedTuple):
     morphs: MorphGate
     bucket_apply: BucketApply
     crash_points: CrashPoints
+    config: NodeConfig
+    non_finite: NonFiniteStats  # node-wide: the counts outlive a job
+    metrics: NodeMetrics
+    clock: StepClock
 
 
 class _PushCheck(NamedTuple):
@@ -87,13 +81,16 @@ class _PushCheck(NamedTuple):
 
 
 class GradientIntake:
-    """One job's gradients in: the steps in flight and the checks every push passes first."""
+    """One job's gradients in: the steps in flight (``parts.current.in_flight``) and the checks every
+    push passes first. ``send``: how a message goes out; ``complete``: told that every rank's gradient
+    of a bucket's step is in."""
 
-    def __init__(self, node: IntakeNode, parts: IntakeParts) -> None:
-        self._node = node
+    def __init__(self, parts: IntakeParts, *, send: Callable[[bytes, Header], None], complete: Callable[[ActiveJob, int, int], None]) -> None:
         self._parts = parts
-        self._worker_checks = node.config.non_finite_check == "worker"
-        self.in_flight: dict[int, BucketStep] = {}  # bucket -> its step's gradients, until its update is applied
+        self._send = send
+        self._complete = complete
+        self._worker_checks = parts.config.non_finite_check == "worker"
+        self.in_flight: dict[int, BucketStep] = parts.current.in_flight  # bucket -> its step's gradients, until its update is applied
         self._hyper_parsed: tuple[object, AdamWHyper] | None = None  # the last hyperparameters parsed, as they came
 
     def on_push(self, message: Message) -> None:
@@ -109,7 +106,7 @@ class GradientIntake:
         checked = [self._check(part) for part in parts]
         checking = time.perf_counter()
         whole_finite = count_non_finite(message.tensors) == 0  # one pass; bucket by bucket only if something is not finite
-        self._node.clock.current.reduce_s += time.perf_counter() - checking
+        self._parts.clock.current.reduce_s += time.perf_counter() - checking
         for part, check in zip(parts, checked, strict=True):
             self._take(part, check, known_finite=whole_finite)
 
@@ -126,7 +123,7 @@ class GradientIntake:
     def _check(self, message: Message) -> _PushCheck:
         """Everything a push must pass before it is taken; ``WireError`` otherwise, nothing changed."""
         parts = self._parts
-        job = parts.registrar.require_rank(message)
+        job = parts.ranks.require_rank(message)
         header = message.header
         bucket = parts.admission.owned_bucket(job, header)
         absent = absent_segments(header.meta, bucket, header.numel)
@@ -178,17 +175,17 @@ class GradientIntake:
     def _take(self, message: Message, check: _PushCheck, *, known_finite: bool = False) -> None:
         """Take a checked push: refused only for NaN/inf (``--non-finite refuse``), else added."""
         job, bucket, state, absent, in_flight = check
-        node, parts, header = self._node, self._parts, message.header
+        parts, header = self._parts, message.header
         parts.morphs.push_taken()
         # NaN/inf, before the gradient touches any state: on the worker's word, else counted here (non_finite.py).
         checking = time.perf_counter()
         vouched = not known_finite and self._worker_checks and header.meta.get("finite") is True
         if vouched:  # the worker summed this gradient (on its device, or as it gathered it) and found it finite (--non-finite-check worker)
-            node.non_finite.vouched()
+            parts.non_finite.vouched()
         non_finite = 0 if known_finite or vouched else count_non_finite(message.tensors)
-        timings = node.clock.current
+        timings = parts.clock.current
         timings.reduce_s += time.perf_counter() - checking
-        if non_finite and node.config.non_finite == "refuse":
+        if non_finite and parts.config.non_finite == "refuse":
             self._refuse_non_finite(message.peer, header, non_finite)
             return
         if non_finite:  # skip policy: taken, and the step's global round will skip it everywhere
@@ -201,9 +198,9 @@ class GradientIntake:
                 non_finite,
             )
         # Everything is validated: from here on the push is accepted.
-        ledger = node.ledger
+        ledger = parts.current.ledger
         ledger.gradient_of_step(header.step)
-        node.clock.gradient_arrived()
+        parts.clock.gradient_arrived()
         self.in_flight[bucket.bucket_id] = in_flight
         in_flight.absent = absent if in_flight.absent is None else in_flight.absent & absent
         started = time.perf_counter()
@@ -218,12 +215,12 @@ class GradientIntake:
                 if not parts.bucket_apply.kept_on_board(job, state, ledger):
                     ledger.retain(bucket.bucket_id, state.step, state.param, torch.float32)
             return
-        node.gradients_complete(job, bucket.bucket_id, header.step)
+        self._complete(job, bucket.bucket_id, header.step)
 
     def _refuse_non_finite(self, peer: bytes, header: Header, values: int) -> None:
         """The refuse policy: answer the push with NON_FINITE and tell the job's other ranks, which
         wait for this bucket. Nothing of the bucket changed; the rank may push it again for this step."""
-        node = self._node
+        parts = self._parts
         bucket_id, step, rank = header.bucket_id, header.step, header.rank
         text = (
             f"rank {rank}'s gradient of bucket {bucket_id} at step {step} holds {values} NaN/inf value(s) of {header.numel}: refused "
@@ -231,12 +228,12 @@ class GradientIntake:
             f"finite values to go on. To avoid it: lower the learning rate, clip gradients, use a GradScaler, or run the nodes with --non-finite skip"
         )
         log.warning("refused %s", text.partition(": refused")[0])
-        node.non_finite.refused(step, rank, bucket_id, values)
-        node.metrics.rejected_message()
+        parts.non_finite.refused(step, rank, bucket_id, values)
+        parts.metrics.rejected_message()
         error = error_header(ErrorCode.NON_FINITE, text, bucket_id=bucket_id, step=step)
         error.meta.update({"rank": rank, "values": values})
-        node.reply(peer, error)
+        self._send(peer, error)
         notice = {"non_finite": {"rank": rank, "bucket": bucket_id, "step": step, "values": values}}
-        for other in node.ledger.connections():
+        for other in parts.current.ledger.connections():
             if other != peer:
-                node.reply(other, Header(msg_type=MsgType.NOTICE, bucket_id=bucket_id, step=step, meta=notice))
+                self._send(other, Header(msg_type=MsgType.NOTICE, bucket_id=bucket_id, step=step, meta=notice))

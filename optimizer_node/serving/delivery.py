@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
     from optimizer_node.control import StepClock
     from optimizer_node.faults import CrashPoints
-    from optimizer_node.intake.step_ledger import StepLedger
-    from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.job_state import ActiveJob, BucketStep, CurrentJob
     from optimizer_node.metrics import NodeMetrics
     from optimizer_node.serving.outgoing import Outgoing
     from optimizer_node.serving.replies import ParameterReplies
@@ -32,23 +31,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class DeliveryNode(Protocol):
-    """What delivery reads of its node."""
-
-    @property
-    def ledger(self) -> StepLedger: ...
-
-
 class BucketDelivery:
     """One job's updated buckets out, and the count of the owned buckets that reached each step.
 
-    ``in_flight``: the job's steps in flight by bucket (the intake's), let go of here; ``step_end``:
+    ``current``: where the job stands (its ranks; its steps in flight, let go of here); ``step_end``:
     what the node does once every owned bucket reached a step."""
 
     def __init__(
         self,
-        node: DeliveryNode,
-        in_flight: dict[int, BucketStep],
+        current: CurrentJob,
         replies: ParameterReplies,
         outgoing: Outgoing,
         checkpoints: Checkpoints,
@@ -57,8 +48,8 @@ class BucketDelivery:
         crash_points: CrashPoints,
         step_end: StepEnd,
     ) -> None:
-        self._node = node
-        self._in_flight = in_flight
+        self._current = current
+        self._in_flight = current.in_flight
         self._replies = replies
         self._outgoing = outgoing
         self._checkpoints = checkpoints
@@ -91,7 +82,7 @@ class BucketDelivery:
         replies = self._replies
         if job.spec.mode == "full":  # everyone gets the new values; once only who also asked for them
             answered = replies.answer_deferred(state, job, meta)
-            others = [peer for peer in self._node.ledger.connections() if peer not in answered]
+            others = [peer for peer in self._current.ledger.connections() if peer not in answered]
             if unchanged:  # the workers hold these values already: only the step goes out
                 unchanged_meta = {**meta, "unchanged": True}
                 for peer in others:
@@ -118,5 +109,5 @@ class BucketDelivery:
     def tell_consumed(self, job: ActiveJob, bucket_id: int, step: int) -> None:
         """Layer-wise flow control: the ranks' gradients of this bucket no longer take memory here."""
         if job.spec.mode == "layerwise":
-            for peer in self._node.ledger.connections():
+            for peer in self._current.ledger.connections():
                 self._outgoing.send(peer, Header(msg_type=MsgType.CONSUMED, bucket_id=bucket_id, step=step))

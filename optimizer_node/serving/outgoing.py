@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from optimizer_node.job_state import JobNode
 from transport.wire import ErrorCode, Header, MsgType, WireError, error_header
 
 if TYPE_CHECKING:
@@ -23,31 +23,34 @@ if TYPE_CHECKING:
 
     from optimizer_node.log_limits import RateLimitedLog
     from optimizer_node.metrics import NodeMetrics
-    from optimizer_node.serving.replies import ParameterReplies
     from optimizer_node.serving.reply_budget import UnregisteredReplyBudget
-    from optimizer_node.state.storage import BucketStore
-    from transport.interface import ServerEndpoint
+    from transport.interface import SendHandle, ServerEndpoint
 
 log = logging.getLogger(__name__)
 
 
-class OutgoingNode(JobNode, Protocol):
-    """What :class:`Outgoing` reads of the daemon, besides :class:`JobNode`: the job's parts."""
-
-    metrics: NodeMetrics
-
-    @property
-    def store(self) -> BucketStore: ...
-    @property
-    def replies(self) -> ParameterReplies: ...
-
-
 class Outgoing:
-    """The node's sends and its rejections' log lines."""
+    """The node's sends and its rejections' log lines. The job of the moment (letting a job go makes a
+    new one) through three callables: ``is_rank_connection`` (whether a peer is a connection of one of
+    the job's ranks), ``flush_queued`` (the values batched for a peer leave first) and ``params_sent``
+    (a PARAMS send's handle, kept on its bucket)."""
 
-    def __init__(self, node: OutgoingNode, endpoint: ServerEndpoint, outsider_budget: UnregisteredReplyBudget, limit_log: RateLimitedLog) -> None:
-        self._node = node
+    def __init__(
+        self,
+        endpoint: ServerEndpoint,
+        outsider_budget: UnregisteredReplyBudget,
+        limit_log: RateLimitedLog,
+        *,
+        metrics: NodeMetrics,
+        is_rank_connection: Callable[[bytes], bool],
+        flush_queued: Callable[[bytes], None],
+        params_sent: Callable[[int, SendHandle], None],
+    ) -> None:
         self._endpoint = endpoint
+        self._metrics = metrics
+        self._is_rank_connection = is_rank_connection
+        self._flush_queued = flush_queued
+        self._params_sent = params_sent
         self.outsider_budget = outsider_budget  # answers to peers outside the job, not yet sent
         self._limit_log = limit_log
 
@@ -56,11 +59,8 @@ class Outgoing:
         revision and step) that every rank is sent; a rank on this host may read them from the
         parameter board (a rank pushes the gradients computed from them before the bucket's next
         version exists, so nobody reads a version the board no longer holds)."""
-        node = self._node
-        replies = node.replies
-        if replies.outbox.holds(peer):  # what was queued for the peer goes first: its messages keep their order
-            replies.flush(peer)
-        outsider = not node.ledger.is_rank_connection(peer)
+        self._flush_queued(peer)  # what was queued for the peer goes first: its messages keep their order
+        outsider = not self._is_rank_connection(peer)
         if outsider:  # a peer outside the job may not read its answers: what waits for it is bounded
             nbytes = header.payload_bytes + len(header.meta.get("message", "")) + 64
             if not self.outsider_budget.admits(peer, nbytes):
@@ -84,15 +84,13 @@ class Outgoing:
             return
         if outsider:
             self.outsider_budget.queued(peer, handle, nbytes)
-        node.metrics.sent(header.payload_bytes)
+        self._metrics.sent(header.payload_bytes)
         if payload is not None and header.msg_type == MsgType.PARAMS:
-            state = node.store.get(header.bucket_id)
-            if state is not None:
-                state.pending_sends.append(handle)
+            self._params_sent(header.bucket_id, handle)
 
     def send_error(self, peer: bytes, code: ErrorCode, text: str, *, bucket_id: int = -1, step: int = -1) -> None:
         """An ERROR to ``peer``, counted as a rejected message."""
-        self._node.metrics.rejected_message()
+        self._metrics.rejected_message()
         self.send(peer, error_header(code, text, bucket_id=bucket_id, step=step))
 
     def log_rejected(self, exc: WireError, peer: bytes | None, text: str, *args: object) -> None:
@@ -102,7 +100,7 @@ class Outgoing:
         if exc.code in (ErrorCode.LIMIT, ErrorCode.TOO_LARGE):
             flag = re.search(r"--[a-z][a-z-]*", exc.message)
             self._limit_log.log(f"{exc.code.name} {flag.group() if flag else ''}", logging.WARNING, text, *args)
-        elif peer is None or not self._node.ledger.is_rank_connection(peer):
+        elif peer is None or not self._is_rank_connection(peer):
             self._limit_log.log(f"outsider {exc.code.name}", logging.WARNING, text, *args)
         else:
             log.warning(text, *args)

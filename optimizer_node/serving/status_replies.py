@@ -8,68 +8,64 @@ resume, a failing store.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from optimizer_node.job_state import JobNode
 from transport.interface import Message
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
-    from optimizer_node.admin.operator import NodeOperator
     from optimizer_node.intake.gradients import GradientIntake
-    from optimizer_node.intake.registration import JobRegistrar
-    from optimizer_node.serving.outgoing import Outgoing
-    from optimizer_node.state.storage import BucketStore
+    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.job_state import CurrentJob
     from optimizer_node.update.clipping import GlobalNormRound
     from optimizer_node.update.queue import UpdateQueue
 
 
-class QueriedNode(JobNode, Protocol):
-    """What :class:`StatusReplies` reads of the daemon, besides :class:`JobNode`."""
-
-    operator: NodeOperator
-
-
 class StatusReplies:
-    """The STATUS of one job's node, read from the job's parts."""
+    """The STATUS of one job's node, read from the job's parts. ``send``: how a message goes out;
+    ``pause_reason``: why an operator paused the updates (``None``: not paused)."""
 
     def __init__(
         self,
-        node: QueriedNode,
-        registrar: JobRegistrar,
-        outgoing: Outgoing,
+        node_id: str,
+        current: CurrentJob,
+        ranks: RankCheck,
         intake: GradientIntake,
         norm_round: GlobalNormRound,
-        store: BucketStore,
         updates: UpdateQueue,
+        *,
+        send: Callable[[bytes, Header], None],
+        pause_reason: Callable[[], str | None],
     ) -> None:
-        self._node = node
-        self._registrar = registrar
-        self._outgoing = outgoing
+        self._node_id = node_id
+        self._current = current
+        self._ranks = ranks
+        self._send = send
         self._intake = intake
         self._norm_round = norm_round
-        self._store = store
         self._updates = updates
+        self._pause_reason = pause_reason
 
     def on_query(self, message: Message) -> None:
         """A STATUS back to the connection that asked."""
-        node = self._node
-        job = node.active_job
-        if not self._registrar.is_registered(message):
+        current = self._current
+        job = current.job
+        if not self._ranks.is_registered(message):
             # All a worker that is not (or no longer) registered needs for its diagnosis: is there a
             # job, and is this connection part of it. The job's state is for its ranks only.
-            self._outgoing.send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": job is not None, "rank_registered": False}))
+            self._send(message.peer, Header(msg_type=MsgType.STATUS, meta={"registered": job is not None, "rank_registered": False}))
             return
         missing = self._intake.missing()
         meta = {
-            "node_id": node.node_id,
+            "node_id": self._node_id,
             "registered": job is not None,
-            "step": node.step,
-            "connected_ranks": sorted(node.ledger.ranks),
+            "step": current.step,
+            "connected_ranks": sorted(current.ledger.ranks),
             "missing": missing,
             "awaiting_clip": self._norm_round.awaiting,
-            "uninitialized": sorted(b for b in (job.owned if job else {}) if self._store.get(b) is None),
-            "paused": node.operator.pause_reason,
+            "uninitialized": sorted(b for b in (job.owned if job else {}) if current.store.get(b) is None),
+            "paused": self._pause_reason(),
             "storage_error": self._updates.storage_error,
         }
-        self._outgoing.send(message.peer, Header(msg_type=MsgType.STATUS, step=node.step, meta=meta))
+        self._send(message.peer, Header(msg_type=MsgType.STATUS, step=current.step, meta=meta))

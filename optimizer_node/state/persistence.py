@@ -1,7 +1,7 @@
 """Checkpoints, resume and drain for a node's job, beside the file format in
 :mod:`optimizer_node.state.checkpoint`: :class:`Checkpoints` owns the checkpoints asked for and not yet
-written, the drain step and the last checkpoint; the daemon composes one per job (daemon thread
-only) and lets it see the job through :class:`JobView`.
+written, the drain step and the last checkpoint; one a job (node thread only), which sees where
+the job stands through :class:`~optimizer_node.job_state.CurrentJob`.
 
 Checkpoints are taken between steps only, when every owned bucket has had the same number of
 updates and no gradient of the next step has been accepted: then the state is exactly "after step
@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints
-from optimizer_node.job_state import ActiveJob
+from optimizer_node.job_state import ActiveJob, CurrentJob
 from optimizer_node.state.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
 
 if TYPE_CHECKING:
@@ -28,30 +28,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class JobView(Protocol):
-    """What checkpoints see of the daemon's job."""
-
-    node_id: str
-
-    @property
-    def active_job(self) -> ActiveJob | None: ...
-
-    @property
-    def step(self) -> int: ...
-
-    def between_steps(self) -> bool: ...
-
-
 class Checkpoints:
-    """Checkpoint, resume and drain of one job: ``store`` holds its state, ``overrides`` what an
-    operator set, ``view`` says where the job is."""
+    """Checkpoint, resume and drain of one job: ``current`` says where the job is and holds its state
+    (the store), ``overrides`` what an operator set, ``node_id`` goes into each manifest."""
 
-    def __init__(self, config: NodeConfig, crash_points: CrashPoints, store: BucketStore, overrides: OperatorOverrides, view: JobView) -> None:
+    def __init__(self, config: NodeConfig, crash_points: CrashPoints, current: CurrentJob, overrides: OperatorOverrides, node_id: str) -> None:
         self.config = config
         self._crash_points = crash_points
-        self._store = store
+        self._current = current
+        self._store: BucketStore = current.store
         self._overrides = overrides
-        self._view = view
+        self._node_id = node_id
         self.waiters: list[Future] = []  # checkpoints asked for, written at the end of the step in flight
         self.drain_step: int | None = None  # set while draining: no gradients for this step or later
         self.last: dict[str, Any] | None = None  # the manifest of the last checkpoint written or resumed from
@@ -71,14 +58,14 @@ class Checkpoints:
         ``origin``: ``manual`` for one an operator asked for, which ``--keep`` never prunes."""
         if not self.config.checkpoint_dir:
             raise ValueError("this node has no checkpoint directory: start it with --checkpoint-dir")
-        job = self._view.active_job
+        job = self._current.job
         if job is None:
             raise ValueError("no job is registered yet: nothing to checkpoint")
-        step = self._view.step
-        if not self._view.between_steps():
+        step = self._current.step
+        if not self._current.between_steps():
             raise ValueError(f"step {step + 1} is in flight: checkpoints are taken between steps")
         meta = {
-            "node_id": self._view.node_id,
+            "node_id": self._node_id,
             "node_index": job.node_index,
             "job": job.spec.to_wire(),
             **self._overrides.to_manifest(),
@@ -101,7 +88,7 @@ class Checkpoints:
     def request(self) -> Future:
         """A checkpoint now if between steps, else at the end of the step in flight."""
         future: Future = Future()
-        if not self.config.checkpoint_dir or self._view.active_job is None:
+        if not self.config.checkpoint_dir or self._current.job is None:
             future.set_exception(
                 ValueError(
                     "this node has no checkpoint directory: start it with --checkpoint-dir"
@@ -111,14 +98,14 @@ class Checkpoints:
             )
             return future
         self.waiters.append(future)
-        if self._view.between_steps():
+        if self._current.between_steps():
             self._settle_waiters()
         return future
 
     def drain(self) -> Future:
         """Finish the step in flight, checkpoint, and accept no gradient of a later step."""
         if self.drain_step is None:
-            self.drain_step = self._view.step + (0 if self._view.between_steps() else 1)
+            self.drain_step = self._current.step + (0 if self._current.between_steps() else 1)
             log.warning("draining: gradients up to step %d are accepted, none after", self.drain_step)
         return self.request()
 
@@ -161,12 +148,12 @@ class Checkpoints:
 
     def on_exit(self) -> None:
         """The job's last state, as a node stops or lets the job go (between steps only)."""
-        if not self.config.checkpoint_dir or self._view.active_job is None:
+        if not self.config.checkpoint_dir or self._current.job is None:
             return
-        if not self._view.between_steps():
-            log.warning("stopping in the middle of step %d: not checkpointed; the newest checkpoint is what a restart resumes from", self._view.step + 1)
+        if not self._current.between_steps():
+            log.warning("stopping in the middle of step %d: not checkpointed; the newest checkpoint is what a restart resumes from", self._current.step + 1)
             return
-        if self.last is not None and self.last["step"] == self._view.step:
+        if self.last is not None and self.last["step"] == self._current.step:
             return
         try:
             self.checkpoint()

@@ -19,7 +19,7 @@ from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 if TYPE_CHECKING:
     from optimizer_node.config import NodeConfig
     from optimizer_node.intake.admission import JobAdmission
-    from optimizer_node.intake.registration import JobRegistrar
+    from optimizer_node.intake.registration import RankCheck
     from optimizer_node.job_state import ActiveJob, BucketStep
     from optimizer_node.serving.outgoing import Outgoing
     from optimizer_node.serving.replies import ParameterReplies
@@ -78,7 +78,7 @@ class StateRequests:
     def __init__(
         self,
         config: NodeConfig,
-        registrar: JobRegistrar,
+        ranks: RankCheck,
         admission: JobAdmission,
         store: BucketStore,
         replies: ParameterReplies,
@@ -86,7 +86,7 @@ class StateRequests:
         in_flight: dict[int, BucketStep],
     ) -> None:
         self._config = config
-        self._registrar = registrar
+        self._ranks = ranks
         self._admission = admission
         self._store = store
         self._replies = replies
@@ -119,7 +119,7 @@ class StateRequests:
         self._outgoing.send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=state.bucket_id, step=state.step))
 
     def _state_of(self, message: Message) -> tuple[ActiveJob, BucketState]:
-        job = self._registrar.require_rank(message)
+        job = self._ranks.require_rank(message)
         bucket = self._admission.owned_bucket(job, message.header)
         state = self._store.get(bucket.bucket_id)
         if state is None:

@@ -18,15 +18,13 @@ import heapq
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from optimizer_node.state.storage import StorageError
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
-    from optimizer_node.admin.operator import NodeOperator
-    from optimizer_node.intake.step_ledger import StepLedger
-    from optimizer_node.job_state import ActiveJob, BucketStep
+    from optimizer_node.job_state import CurrentJob
     from optimizer_node.state.storage import BucketStore
     from optimizer_node.update.bucket_apply import BucketApply, Deliver, PendingUpdate
     from optimizer_node.update.pass_thread import PassThread
@@ -37,38 +35,29 @@ STORAGE_RETRY_S = 1.0
 """After the store failed (disk full, a damaged state file), updates are retried this often."""
 
 
-class QueueNode(Protocol):
-    """What the queue reads of its node at each update (each may change while the job runs)."""
-
-    @property
-    def active_job(self) -> ActiveJob | None: ...
-    @property
-    def ledger(self) -> StepLedger: ...
-
-    operator: NodeOperator
-
-
 class UpdateQueue:
     """One job's ready updates: a heap of bucket ids, run lowest first, here or on the pass thread.
 
-    ``in_flight``: the job's steps in flight by bucket (the intake's); ``deliver``: what sends a
-    bucket's new values once updated; ``flush``: sends the values batched so far; ``passes``: the
-    node's pass thread, ``None`` without ``--pass-thread``."""
+    ``current``: where the job stands (its job, ranks, store, steps in flight); ``deliver``: what sends
+    a bucket's new values once updated; ``flush``: sends the values batched so far; ``passes``: the
+    node's pass thread, ``None`` without ``--pass-thread``; ``paused``: whether an operator holds the
+    updates (the operator owns the pause)."""
 
     def __init__(
         self,
-        node: QueueNode,
-        store: BucketStore,
+        current: CurrentJob,
         bucket_apply: BucketApply,
-        in_flight: dict[int, BucketStep],
         deliver: Deliver,
         flush: Callable[[], None],
         passes: PassThread[PendingUpdate] | None,
+        *,
+        paused: Callable[[], bool],
     ) -> None:
-        self._node = node
-        self._store = store
+        self._current = current
+        self._store: BucketStore = current.store
         self._bucket_apply = bucket_apply
-        self._in_flight = in_flight
+        self._in_flight = current.in_flight
+        self._paused = paused
         self._deliver = deliver
         self._flush = flush
         self.passes = passes
@@ -86,18 +75,18 @@ class UpdateQueue:
 
     def can_apply(self) -> bool:
         """Whether an update is ready and may run now (not paused, no store failure to wait out)."""
-        return bool(self.ready) and self._node.operator.pause_reason is None and time.monotonic() >= self._retry_at
+        return bool(self.ready) and not self._paused() and time.monotonic() >= self._retry_at
 
     def apply_next(self, *, here: bool = False) -> bool:
         """Apply the ready update of the lowest bucket id (with a pass thread: hand its pass over,
         unless ``here``); False if none is ready, updates are paused, or the pass thread has no room."""
         ready = self.ready
-        if not ready or self._node.operator.pause_reason is not None:
+        if not ready or self._paused():
             return False
         passes = None if here else self.passes
         if passes is not None and not passes.has_room:
             return False
-        job = self._node.active_job
+        job = self._current.job
         assert job is not None, "a ready update belongs to the registered job"
         bucket_id = heapq.heappop(ready)
         store = self._store
@@ -110,9 +99,9 @@ class UpdateQueue:
         assert state is not None, "a bucket with gradients has state"
         try:
             if passes is None:
-                self._bucket_apply.apply(job, state, self._in_flight[bucket_id], self._node.ledger, self._deliver)
+                self._bucket_apply.apply(job, state, self._in_flight[bucket_id], self._current.ledger, self._deliver)
             else:
-                passes.submit(bucket_id, self._bucket_apply.begin(job, state, self._in_flight[bucket_id], self._node.ledger))
+                passes.submit(bucket_id, self._bucket_apply.begin(job, state, self._in_flight[bucket_id], self._current.ledger))
         except StorageError as exc:
             heapq.heappush(ready, bucket_id)  # nothing was applied: its gradients wait for the retry
             self.storage_error = str(exc)

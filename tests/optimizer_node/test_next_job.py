@@ -175,6 +175,8 @@ NODE_WIDE = {
     "_echoes_in_flight", "_outgoing", "_registrar",
     # the update passes' thread (--pass-thread), and whether it wakes the endpoint
     "_passes", "_woken_by_passes",
+    # what every job is given of the node (NodeParts)
+    "_node_parts",
     "jobs_let_go",
 }  # fmt: skip
 
