@@ -60,8 +60,8 @@ class NetoptimStrategy(strategies.DDPStrategy):
         optimizer_options: more options of the remote optimizer (``wire_dtype``, ``bucket_numel``,
             ``timeout_s``, ``push_during_backward``, ``curve_secret_key``, ``broadcast_buffers``, ...).
             Clipping comes from ``Trainer(gradient_clip_val=...)``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method:
+            as for Lightning's ``DDPStrategy``.
 
     A node serves one job at a time, so the module configures one optimizer (any number of param
     groups). A remote optimizer the module returns itself is used as it is.
