@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from netoptim.console import build_parser as netoptim_parser
 from netoptim.recipes.train_gpt import build_parser as recipe_parser
 
-RECIPES = {"examples/train_gpt.py": recipe_parser}
-"""The training scripts the examples run, by the path they give torchrun."""
+RECIPES = {"netoptim.recipes.train_gpt": recipe_parser}
+"""The training recipes the examples run, by the module they give ``torchrun -m``: the packaged
+recipes, which the container image and any installation of netoptim-train have (a path into a
+checkout would not be there)."""
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str], what: str) -> argparse.Namespace:
@@ -37,6 +39,7 @@ def check_torchrun(argv: Sequence[str]) -> tuple[argparse.Namespace, argparse.Na
     from torch.distributed.run import get_args_parser
 
     launcher = parse(get_args_parser(), argv, "torchrun")
+    assert launcher.module, f"torchrun runs the file {launcher.training_script}: the examples run the packaged recipes, torchrun -m MODULE"
     assert launcher.training_script in RECIPES, f"torchrun runs {launcher.training_script}, not one of {sorted(RECIPES)}"
     parser = RECIPES[launcher.training_script]()
     parser.add_argument("--config")  # added by parse_recipe_args

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -18,6 +19,7 @@ import yaml
 from netoptim.console import parse_command_line
 from netoptim.job.discovery import NODE_FILE_ENV, NODES_ENV, resolve_nodes
 from tests.examples.commands import check_netoptim, check_torchrun
+from transport.secret_files import check_private
 
 KUBERNETES_VERSION = "1.30"
 """The oldest Kubernetes the manifests are written for (gRPC probes are GA from 1.27, Indexed Jobs from 1.24)."""
@@ -138,7 +140,7 @@ def test_worker_command_lines_parse(workload):
     assert recipe.nodes is None, "the workers take the nodes from the environment, through rank 0"
     assert launcher.nproc_per_node == str(container["resources"]["limits"]["nvidia.com/gpu"])
     assert recipe.curve_secret_key.startswith(container_volume_path(container, "worker-keys"))
-    (init,) = spec["initContainers"]
+    init = init_container(spec, "wait-for-nodes")
     commands = shell_netoptim_commands(init["args"][0])
     assert commands, "the init container waits for the nodes with netoptim admin"
     for argv in commands:
@@ -151,3 +153,49 @@ def test_worker_command_lines_parse(workload):
         assert launcher.rdzv_endpoint == f"{host}:{service['spec']['ports'][0]['port']}"
         assert spec["subdomain"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
         assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+
+
+def init_container(spec: dict, name: str) -> dict:
+    (init,) = [init for init in spec.get("initContainers", []) if init["name"] == name]
+    return init
+
+
+KEY_COPIES = {
+    "node": (NODES["StatefulSet"], "node-key"),
+    "indexed-job": (INDEXED["Job"], "worker-keys"),
+    "pytorchjob": (PYTORCHJOB["PyTorchJob"], "worker-keys"),
+}
+"""Each pod's secret keys: the init container, of the same name as the volume in memory it copies
+them into, and that volume; the Secret's volume is that name with -secret."""
+
+
+@pytest.mark.parametrize("case", KEY_COPIES, ids=list(KEY_COPIES))
+def test_secret_keys_are_private_copies_of_the_image_user(case, tmp_path):
+    """The image runs as a user of its own, which reads a Secret's root-owned files only through
+    fsGroup, and fsGroup makes them group-readable: a secret key the node and the workers refuse.
+    The init container copies them, 0400 and the user's own, into a volume in memory; its command,
+    run here on a file as the kubelet leaves it (0440), gives files the real check accepts."""
+    workload, name = KEY_COPIES[case]
+    spec = pod_spec(workload)
+    security = spec["securityContext"]
+    assert security["runAsNonRoot"] and security["fsGroup"] == security["runAsGroup"], "fsGroup: the user's group reads the Secret"
+    volumes = {volume["name"]: volume for volume in spec["volumes"]}
+    assert volumes[name]["emptyDir"]["medium"] == "Memory", "the copies stay off the disks"
+    assert volumes[f"{name}-secret"]["secret"]["defaultMode"] == 0o400
+    (container,) = spec["containers"]
+    assert {mount["name"] for mount in container["volumeMounts"]} & {name, f"{name}-secret"} == {name}, "the container reads the copies only"
+    copier = init_container(spec, name)
+    assert copier["image"] == container["image"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in copier["volumeMounts"]}
+    assert mounts[name] == container_volume_path(container, name)
+    secret_dir, copy_dir = tmp_path / "secret", tmp_path / "copy"
+    secret_dir.mkdir()
+    copy_dir.mkdir()
+    key = "node.key_secret" if case == "node" else "worker0.key_secret"
+    (secret_dir / key).write_text("secret\n")
+    (secret_dir / key).chmod(0o440)
+    local = {mounts[f"{name}-secret"]: str(secret_dir), mounts[name]: str(copy_dir)}
+    argv = [re.sub("|".join(map(re.escape, local)), lambda match: local[match[0]], arg) for arg in copier["command"] + copier.get("args", [])]
+    subprocess.run(argv, check=True, timeout=30)
+    check_private(str(copy_dir / key), "the copied key")
+    assert (copy_dir / key).read_text() == "secret\n"

@@ -9,11 +9,15 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from netoptim.job.discovery import resolve_nodes
 from tests.examples.commands import check_netoptim, check_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "slurm" / "train_gpt.sbatch"
+IMAGE = "netoptim-train:0.2.0"
+"""The image the script runs by default (tests/packaging checks that the Dockerfile builds this tag)."""
 
 # Stand-ins, on PATH before the real commands. Each records its arguments, NUL-separated, in
 # $RECORDS/<command>.<pid>. srun runs its command once per host of the het group it is given,
@@ -66,7 +70,9 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
-def test_batch_script_runs_with_real_command_lines(tmp_path):
+@pytest.mark.parametrize("image", [None, ""], ids=["image", "host-installation"])
+def test_batch_script_runs_with_real_command_lines(tmp_path, image):
+    """``image``: NETOPTIM_IMAGE, unset (the default image, run by pyxis) or empty (the hosts' own netoptim)."""
     bin_dir, records, job_dir = tmp_path / "bin", tmp_path / "records", tmp_path / "job"
     for directory in (bin_dir, records, job_dir / "keys" / "allowed"):
         directory.mkdir(parents=True)
@@ -85,6 +91,9 @@ def test_batch_script_runs_with_real_command_lines(tmp_path):
         "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu-a,gpu-b",
         "SLURM_CPUS_PER_TASK": "32",
     }
+    env.pop("NETOPTIM_IMAGE", None)
+    if image is not None:
+        env["NETOPTIM_IMAGE"] = image
     result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     run_dir = job_dir / "run-4242"
@@ -116,3 +125,13 @@ def test_batch_script_runs_with_real_command_lines(tmp_path):
     # Both steps target the right component; the nodes were stopped with SIGTERM at the end.
     groups = sorted(next(a for a in argv if a.startswith("--het-group=")) for argv in recorded(records, "srun"))
     assert groups == ["--het-group=0", "--het-group=1"]
+
+    # Both steps run in the image (pyxis' flags), with the job directory at the same path, or both
+    # on the hosts' own installation.
+    for argv in recorded(records, "srun"):
+        options = argv[: next(i for i, arg in enumerate(argv) if not arg.startswith("-"))]
+        container = sorted(option for option in options if option.startswith("--container-"))
+        if image is None:
+            assert container == [f"--container-image={IMAGE}", f"--container-mounts={job_dir}:{job_dir}"]
+        else:
+            assert container == []
