@@ -25,8 +25,8 @@ CREDIT_TIMEOUT_S = 60.0
 """How long a sender waits for the peer to give window slots back before it gives up."""
 INSTALL_HINT = (
     "the mooncake transport needs the Mooncake Transfer Engine: `pip install 'netoptim-train[rdma]'` "
-    "(mooncake-transfer-engine-non-cuda) and the system libraries libibverbs1 librdmacm1 libnuma1 "
-    "(Debian/Ubuntu: `apt-get install libibverbs1 librdmacm1 libnuma1`), needed even for its tcp protocol"
+    "(mooncake-transfer-engine-non-cuda) and the system libraries libibverbs1 librdmacm1 libnuma1 (and libcurl4 on minimal systems) "
+    "(Debian/Ubuntu: `apt-get install libibverbs1 librdmacm1 libnuma1 libcurl4`), needed even for its tcp protocol"
 )
 _PROTOCOLS = {"mooncake": "tcp", "mooncake+rdma": "rdma"}
 

@@ -66,7 +66,9 @@ def fill_cache(kernels: SimpleNamespace, max_terms: int) -> None:
 def _compile_in_child() -> None:
     log.info("compiling the node's update loop in a child process (once per installation; about a minute)")
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "optimizer_node.update.kernels.warmup"], capture_output=True, text=True, timeout=WARMUP_TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-m", "optimizer_node.update.kernels.warmup", str(os.getpid())], capture_output=True, text=True, timeout=WARMUP_TIMEOUT_S
+    )
     if result.returncode != 0:
         raise RuntimeError(f"compiling the update loop failed (exit {result.returncode}): {result.stderr[-2000:]}")
     log.info("the update loop is compiled (%.0f s)", time.monotonic() - started)

@@ -11,6 +11,11 @@ it by hand, e.g. in a container image.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import sys
+
 import numpy as np
 import torch
 
@@ -41,5 +46,22 @@ def warm_up() -> None:
     compiled_update.warm_up_count()
 
 
+def _end_with_parent(parent: int) -> None:
+    """Be sent SIGTERM when the node that started this compile (process ``parent``) goes (Linux): a
+    node stopped during its first minute would otherwise leave this child compiling on alone, on the
+    CPUs of what runs next."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it went before the signal was asked for (while this one imported)
+        raise SystemExit(1)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1:  # python -m optimizer_node.update.kernels.warmup [PARENT_PID]
+        _end_with_parent(int(sys.argv[1]))
     warm_up()
