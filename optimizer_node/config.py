@@ -201,6 +201,22 @@ class NodeConfig:
         return not self.curve_secret_key and reachable_from_network(self.listen)
 
     @property
+    def state_at_risk(self) -> str:
+        """What a crash of this node loses of its job's state, and how to keep it; ``""`` when periodic
+        checkpoints keep it (a crash then loses at most the steps since the last one)."""
+        if not self.checkpoint_dir:
+            return (
+                "no checkpoints: a crash of this node loses the job's fp32 masters and optimizer state for good; "
+                "start it with --checkpoint-dir DIR --checkpoint-every N (and --resume to restart from them)"
+            )
+        if not self.checkpoint_every:
+            return (
+                "checkpoints only on request, on drain and on SIGTERM: a crash loses every step since the last one; "
+                "add --checkpoint-every N for one every N steps"
+            )
+        return ""
+
+    @property
     def board_wanted(self) -> bool:
         """Whether a registered job gets a parameter board (``same_host_board``, by default in memory only)."""
         return self.same_host_board if self.same_host_board is not None else not self.state_dir

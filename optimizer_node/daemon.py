@@ -103,6 +103,7 @@ class NodeDaemon:
             store_io=lambda: self._job.store.io_counters(),
             curve_refused=lambda: key_refusals.count if key_refusals is not None else 0,
             master_bytes_on_board=lambda: self._job.store.master_bytes_on_board(),
+            state_at_risk=bool(config.state_at_risk),
         )
         # every message sent (in order after a peer's batched values; answers to outsiders bounded), and what rejections log
         self._outgoing = Outgoing(
@@ -206,6 +207,7 @@ class NodeDaemon:
             "last_step": self.clock.last,
             "non_finite": self.non_finite.snapshot(),
             "jobs_let_go": self.jobs_let_go,
+            "state_at_risk": self.config.state_at_risk,
         }
 
     # ---------------------------------------------------------------- lifecycle

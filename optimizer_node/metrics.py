@@ -126,6 +126,11 @@ class _ScrapeTimeCollector(Collector):
             f"Worker ranks registered with this node and heard from in the last {m.silent_after_s:g} s.",
             value=sum(1 for seen in m.workers_last_seen() if now - seen <= m.silent_after_s),
         )
+        yield GaugeMetricFamily(
+            "netoptim_state_at_risk",
+            "1 when a crash of this node loses its job's state: no checkpoint directory, or no periodic checkpoints (--checkpoint-every).",
+            value=int(m.state_at_risk),
+        )
         yield GaugeMetricFamily("netoptim_paused", "1 while an operator has paused updates, else 0.", value=int(bool(m.paused())))
         yield GaugeMetricFamily("netoptim_draining", "1 once a drain was asked for (no gradients after its last step), else 0.", value=int(bool(m.draining())))
         created = m.last_checkpoint_unix()
@@ -209,6 +214,7 @@ class NodeMetrics:
         store_io: Callable[[], dict[str, int]] = no_store_io,
         curve_refused: Callable[[], int] = lambda: 0,
         master_bytes_on_board: Callable[[], int] = lambda: 0,
+        state_at_risk: bool = False,
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
@@ -220,6 +226,7 @@ class NodeMetrics:
         self.store_io = store_io
         self.curve_refused = curve_refused
         self.master_bytes_on_board = master_bytes_on_board
+        self.state_at_risk = state_at_risk
         self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
         self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
         ProcessCollector(registry=registry)

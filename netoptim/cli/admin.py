@@ -117,6 +117,8 @@ def _render_status(status: dict) -> str:
             f"width changed {status['morphs']} time(s); last at step {status['last_morph_step']}, from {status['last_morph_from']} to "
             f"{status['world_size']} workers" + (f", {1e3 * pause:.1f} ms pause" if pause >= 0 else "")
         )
+    if status.get("state_at_risk"):
+        lines.append(f"WARNING: {status['state_at_risk']}")
     lines += _render_overrides(status.get("overrides", []))
     non_finite = status.get("non_finite")
     if non_finite:

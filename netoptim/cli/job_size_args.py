@@ -13,7 +13,13 @@ from netoptim.cli.arg_types import non_negative_int, param_count, positive_int, 
 if TYPE_CHECKING:  # the command line is built without importing torch, which the node's package loads
     from optimizer_node.state.memory_plan import NodeNeeds
 
-DEFAULTS = {"workers": 1, "nodes": 1, "wire_dtype": "float32", "push_window": 1 << 30, "keep": 0}
+DEFAULTS = {
+    "workers": 1,
+    "nodes": 1,
+    "wire_dtype": "float32",
+    "push_window": 1 << 30,
+    "keep": 3,
+}  # --keep: the node's own default (NodeConfig.keep; a test holds them equal)
 """What an optional job's flags mean when not given (``plan-memory`` requires ``--params`` and ``--workers``)."""
 
 
@@ -85,7 +91,12 @@ def add_job_size_arguments(parser: argparse.ArgumentParser, *, optional: bool) -
         "--push-window", type=size, default=default("push_window"), help=f"{within}layer-wise: unconsumed gradient bytes per worker (default: 1GiB)"
     )
     parser.add_argument("--memory-budget", type=size, default=None, metavar="SIZE", help=f"{within}out of core: the node's --memory-budget, e.g. 4GiB")
-    parser.add_argument("--keep", type=non_negative_int, default=default("keep"), help=f"{within}checkpoints kept on the same disk as the state (default: 0)")
+    parser.add_argument(
+        "--keep",
+        type=non_negative_int,
+        default=default("keep"),
+        help=f"{within}checkpoints the node keeps on the same disk as its state (default: {DEFAULTS['keep']}, the node's --keep; 0 for a node without --checkpoint-dir there)",
+    )
 
 
 def job_size(args: argparse.Namespace) -> JobSize | None:

@@ -73,6 +73,8 @@ def run_node(args: argparse.Namespace) -> int:
         wait,
         huge_pages,
     )
+    if config.state_at_risk:  # once, where an operator reads the start; also in status and netoptim_state_at_risk
+        log.warning("%s", config.state_at_risk)
     try:
         servers = bind_servers(args, admin_config)
     except NodeStartError as exc:

@@ -132,7 +132,9 @@ def test_plan_memory_prints_what_a_node_needs():
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)["per_node"]
     assert plan["params"] == 3_000_000_000
-    assert plan["ram_in_memory"] > 12 * 3e9 and plan["disk_out_of_core"] == 12 * 3_000_000_000
+    assert plan["ram_in_memory"] > 12 * 3e9 and plan["disk_out_of_core"] == 12 * 3_000_000_000 * (1 + 3), "the state and the node's 3 checkpoints by default"
+    no_checkpoints = netoptim("plan-memory", "--params", "3B", "--workers", "2", "--layerwise", "--memory-budget", "6GiB", "--keep", "0", "--json")
+    assert json.loads(no_checkpoints.stdout)["per_node"]["disk_out_of_core"] == 12 * 3_000_000_000
     assert 6 << 30 < plan["ram_out_of_core"] < (6 << 30) + (3 << 30), "budget + overhead + two push windows"
     assert plan["same_host_board"] == 0, "two fp32 versions of the share: the masters themselves, and one in place of the kept copy"
     bf16 = netoptim("plan-memory", "--params", "3B", "--workers", "2", "--wire-dtype", "bfloat16", "--json")

@@ -56,7 +56,9 @@ def test_a_job_too_large_for_the_host_fails_with_what_to_change(tmp_path):
     code, found = doctor("--no-host", "--state-dir", str(tmp_path), "--params", "100T", "--probe-bytes", "0")
     assert code == 1
     space = found[(f"state dir {tmp_path}", "free space")]
-    assert space["level"] == "fail" and "more nodes" in space["fix"] and space["figures"]["needed_bytes"] == 12 * 10**14
+    assert space["level"] == "fail" and "more nodes" in space["fix"] and space["figures"]["needed_bytes"] == 12 * 10**14 * (1 + 3), (
+        "the state and the 3 checkpoints a node keeps by default"
+    )
     code, found = doctor("--params", "100T", "--workers", "2", "--probe-bytes", "0")
     memory = found[("this host", "memory")]
     assert code == 1 and memory["level"] == "fail" and "--memory-budget" in memory["fix"]
