@@ -20,13 +20,16 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from gpu_worker.host_group import HostExchange, HostGroup
+from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.remote_adamw import RemoteAdamW
+from gpu_worker.remote_optimizer import RemoteOptions
+from netoptim.job.discovery import NodeSource
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,33 @@ class HostGroupAdamW(torch.optim.Optimizer):
             leader's values are the ones the nodes use).
         host_group: this worker's :class:`~gpu_worker.host_group.HostGroup`.
         rank, world_size: this host's index and the number of hosts.
-        options: the leader's :class:`~gpu_worker.RemoteAdamW` options (``nodes``, ``wire_dtype``,
-            ``timeout_s``, ...); ``timeout_s`` also bounds the waits inside the group.
         push_during_backward: exchange and push each parameter's gradient as backward finishes it
             (one backward per step: accumulate in ``step()``-less passes is refused with an error).
+        overlap_forward: refused (``True`` raises): the new parameters reach the group once the step is over.
+        nodes: where the optimizer nodes are: addresses, a host file's path, or ``None`` (the environment).
+        wire_dtype: dtype of gradients and parameters on the wire (float32, bfloat16 or float16).
+        max_grad_norm: clip the averaged gradient to this global L2 norm (``None``: no clipping).
+        bucket_numel: elements per transfer/update unit (``None``: chosen for the model and node count).
+        bucket_layout: 1 fills each bucket, 2 never splits a parameter that fits one (``None``: the mode's).
+        timeout_s: how long a wait for the nodes, or inside the group, may go without progress before a ``TimeoutError``.
+        connect_timeout_s: how long a node may take to answer the first HELLO.
+        heartbeat_s, silent_after_s, reconnect_s: ping a node silent this long; take one silent this long
+            for gone; reconnect to it for up to this long.
+        curve_secret_key, curve_server_key: this worker's secret key file and the node's public key file (CURVE).
+        units: layer-wise mode's plan (:func:`gpu_worker.offload` sets it).
+        push_window_bytes: layer-wise mode: gradient bytes pushed and not yet consumed by the nodes.
+        pace_window_bytes: full-model mode with ``push_during_backward``: gradient bytes pushed whose
+            values have not come back (``None``: no window).
+        same_host_ipc: move to a same-host node's Unix socket.
+        connections_per_node: TCP connections to each node.
+        module: the model the parameters belong to, for its buffers and ``overlap_forward``.
+        broadcast_buffers: with ``module``: rank 0's buffers reach every rank at each training forward.
+        join_at_step: a worker joining a running job at this step (:mod:`gpu_worker.elastic`).
+        node_bandwidths: each node's link bandwidth: buckets are shared out in proportion.
+        keep_step_gradients: hold each step's gradients until its values are in (a node may restart mid-step).
+
+    The options from ``nodes`` on are the leader's :class:`~gpu_worker.RemoteAdamW` options, with its
+    defaults; its docstring describes each in full. ``local_size`` is the group's.
     """
 
     def __init__(
@@ -61,9 +87,31 @@ class HostGroupAdamW(torch.optim.Optimizer):
         rank: int,
         world_size: int,
         push_during_backward: bool = False,
-        **options: Any,
+        nodes: NodeSource = None,
+        wire_dtype: torch.dtype = torch.float32,
+        max_grad_norm: float | None = None,
+        bucket_numel: int | None = None,
+        bucket_layout: int | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 30.0,
+        heartbeat_s: float = 2.0,
+        silent_after_s: float = 10.0,
+        reconnect_s: float = 20.0,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
+        units: UnitPlan | None = None,
+        push_window_bytes: int = 1 << 30,
+        pace_window_bytes: int | None = None,
+        same_host_ipc: bool = True,
+        connections_per_node: int = 1,
+        module: torch.nn.Module | None = None,
+        broadcast_buffers: bool = True,
+        join_at_step: int | None = None,
+        node_bandwidths: Sequence[float] | None = None,
+        overlap_forward: bool = False,
+        keep_step_gradients: bool = True,
     ) -> None:
-        if options.get("overlap_forward"):
+        if overlap_forward:
             raise ValueError(
                 "overlap_forward is for RemoteAdamW alone: a host group's leader hands the new parameters to the other workers of its host "
                 "once the step is over, so no forward could start before them"
@@ -79,7 +127,7 @@ class HostGroupAdamW(torch.optim.Optimizer):
         for param in self._params[:-1]:
             self._offsets.append(self._offsets[-1] + param.numel())
         self._streaming = push_during_backward
-        self._exchange = HostExchange(host_group, numel, float(options.get("timeout_s", 300.0)), pieces=len(self._params) if push_during_backward else 0)
+        self._exchange = HostExchange(host_group, numel, float(timeout_s), pieces=len(self._params) if push_during_backward else 0)
         self._seq = 1  # the initial parameters; each step is the next
         self._remote: RemoteAdamW | None = None
         self._exchanged = [False] * len(self._params)  # this step's gradient of each parameter went through the exchange
@@ -97,11 +145,7 @@ class HostGroupAdamW(torch.optim.Optimizer):
                     betas=betas,
                     eps=eps,
                     weight_decay=weight_decay,
-                    rank=rank,
-                    world_size=world_size,
-                    local_size=host_group.local_size,
-                    push_during_backward=push_during_backward,
-                    **options,
+                    **RemoteOptions.from_arguments({**locals(), "local_size": host_group.local_size}).as_kwargs(),
                 )
                 self._gather(self._params, self._flat)
                 self._exchange.publish_parameters(self._flat, self._seq, self._remote.remote_step)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,9 +17,6 @@ from gpu_worker.layout import layout_from_groups
 from netoptim.job.placement import default_bucket_numel
 from netoptim.job.spec import JobSpec
 from transport.wire import dtype_name
-
-if TYPE_CHECKING:
-    from gpu_worker.session import OffloadSession
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -115,11 +111,17 @@ def job_from_groups(
 
 
 def extend_job(
-    session: OffloadSession, param_groups: list[dict], params: Sequence[torch.Tensor], *, overlap_module: torch.nn.Module | None
+    job: JobSpec,
+    extend: Callable[[JobSpec, Sequence[torch.Tensor]], object],
+    param_groups: list[dict],
+    params: Sequence[torch.Tensor],
+    *,
+    overlap_module: torch.nn.Module | None,
 ) -> list[torch.Tensor]:
     """A full-model job's parameters in layout order once a param group was added (the last of
-    ``param_groups``; ``params``: the job's parameters before it), the nodes told of them in new buckets
-    (:meth:`OffloadSession.extend`). On a refusal the group is taken off ``param_groups`` again."""
+    ``param_groups``; ``params``: the parameters of ``job``, the job before it), the nodes told of them
+    in new buckets by ``extend(new_job, params)`` (:meth:`OffloadSession.extend`). On a refusal the
+    group is taken off ``param_groups`` again."""
     known = {id(p) for p in params}
     specs, tensors = layout_from_groups(param_groups)
     try:
@@ -127,7 +129,7 @@ def extend_job(
             raise ValueError("the added param group must hold only parameters new to this optimizer")
         if overlap_module is not None:
             check_held(overlap_module, tensors)
-        session.extend(dataclasses.replace(session.job, params=tuple(specs)), tensors)
+        extend(dataclasses.replace(job, params=tuple(specs)), tensors)
     except BaseException:
         param_groups.pop()
         raise

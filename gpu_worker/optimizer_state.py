@@ -11,12 +11,19 @@ join them, so a run moves from torch to netoptim and back and continues bit for 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpu_worker.session import OffloadSession
+if TYPE_CHECKING:
+    from gpu_worker.links.rank_state import RankState
+
+ReadState = Callable[[int, str], tuple[torch.Tensor, list[float]]]
+"""``read_state(bucket_id, part)``: one part of a bucket's optimizer state on its node, and its segments' step counts."""
+
+WriteState = Callable[[int, str, torch.Tensor, "list[float] | None"], None]
+"""``write_state(bucket_id, part, values, segment_steps)``: rank 0 replaces one part of a bucket's optimizer state."""
 
 STATE_KEYS: dict[str, tuple[tuple[tuple[str, str], ...], bool]] = {
     "adamw": ((("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")), True),
@@ -45,21 +52,26 @@ def torch_indices(param_groups: Sequence[dict[str, Any]]) -> dict[int, int]:
 
 
 def with_node_state(
-    state: dict[str, Any], session: OffloadSession, params: Sequence[torch.Tensor], param_groups: Sequence[dict[str, Any]], group_keys: dict[str, Any]
+    state: dict[str, Any],
+    rank_state: RankState,
+    read_state: ReadState,
+    params: Sequence[torch.Tensor],
+    param_groups: Sequence[dict[str, Any]],
+    group_keys: dict[str, Any],
 ) -> dict[str, Any]:
     """A remote optimizer's ``state_dict()``: torch's (``state``: the param groups, no per-parameter
     state) completed with what torch's optimizer of the rule keeps in each group (``group_keys``), the
     state gathered from the nodes, and under ``"netoptim"`` the nodes, their step and the world size.
-    Between steps (the last update applied)."""
+    Between steps (the last update applied); ``rank_state``: the job's buckets and the nodes' step."""
     for group in state["param_groups"]:  # torch AdamW's own keys; the nodes run its fused kernel, so a torch run resumed from here uses it too
         for key, value in group_keys.items():
             group.setdefault(key, value)
-    state["state"] = gather_state(session, params, torch_indices(param_groups))
+    state["state"] = gather_state(rank_state, read_state, params, torch_indices(param_groups))
     state["netoptim"] = {
         "state_location": "optimizer_nodes",
-        "nodes": list(session.nodes),
-        "step": session.step,
-        "world_size": session.job.world_size,
+        "nodes": list(rank_state.nodes),
+        "step": rank_state.step,
+        "world_size": rank_state.job.world_size,
     }
     return state
 
@@ -83,20 +95,20 @@ def entries_to_load(
     return state_dict, state_entries(rule, params, key_of, moments)
 
 
-def gather_state(session: OffloadSession, params: Sequence[torch.Tensor], index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
-    """torch's per-parameter state (keyed by ``index_of[id(param)]``) from the nodes' buckets."""
-    keys, with_step = STATE_KEYS[session.job.rule]
+def gather_state(rank_state: RankState, read_state: ReadState, params: Sequence[torch.Tensor], index_of: dict[int, int]) -> dict[int, dict[str, Any]]:
+    """torch's per-parameter state (keyed by ``index_of[id(param)]``) from the nodes' buckets (``rank_state``'s)."""
+    keys, with_step = STATE_KEYS[rank_state.job.rule]
     parts = [part for _, part in keys]
     flat = {part: [torch.zeros(p.numel(), dtype=torch.float32) for p in params] for part in parts}
     steps: list[float | None] = [None] * len(params)
-    for bucket in session.buckets:
+    for bucket in rank_state.buckets:
         for part in parts:
-            values, segment_steps = session.read_state(bucket.bucket_id, part)
+            values, segment_steps = read_state(bucket.bucket_id, part)
             for seg, count in zip(bucket.segments, segment_steps, strict=True):
                 flat[part][seg.param_index][seg.param_offset : seg.param_offset + seg.numel] = values[seg.bucket_offset : seg.bucket_offset + seg.numel]
                 if steps[seg.param_index] not in (None, count):
                     raise RuntimeError(
-                        f"the nodes hold parameter {session.job.params[seg.param_index].name!r} at two step counts ({steps[seg.param_index]}, {count})"
+                        f"the nodes hold parameter {rank_state.job.params[seg.param_index].name!r} at two step counts ({steps[seg.param_index]}, {count})"
                     )
                 steps[seg.param_index] = count
     state: dict[int, dict[str, Any]] = {}
@@ -131,11 +143,14 @@ def state_entries(rule: str, params: Sequence[torch.Tensor], key_of: dict[int, A
     return entries
 
 
-def load_state(session: OffloadSession, params: Sequence[torch.Tensor], entries: Sequence[dict[str, Any] | None], *, with_params: bool) -> None:
+def load_state(
+    rank_state: RankState, write_state: WriteState, params: Sequence[torch.Tensor], entries: Sequence[dict[str, Any] | None], *, with_params: bool
+) -> None:
     """Rank 0: every bucket's moments and step counts from the parameters' checked ``entries``
     (:func:`state_entries`; a parameter without one starts at zero, as in torch). With
-    ``with_params``, the parameters' current values become the nodes' fp32 masters too."""
-    keys, with_step = STATE_KEYS[session.job.rule]
+    ``with_params``, the parameters' current values become the nodes' fp32 masters too. Each bucket
+    of ``rank_state`` goes through ``write_state``."""
+    keys, with_step = STATE_KEYS[rank_state.job.rule]
     part_key = {part: key for key, part in keys}
 
     def step_of(entry: dict[str, Any] | None) -> float:
@@ -143,7 +158,7 @@ def load_state(session: OffloadSession, params: Sequence[torch.Tensor], entries:
             return 0.0  # as torch: no state yet, the first step starts it
         return float(entry["step"]) if with_step else 1.0  # a rule torch keeps no step for: past its first step
 
-    for bucket in session.buckets:
+    for bucket in rank_state.buckets:
         segment_steps = [step_of(entries[seg.param_index]) for seg in bucket.segments]
         parts = [*part_key, "param"] if with_params else list(part_key)
         for part in parts:
@@ -154,4 +169,4 @@ def load_state(session: OffloadSession, params: Sequence[torch.Tensor], entries:
                 if source is not None:
                     flat = source.detach().reshape(-1)[seg.param_offset : seg.param_offset + seg.numel]
                     values[seg.bucket_offset : seg.bucket_offset + seg.numel] = flat.to(device="cpu", dtype=torch.float32)
-            session.load_state(bucket.bucket_id, part, values, segment_steps if part == "exp_avg" else None)  # every rule has exp_avg
+            write_state(bucket.bucket_id, part, values, segment_steps if part == "exp_avg" else None)  # every rule has exp_avg

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-from gpu_worker.remote_optimizer import RemoteOptimizer
+import torch
+
+from gpu_worker.layerwise.units import UnitPlan
+from gpu_worker.remote_optimizer import RemoteOptimizer, RemoteOptions
+from netoptim.job.discovery import NodeSource
 from netoptim.job.hyper import AdamWHyper
 
 TORCH_ADAMW_GROUP_KEYS = {
@@ -38,6 +42,7 @@ class RemoteAdamW(RemoteOptimizer):
             unfrozen later; leave out the ones that never train (they would take node memory).
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``. The current values of each group
             travel with every step, so ``torch.optim.lr_scheduler`` works unchanged.
+        amsgrad, maximize: as in ``torch.optim.AdamW``; only ``False`` (the nodes implement neither).
         nodes: where the job's optimizer nodes are (:mod:`netoptim.job.discovery`). A list of data-plane
             addresses, like ``["tcp://10.0.0.5:5555"]``, is used as given: every rank must list them
             in the same order. A host file's path (one address per line, ``#`` comments) or ``None``
@@ -123,6 +128,9 @@ class RemoteAdamW(RemoteOptimizer):
         node_bandwidths: each node's link bandwidth (any unit, one number per node, the same on every
             rank): a node gets a share of the buckets in proportion, so a slower link is not the
             step's bottleneck. Default: equal shares.
+        local_size: the workers behind this rank whose gradients it pushes summed (set by
+            :class:`~gpu_worker.hierarchical.HostGroupAdamW` for its leader); the nodes divide the sum
+            by ``world_size x local_size``. Default 1.
         join_at_step: a worker joining a running job whose workers agreed to grow at that step
             (:meth:`gpu_worker.elastic.ElasticGroup.join` gives it, with ``rank`` and ``world_size``);
             see :meth:`morph` for the workers already in it.
@@ -146,10 +154,36 @@ class RemoteAdamW(RemoteOptimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
-        **options: Any,
+        nodes: NodeSource = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        wire_dtype: torch.dtype = torch.float32,
+        max_grad_norm: float | None = None,
+        bucket_numel: int | None = None,
+        bucket_layout: int | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 30.0,
+        heartbeat_s: float = 2.0,
+        silent_after_s: float = 10.0,
+        reconnect_s: float = 20.0,
+        push_during_backward: bool = False,
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
+        units: UnitPlan | None = None,
+        push_window_bytes: int = 1 << 30,
+        pace_window_bytes: int | None = None,
+        same_host_ipc: bool = True,
+        connections_per_node: int = 1,
+        module: torch.nn.Module | None = None,
+        broadcast_buffers: bool = True,
+        join_at_step: int | None = None,
+        local_size: int = 1,
+        node_bandwidths: Sequence[float] | None = None,
+        overlap_forward: bool = False,
+        keep_step_gradients: bool = True,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")
         AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay).validate()
-        # nodes, rank, world_size, ...: the options above, taken (with their defaults) by RemoteOptimizer._setup
-        self._setup(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, **options)
+        options = RemoteOptions.from_arguments(locals())
+        self._setup(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, options)

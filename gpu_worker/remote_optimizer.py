@@ -6,8 +6,9 @@ RemoteAdamW`, :class:`~gpu_worker.RemoteAdam`, :class:`~gpu_worker.RemoteSGD`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +34,52 @@ def adam_style_hyper(group: dict[str, Any]) -> AdamWHyper:
     return AdamWHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class RemoteOptions:
+    """The options every remote optimizer takes besides its rule's hyperparameters, as its constructor
+    was given them (each is documented on :class:`~gpu_worker.RemoteAdamW`). The public constructors
+    list them one by one, so that users and type checkers see them; this is what they hand on."""
+
+    nodes: NodeSource = None
+    rank: int | None = None
+    world_size: int | None = None
+    wire_dtype: torch.dtype = torch.float32
+    max_grad_norm: float | None = None
+    bucket_numel: int | None = None
+    bucket_layout: int | None = None
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 30.0
+    heartbeat_s: float = 2.0
+    silent_after_s: float = 10.0
+    reconnect_s: float = 20.0
+    push_during_backward: bool = False
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
+    units: UnitPlan | None = None
+    push_window_bytes: int = 1 << 30
+    pace_window_bytes: int | None = None
+    same_host_ipc: bool = True
+    connections_per_node: int = 1
+    module: torch.nn.Module | None = None
+    broadcast_buffers: bool = True
+    join_at_step: int | None = None
+    local_size: int = 1
+    node_bandwidths: Sequence[float] | None = None
+    overlap_forward: bool = False
+    keep_step_gradients: bool = True
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> RemoteOptions:
+        """The options among a constructor's arguments (its ``locals()``), picked by name: a constructor
+        whose signature lacks one fails here at once (a ``KeyError`` naming it), not with a default."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as keyword arguments of a remote optimizer's constructor (the values themselves,
+        not copies, unlike ``dataclasses.asdict``: ``module`` is the caller's model)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
 class RemoteOptimizer(torch.optim.Optimizer):
     """The machinery of a remote optimizer: registration with the nodes, pushes (at ``step()`` or
     during backward), installing the new values, buffers, state dicts, param groups. A subclass
@@ -44,40 +91,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
     torch_group_keys: ClassVar[dict[str, Any]] = {}
     """What torch's optimizer of the same rule keeps in each param group besides the hyperparameters."""
 
-    def _setup(
-        self,
-        params: Iterable[Any],
-        defaults: dict[str, Any],
-        *,
-        nodes: NodeSource = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        wire_dtype: torch.dtype = torch.float32,
-        max_grad_norm: float | None = None,
-        bucket_numel: int | None = None,
-        bucket_layout: int | None = None,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 30.0,
-        heartbeat_s: float = 2.0,
-        silent_after_s: float = 10.0,
-        reconnect_s: float = 20.0,
-        push_during_backward: bool = False,
-        curve_secret_key: str | None = None,
-        curve_server_key: str | None = None,
-        units: UnitPlan | None = None,
-        push_window_bytes: int = 1 << 30,
-        pace_window_bytes: int | None = None,
-        same_host_ipc: bool = True,
-        connections_per_node: int = 1,
-        module: torch.nn.Module | None = None,
-        broadcast_buffers: bool = True,
-        join_at_step: int | None = None,
-        local_size: int = 1,
-        node_bandwidths: Sequence[float] | None = None,
-        overlap_forward: bool = False,
-        keep_step_gradients: bool = True,
-    ) -> None:
-        """Register the job with the nodes and start; the optimizer's options are documented on the class."""
+    def _setup(self, params: Iterable[Any], defaults: dict[str, Any], options: RemoteOptions) -> None:
+        """Register the job with the nodes and start; the options are documented on :class:`~gpu_worker.RemoteAdamW`."""
+        nodes = options.nodes
+        rank, world_size = options.rank, options.world_size
+        wire_dtype, max_grad_norm = options.wire_dtype, options.max_grad_norm
+        units, module = options.units, options.module
+        overlap_forward, push_during_backward = options.overlap_forward, options.push_during_backward
+        curve_secret_key, curve_server_key = options.curve_secret_key, options.curve_server_key
+        join_at_step, timeout_s = options.join_at_step, options.timeout_s
+        pace_window_bytes, push_window_bytes = options.pace_window_bytes, options.push_window_bytes
+        same_host_ipc, connections_per_node = options.same_host_ipc, options.connections_per_node
+        keep_step_gradients, broadcast_buffers = options.keep_step_gradients, options.broadcast_buffers
         check_options(
             units=units,
             module=module,
@@ -92,7 +117,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         )
         nodes = discover_nodes(nodes, timeout_s=timeout_s)  # a list as given; a host file or None: resolved by rank 0, shared
         timeouts = WorkerTimeouts(
-            timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, heartbeat_s=heartbeat_s, silent_after_s=silent_after_s, reconnect_s=reconnect_s
+            timeout_s=timeout_s,
+            connect_timeout_s=options.connect_timeout_s,
+            heartbeat_s=options.heartbeat_s,
+            silent_after_s=options.silent_after_s,
+            reconnect_s=options.reconnect_s,
         )
         torch.optim.Optimizer.__init__(self, params, defaults)
         self.state = NodeHeldState(dict)
@@ -102,13 +131,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
             units=units,
             num_nodes=len(nodes),
             world_size=world_size,
-            bucket_numel=bucket_numel,
-            bucket_layout=bucket_layout,
+            bucket_numel=options.bucket_numel,
+            bucket_layout=options.bucket_layout,
             wire_dtype=wire_dtype,
             max_grad_norm=max_grad_norm,
             rule=self.rule,
-            local_size=local_size,
-            node_bandwidths=node_bandwidths,
+            local_size=options.local_size,
+            node_bandwidths=options.node_bandwidths,
         )
         self._params = tensors
         if overlap_forward:
@@ -144,8 +173,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if module is not None and broadcast_buffers and world_size > 1 and any(True for _ in module.buffers()):
                 self._buffers = BufferBroadcast(module, lambda: self._sync_enabled)
             # the gradient hooks' early pushes (and their courier) and overlap_forward's waits
+            session = self._session
             self._hooks = StepHooks(
-                self._session,
+                session.state,
+                session.pushes,
+                awaiting=lambda: session.awaiting_values,
+                await_upto=session.await_values,
+                complete=session.complete_step,
+                paced=session.pacer is not None,
                 owner_thread=self._owner_thread,
                 push_early=push_during_backward and units is None,
                 overlap_module=module if overlap_forward else None,
@@ -340,7 +375,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._hooks.take_sockets()
         if self._streamer is not None:
             self._streamer.gather()  # waits until every bucket applied the last step
-        return with_node_state(super().state_dict(), self._session, self._params, self.param_groups, self.torch_group_keys)
+        session = self._session
+        return with_node_state(super().state_dict(), session.state, session.read_state, self._params, self.param_groups, self.torch_group_keys)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of torch's optimizer of the same rule (or from :meth:`state_dict`): the
@@ -355,7 +391,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._hooks.take_sockets()
         if self._session.rank == 0:
             with_params = self._streamer is None and all(p.dtype == torch.float32 for p in self._params)
-            load_state(self._session, self._params, entries, with_params=with_params)
+            load_state(self._session.state, self._session.load_state, self._params, entries, with_params=with_params)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (progressive unfreezing).
@@ -377,7 +413,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self._hooks.take_sockets()
         super().add_param_group(param_group)
-        self._params = extend_job(session, self.param_groups, self._params, overlap_module=self._hooks.overlap_module)
+        self._params = extend_job(session.job, session.extend, self.param_groups, self._params, overlap_module=self._hooks.overlap_module)
         self._hooks.index(self._params, self._on_grad_ready)
 
     def close(self) -> None:

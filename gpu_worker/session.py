@@ -20,12 +20,13 @@ from gpu_worker.exchange.awaited_values import AwaitedValues
 from gpu_worker.exchange.gradient_pushes import GradientPushes
 from gpu_worker.exchange.push_pacing import PushPacer
 from gpu_worker.exchange.value_installer import ValueInstaller
-from gpu_worker.layout import describe_bucket, gather_bucket
+from gpu_worker.layout import gather_bucket
 from gpu_worker.links.bucket_exchange import BucketExchange
 from gpu_worker.links.connections import NodeConnections, NodeError, NonFiniteGradientError
 from gpu_worker.links.liveness import WorkerTimeouts
-from gpu_worker.links.messages import NodeMessages
+from gpu_worker.links.messages import NodeMessages, ParamsRoute
 from gpu_worker.links.news import NodeNews
+from gpu_worker.links.rank_state import RankState
 from gpu_worker.links.receive_loop import ReceiveLoop
 from gpu_worker.links.recovery import NodeRecovery
 from gpu_worker.links.refusals import RefusedGradients
@@ -62,39 +63,36 @@ class OffloadSession:
         same_host: bool = True,
         connections_per_node: int = 1,
         keep_step_gradients: bool = True,
+        pacer: PushPacer | None = None,
+        pacer_ack: MsgType = MsgType.CONSUMED,
     ) -> None:
         job.validate()
         if len(nodes) != job.num_nodes:
             raise ValueError(f"the job has {job.num_nodes} nodes but {len(nodes)} addresses were given")
         if not 0 <= rank < job.world_size:
             raise ValueError(f"rank {rank} is not in [0, {job.world_size})")
-        self.nodes = list(nodes)
-        self.job = job
-        self.rank = rank
-        self.params = list(params)
         timeouts.validate()
         self.timeouts = timeouts
         self.timeout_s = timeouts.timeout_s
-        self.buckets: list[BucketSpec] = job.plan()
-        self.bucket_steps = [0] * len(self.buckets)
+        # what this rank knows of its job (rank, buckets, their steps, ...), shared with the parts below
+        self.state = RankState(nodes, job, rank, params)
         self.news = NodeNews()  # what the nodes told this worker: a leave request, the last norm, skipped steps
         self._wire_dtype = WIRE_DTYPES[job.wire_dtype]
-        self._cuda = any(p.device.type == "cuda" for p in self.params) and torch.cuda.is_available()
+        self._cuda = any(p.device.type == "cuda" for p in self.state.params) and torch.cuda.is_available()
         # received values into the parameters (on a GPU on a side stream, staged through buffers of the largest bucket)
-        self._installer = ValueInstaller(cuda=self._cuda, staging_numel=max([job.bucket_numel, *(b.numel for b in self.buckets)]))
-        self.timings = WorkerStepTimings()
-        self.on_params: Callable[[int, Message], None] | None = None  # layer-wise: called for each PARAMS
+        buckets = self.state.buckets
+        self._installer = ValueInstaller(cuda=self._cuda, staging_numel=max([job.bucket_numel, *(b.numel for b in buckets)]))
         # Flow control (gpu_worker.exchange.push_pacing): gradient bytes pushed and not yet acknowledged; a push
         # that would exceed the window first waits. Layer-wise, a node's CONSUMED acknowledges a push;
         # paced full-model pushes, the bucket's new values do.
-        self.pacer: PushPacer | None = None
-        self.pacer_ack = MsgType.CONSUMED
+        self.pacer = pacer
+        self.pacer_ack = pacer_ack
+        self._route = ParamsRoute()  # where PARAMS go: what awaits values at the moment
         # This process, to the nodes: a restarted worker is a new incarnation of its rank, which redoes
         # the step its predecessor left unfinished and pushes only what the nodes do not have yet.
         self.incarnation = secrets.randbits(63) | 1
-        self.resume_step = 0  # the step this worker (re)does first, set at HELLO
         self._connections = NodeConnections(
-            self.nodes,
+            self.state.nodes,
             rank,
             self.incarnation,
             job.to_wire(),
@@ -104,23 +102,47 @@ class OffloadSession:
             connections_per_node=connections_per_node,
         )
         # what this rank pushed of the step in progress (and what the nodes hold already after a restart), and the pushes
-        self.pushes = GradientPushes(self, self._connections, self._wire_dtype, pin_memory=self._cuda)
+        self.pushes = GradientPushes(
+            self.state, self._connections, self._wire_dtype, pin_memory=self._cuda, pacer=pacer, pacer_ack=pacer_ack, wait_for_room=self.wait_for_room
+        )
         self._advanced_at: dict[int, int] = {}  # layer-wise: bucket -> the step this process last pushed it for
         # Non-finite gradients (--non-finite on the nodes). Refused: this rank's gradient of a bucket of
         # the open step was refused (bucket -> (node, bucket, step, values)); blocked: bucket -> (step, the
         # ranks whose gradient of it for that step was refused): it cannot come back until they push it again.
         self._refusals = RefusedGradients()
         self._exchange = BucketExchange(self._connections)
-        self._registration = NodeRegistration(self._connections, self.nodes, self.pushes.batching_nodes)
-        # full mode: the values pulled at connect and awaited after each step's pushes, installed as they come
-        self._values = AwaitedValues(self, self.pushes, self._refusals, self._installer, keep_gradients=keep_step_gradients)
+        self._registration = NodeRegistration(self._connections, self.state.nodes, self.pushes.batching_nodes)
+        # full mode: the values pulled at connect and awaited after each step's pushes, installed as they come.
+        # The PULLs, the receive loop and the reconnects come after it: it reaches them through this
+        # session's methods, bound here and called only once everything is built.
+        self._values = AwaitedValues(
+            self.state,
+            self.pushes,
+            self._refusals,
+            self._installer,
+            route=self._route,
+            pacer=pacer,
+            request=self.request,
+            receive_until=self.receive_until,
+            has_reconnected=self.has_reconnected,
+            keep_gradients=keep_step_gradients,
+        )
         # each message from the nodes to its place; the PULLs not answered yet; rank 0's norm totals
         self._messages = NodeMessages(
-            self, self._connections, self.news, self._refusals, self.pushes.batching_nodes, collect_refusal=self._values.collect_refusal
+            self.state,
+            self._connections,
+            self.news,
+            self._refusals,
+            self.pushes.batching_nodes,
+            route=self._route,
+            pacer=pacer,
+            pacer_ack=pacer_ack,
+            timeout_s=self.timeout_s,
+            collect_refusal=self._values.collect_refusal,
         )
         # a node that went away: reconnected to, and brought up to date with this rank
         self._recovery = NodeRecovery(
-            self,
+            self.state,
             self._connections,
             self._registration,
             timeouts,
@@ -134,18 +156,69 @@ class OffloadSession:
             self._connections, timeouts, dispatch=self._messages.dispatch, reconnect=self._recovery.reconnect, diagnose=self._messages.diagnose_timeout
         )
 
+    # ---------------------------------------------------------------- this rank's place in the job
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes' addresses, as given."""
+        return self.state.nodes
+
+    @property
+    def job(self) -> JobSpec:
+        """The job's spec (it changes when a param group is added or the job morphs)."""
+        return self.state.job
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (it changes when the job morphs)."""
+        return self.state.rank
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The job's parameters in layout order."""
+        return self.state.params
+
+    @property
+    def buckets(self) -> list[BucketSpec]:
+        """The job's buckets."""
+        return self.state.buckets
+
+    @property
+    def bucket_steps(self) -> list[int]:
+        """Each bucket's step as this worker knows it."""
+        return self.state.bucket_steps
+
+    @property
+    def resume_step(self) -> int:
+        """The step this worker (re)does first, set at HELLO."""
+        return self.state.resume_step
+
+    @property
+    def timings(self) -> WorkerStepTimings:
+        """The phases' times since :meth:`take_timings`."""
+        return self.state.timings
+
+    @property
+    def on_params(self) -> Callable[[int, Message], None] | None:
+        """Layer-wise: called for each PARAMS (the streamer sets it); ``None`` while nothing awaits values."""
+        return self._route.handler
+
+    @on_params.setter
+    def on_params(self, handler: Callable[[int, Message], None] | None) -> None:
+        self._route.handler = handler
+
     # ---------------------------------------------------------------- setup
 
     @property
     def step(self) -> int:
         """The step the nodes are at for this worker: every bucket has had this many updates."""
-        return min(self.bucket_steps, default=0)
+        return self.state.step
 
     def connect(self) -> None:
         """Full mode: register (rank 0) or check (other ranks) the layout, then pull the current parameters."""
         self._initialize(self.hello())
-        self._values.pull(range(len(self.buckets)), self.resume_step, "")
-        log.info("rank %d connected to %d node(s); the job is at step %d", self.rank, len(self.nodes), self.step)
+        self._values.pull(range(len(self.state.buckets)), self.state.resume_step, "")
+        log.info("rank %d connected to %d node(s); the job is at step %d", self.state.rank, len(self.state.nodes), self.step)
 
     def extend(self, job: JobSpec, params: Sequence[torch.Tensor]) -> list[int]:
         """A param group was added between steps: ``job`` is the old one with its parameters appended
@@ -154,42 +227,42 @@ class OffloadSession:
         every rank starts them from rank 0's values. Returns the new bucket ids."""
         if self.pushes.pushed or self._refusals.step_open:
             raise RuntimeError("a param group can only be added between steps (after step(), before the next backward)")
-        if not self.job.extended_by(job):
+        if not self.state.job.extended_by(job):
             raise ValueError("the added param group must only add parameters after the existing ones")
         step = self.step
-        before = (self.job, self.params, self.buckets, self.bucket_steps)
-        old = len(self.buckets)
-        self.job, self.params = job, list(params)
-        self.buckets = job.plan()
-        self.bucket_steps = self.bucket_steps + [step] * (len(self.buckets) - old)
-        self.pushes.sender.set_bucket_count(len(self.buckets))
+        before = (self.state.job, self.state.params, self.state.buckets, self.state.bucket_steps)
+        old = len(self.state.buckets)
+        self.state.job, self.state.params = job, list(params)
+        self.state.buckets = job.plan()
+        self.state.bucket_steps = self.state.bucket_steps + [step] * (len(self.state.buckets) - old)
+        self.pushes.sender.set_bucket_count(len(self.state.buckets))
         self._connections.set_job(job.to_wire())
         try:
             needs_init = self.hello()
         except BaseException:  # a node refused the extension (it cannot fit it, a step is in flight): this worker keeps the old job
-            self.job, self.params, self.buckets, self.bucket_steps = before
-            self._connections.set_job(self.job.to_wire())
+            self.state.job, self.state.params, self.state.buckets, self.state.bucket_steps = before
+            self._connections.set_job(self.state.job.to_wire())
             raise
-        added = list(range(old, len(self.buckets)))
+        added = list(range(old, len(self.state.buckets)))
         self._initialize(needs_init)
         self._values.pull(added, step, " of the added param group")
         return added
 
     def _initialize(self, needs_init: Sequence[int]) -> None:
         """Rank 0: give the buckets in ``needs_init`` their initial values, gathered from the parameters."""
-        if self.rank != 0 or not needs_init:
+        if self.state.rank != 0 or not needs_init:
             return
         log.info("registering initial values of %d buckets", len(needs_init))
-        initial = torch.empty(max(self.buckets[b].numel for b in needs_init), dtype=torch.float32)
+        initial = torch.empty(max(self.state.buckets[b].numel for b in needs_init), dtype=torch.float32)
         for bucket_id in needs_init:
-            values = initial[: self.buckets[bucket_id].numel]
-            gather_bucket(self.buckets[bucket_id], self.params, values)
+            values = initial[: self.state.buckets[bucket_id].numel]
+            gather_bucket(self.state.buckets[bucket_id], self.state.params, values)
             self.send_initial(bucket_id, values)
 
     def hello(self) -> list[int]:
         """Register (rank 0) or check (other ranks) the layout with every node; returns the buckets
         that still need initial values (only rank 0 sends them, with :meth:`send_initial`)."""
-        registered = self._registration.hello(self.buckets, self.timeouts.first_answer_s)
+        registered = self._registration.hello(self.state.buckets, self.timeouts.first_answer_s)
         self._resume_at(registered.resume)
         return registered.needs_init
 
@@ -197,18 +270,18 @@ class OffloadSession:
         """Take the step this rank (re)does from the nodes' accounts: the lowest of them. A node already
         a step further has this rank's whole gradient of that step; on the others, the buckets listed
         have it too. Only the rest is pushed."""
-        step, contributed = resume_point(resume, [b.node for b in self.buckets], self.rank)
-        self.resume_step = step
-        self.bucket_steps = [step] * len(self.buckets)
+        step, contributed = resume_point(resume, [b.node for b in self.state.buckets], self.state.rank)
+        self.state.resume_step = step
+        self.state.bucket_steps = [step] * len(self.state.buckets)
         self.pushes.contributed = set(contributed)  # each leaves once its step is pushed again
         if contributed:
             log.warning(
                 "rank %d resumes in the middle of step %d: the nodes already hold its gradient of %d of %d buckets (from the process it replaces); it pushes the other %d",
-                self.rank,
+                self.state.rank,
                 step,
                 len(contributed),
-                len(self.buckets),
-                len(self.buckets) - len(contributed),
+                len(self.state.buckets),
+                len(self.state.buckets) - len(contributed),
             )
 
     @property
@@ -230,40 +303,40 @@ class OffloadSession:
 
     def join_at(self, at_step: int) -> None:
         """Before :meth:`connect`: this worker joins a running job whose workers agreed to grow at ``at_step``."""
-        self._connections.set_job(self.job.to_wire(), morph_at=at_step)
+        self._connections.set_job(self.state.job.to_wire(), morph_at=at_step)
 
     def morph(self, rank: int, world_size: int, at_step: int) -> None:
         """Between steps: go on as ``rank`` of ``world_size`` workers from step ``at_step``, the step the
         job's workers agreed to change its width at (:mod:`gpu_worker.elastic`). Every node takes the new
         width once it reaches that step (:mod:`optimizer_node.intake.morphing`); the parameters stay as they are."""
-        if self.job.mode != "full":
+        if self.state.job.mode != "full":
             raise ValueError("a layer-wise job cannot change its width: morphing is for full-model jobs")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         if self.pushes.pushed or self._refusals.step_open:
-            raise RuntimeError(f"rank {self.rank} has pushed gradients of step {self.step}: a worker morphs between steps")
+            raise RuntimeError(f"rank {self.state.rank} has pushed gradients of step {self.step}: a worker morphs between steps")
         if self.step != at_step:
-            raise RuntimeError(f"rank {self.rank} is at step {self.step}, the morph is at step {at_step}: the agreement and this worker disagree")
-        self.job = dataclasses.replace(self.job, world_size=world_size)
-        self.rank = rank
-        self._connections.set_job(self.job.to_wire(), rank=rank, morph_at=at_step)
+            raise RuntimeError(f"rank {self.state.rank} is at step {self.step}, the morph is at step {at_step}: the agreement and this worker disagree")
+        self.state.job = dataclasses.replace(self.state.job, world_size=world_size)
+        self.state.rank = rank
+        self._connections.set_job(self.state.job.to_wire(), rank=rank, morph_at=at_step)
         self._messages.norm_totals.forget()
-        self._resume_at(self._registration.hello(self.buckets, self.timeout_s).resume)
-        if self.resume_step != at_step:
-            raise RuntimeError(f"the nodes resumed rank {rank} at step {self.resume_step} after the morph at step {at_step}")
+        self._resume_at(self._registration.hello(self.state.buckets, self.timeout_s).resume)
+        if self.state.resume_step != at_step:
+            raise RuntimeError(f"the nodes resumed rank {rank} at step {self.state.resume_step} after the morph at step {at_step}")
         log.info("rank %d of %d from step %d (the job changed its width)", rank, world_size, at_step)
 
     def send_initial(self, bucket_id: int, values: torch.Tensor) -> None:
         """Rank 0: give a bucket its initial fp32 values (flat); waits for the ACK."""
-        self._exchange.send_initial(self.buckets[bucket_id], self.rank, values)
+        self._exchange.send_initial(self.state.buckets[bucket_id], self.state.rank, values)
 
     def read_state(self, bucket_id: int, part: str) -> tuple[torch.Tensor, list[float]]:
         """One part of a bucket's optimizer state and its segments' step counts (see :class:`BucketExchange`)."""
-        return self._exchange.read_state(self.buckets[bucket_id], self.rank, part)
+        return self._exchange.read_state(self.state.buckets[bucket_id], self.state.rank, part)
 
     def load_state(self, bucket_id: int, part: str, values: torch.Tensor, segment_steps: list[float] | None = None) -> None:
         """Rank 0: replace one part of a bucket's optimizer state (see :class:`BucketExchange`)."""
-        self._exchange.load_state(self.buckets[bucket_id], self.rank, self.bucket_steps[bucket_id], part, values, segment_steps)
+        self._exchange.load_state(self.state.buckets[bucket_id], self.state.rank, self.state.bucket_steps[bucket_id], part, values, segment_steps)
 
     def request(self, bucket_id: int, at_step: int) -> None:
         """Layer-wise: ask for a bucket's values of ``at_step``; the node answers once the bucket is there."""
@@ -303,19 +376,19 @@ class OffloadSession:
         (a full-model worker pushing during backward) are kept for ``finish_step``; a node that restarts
         meanwhile gets this step's full-model pushes again from ``grads`` (final for every bucket pushed
         so far)."""
-        if pacer.has_room(nbytes) or (self.pacer_ack == MsgType.PARAMS and self.on_params is not None):
+        if pacer.has_room(nbytes) or (self.pacer_ack == MsgType.PARAMS and self._route.handler is not None):
             return  # full model, the step already collecting its values (a push again after a reconnect): no wait inside it
         pacer.waits += 1
-        keeping = self.on_params is None
+        keeping = self._route.handler is None
         if keeping:
-            self.on_params = pacer.keep
+            self._route.handler = pacer.keep
         awaited = "the nodes have not consumed" if self.pacer_ack == MsgType.CONSUMED else "no new values yet for"
         try:
             with self._values.held(grads, hypers):
                 self.receive_until(lambda: pacer.has_room(nbytes), lambda: f"{awaited} {pacer.in_flight_bytes} bytes of pushed gradients (the push window)")
         finally:
             if keeping:
-                self.on_params = None
+                self._route.handler = None
 
     def release_send_buffers(self) -> None:
         """Drop the pooled send buffers (layer-wise workers keep no gradient memory between steps)."""
@@ -324,8 +397,8 @@ class OffloadSession:
     def advance(self, bucket_ids: Sequence[int]) -> None:
         """Layer-wise: the pushed buckets' step is over for this worker (their values come on request)."""
         for bucket_id in bucket_ids:
-            self._advanced_at[bucket_id] = self.bucket_steps[bucket_id]
-            self.bucket_steps[bucket_id] += 1
+            self._advanced_at[bucket_id] = self.state.bucket_steps[bucket_id]
+            self.state.bucket_steps[bucket_id] += 1
         for bucket_id in bucket_ids:
             self.pushes.pushed.pop(bucket_id, None)
         self.pushes.skipped.difference_update(bucket_ids)
@@ -371,7 +444,7 @@ class OffloadSession:
 
     def describe_bucket(self, bucket_id: int) -> str:
         """The parameters a bucket holds, for messages (``w[0:128], b``)."""
-        return describe_bucket(self.job.params, self.buckets[bucket_id])
+        return self.state.describe_bucket(bucket_id)
 
     @property
     def send_buffers_allocated(self) -> int:
@@ -380,7 +453,7 @@ class OffloadSession:
 
     def take_timings(self) -> WorkerStepTimings:
         """The phases' times since the last call (a step's, when called once a step), starting anew."""
-        taken, self.timings = self.timings, WorkerStepTimings()
+        taken, self.state.timings = self.state.timings, WorkerStepTimings()
         return taken
 
     @property
@@ -395,7 +468,7 @@ class OffloadSession:
         PARAMS go to ``on_params``; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
         clipped step here, whatever it was waiting for; an ERROR raises :class:`NodeError`. Silent
         nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.links.liveness`)."""
-        self._receiver.run_until(done, missing, self.timings)
+        self._receiver.run_until(done, missing, self.state.timings)
 
     def close(self) -> None:
         """Tell every node this rank is done (once every rank has, between steps, a node knows its job

@@ -44,6 +44,12 @@ def start_session(
     connects a :class:`LayerStreamer` (``hypers`` and ``sync_enabled`` are the optimizer's, read as
     it pushes), returned with it. A failure closes the connections the session opened."""
     curve = CurveClientConfig(curve_secret_key, curve_server_key) if curve_secret_key and curve_server_key else None
+    pacer: PushPacer | None = None
+    pacer_ack = MsgType.CONSUMED
+    if units is not None:
+        pacer = PushPacer(push_window_bytes)  # acknowledged by the nodes' CONSUMED
+    elif pace_window_bytes is not None:
+        pacer, pacer_ack = PushPacer(pace_window_bytes), MsgType.PARAMS  # acknowledged by the bucket's new values
     session = OffloadSession(
         nodes,
         job,
@@ -54,17 +60,16 @@ def start_session(
         same_host=same_host_ipc,
         connections_per_node=connections_per_node,
         keep_step_gradients=keep_step_gradients,
+        pacer=pacer,
+        pacer_ack=pacer_ack,
     )
     streamer: LayerStreamer | None = None
     try:
         if join_at_step is not None:  # a worker joining a running job: the nodes take it, at the new width, from that step
             session.join_at(join_at_step)
-        if pace_window_bytes is not None:
-            session.pacer, session.pacer_ack = PushPacer(pace_window_bytes), MsgType.PARAMS
         if units is None:
             session.connect()
         else:
-            session.pacer = PushPacer(push_window_bytes)  # acknowledged by the nodes' CONSUMED
             streamer = LayerStreamer(units, session, hypers=hypers, sync_enabled=sync_enabled)
             streamer.connect()
     except BaseException:

@@ -15,21 +15,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_worker.links.connections import NonFiniteGradientError
-from gpu_worker.links.step_timings import WorkerStepTimings, elapsed
+from gpu_worker.links.step_timings import elapsed
 from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec
 from transport.interface import Message
 
 if TYPE_CHECKING:
     from gpu_worker.exchange.gradient_pushes import GradientPushes
     from gpu_worker.exchange.push_pacing import PushPacer
     from gpu_worker.exchange.value_installer import ValueInstaller
+    from gpu_worker.links.messages import ParamsRoute
+    from gpu_worker.links.rank_state import RankState
     from gpu_worker.links.refusals import RefusedGradients
 
 log = logging.getLogger(__name__)
@@ -42,29 +42,6 @@ StepGradients = tuple[Sequence[torch.Tensor | None], Sequence[AdamWHyper]]
 """The gradients of a step (``grads[i]`` belongs to ``params[i]``) and each param group's hyperparameters."""
 
 
-class ValuesSession(Protocol):
-    """What the awaited values read of the session at each bucket (each may change between steps),
-    and what they call on it: the PULLs, the wait for the nodes' messages, the handler of PARAMS."""
-
-    rank: int
-    nodes: list[str]
-    job: JobSpec
-    params: list[torch.Tensor]
-    buckets: list[BucketSpec]
-    bucket_steps: list[int]
-    timings: WorkerStepTimings
-    pacer: PushPacer | None
-    on_params: Callable[[int, Message], None] | None
-
-    def request(self, bucket_id: int, at_step: int) -> None: ...
-
-    def receive_until(self, done: Callable[[], bool], missing: Callable[[], str]) -> None: ...
-
-    def has_reconnected(self, node_index: int) -> bool: ...
-
-    def describe_bucket(self, bucket_id: int) -> str: ...
-
-
 class AwaitedValues:
     """A full-model worker's open step, from its last pushes to every bucket's new values installed.
 
@@ -72,13 +49,34 @@ class AwaitedValues:
     below it is awaited (:meth:`await_upto` moves it up, a reconnect down); ``grads``: the open
     step's gradients, kept so that a node that restarts mid-step gets them again (with
     ``keep_gradients`` off, only while the step's pushes go out); ``awaiting``: between
-    :meth:`begin` and the end of :meth:`complete`."""
+    :meth:`begin` and the end of :meth:`complete`.
+
+    What it uses of the rest of the session: ``state``, read at each bucket (each may change between
+    steps); ``route``, where it points the nodes' PARAMS while it awaits values; ``pacer``, the push
+    window, if any; ``request(bucket_id, at_step)``, a PULL; ``receive_until(done, missing)``, the
+    wait for the nodes' messages; ``has_reconnected(node_index)``, whether values may come twice."""
 
     def __init__(
-        self, session: ValuesSession, pushes: GradientPushes, refusals: RefusedGradients, installer: ValueInstaller, *, keep_gradients: bool = True
+        self,
+        state: RankState,
+        pushes: GradientPushes,
+        refusals: RefusedGradients,
+        installer: ValueInstaller,
+        *,
+        route: ParamsRoute,
+        pacer: PushPacer | None,
+        request: Callable[[int, int], None],
+        receive_until: Callable[[Callable[[], bool], Callable[[], str]], None],
+        has_reconnected: Callable[[int], bool],
+        keep_gradients: bool = True,
     ) -> None:
         self.keep_gradients = keep_gradients
-        self._session = session
+        self._state = state
+        self._route = route
+        self._pacer = pacer
+        self._request = request
+        self._receive_until = receive_until
+        self._has_reconnected = has_reconnected
         self._pushes = pushes
         self._refusals = refusals
         self._installer = installer
@@ -90,25 +88,24 @@ class AwaitedValues:
     def pull(self, bucket_ids: Iterable[int], at_step: int, which: str) -> None:
         """Ask for the values of ``bucket_ids`` at ``at_step`` and install them as they come (``which``
         says what they are in the timeout's message)."""
-        session = self._session
         waiting = set(bucket_ids)
         for bucket_id in sorted(waiting):
-            session.request(bucket_id, at_step)
-        session.on_params = lambda index, message: self.install(index, message, waiting, expect_next_step=False)
+            self._request(bucket_id, at_step)
+        self._route.handler = lambda index, message: self.install(index, message, waiting, expect_next_step=False)
         try:
-            session.receive_until(lambda: not waiting, lambda: f"no values for {len(waiting)} bucket(s){which}")
+            self._receive_until(lambda: not waiting, lambda: f"no values for {len(waiting)} bucket(s){which}")
         finally:
-            session.on_params = None
+            self._route.handler = None
         self._installer.settle()
 
     def begin(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet; the new values are then awaited (:attr:`awaiting`) until
         :meth:`complete`, in part by :meth:`await_upto`."""
-        session, refusals = self._session, self._refusals
+        state, refusals = self._state, self._refusals
         if refusals.step_open:  # a retry: the refused buckets go again
-            refusals.retry(session.rank)
+            refusals.retry(state.rank)
         else:
-            self.waiting = set(range(len(session.buckets)))
+            self.waiting = set(range(len(state.buckets)))
             refusals.new_step()
         self.first_awaited = 0
         self.grads = (grads, hypers)  # a node that restarts mid-step gets them again
@@ -116,15 +113,19 @@ class AwaitedValues:
         if not self.keep_gradients:  # RemoteAdamW(keep_step_gradients=False): their memory goes with the caller's zero_grad()
             self.grads = None
         for bucket_id in sorted(self._pushes.skipped):  # their new values went to the process this one replaces
-            session.request(bucket_id, session.bucket_steps[bucket_id] + 1)
+            self._request(bucket_id, state.bucket_steps[bucket_id] + 1)
         self._pushes.skipped.clear()
         waiting = self.waiting
-        session.on_params = lambda index, message: self.install(index, message, waiting, expect_next_step=True)
+
+        def handler(index: int, message: Message) -> None:
+            self.install(index, message, waiting, expect_next_step=True)
+
+        self._route.handler = handler
         refusals.collecting = True
         self.awaiting = True
         try:
-            if session.pacer is not None:
-                session.pacer.replay(session.on_params)
+            if self._pacer is not None:
+                self._pacer.replay(handler)
         except BaseException:
             self.end()
             raise
@@ -133,7 +134,7 @@ class AwaitedValues:
     def held(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> Iterator[None]:
         """While a full-model push waits for room in the push window (during backward, before the step
         holds its gradients): ``grads`` held for a node that restarts meanwhile."""
-        if self.grads is not None or self._session.job.mode == "layerwise":
+        if self.grads is not None or self._state.job.mode == "layerwise":
             yield
             return
         self.grads = (grads, hypers)
@@ -158,7 +159,7 @@ class AwaitedValues:
             return first > upto or bool(self._refusals.refused)
 
         try:
-            self._session.receive_until(done, lambda: f"no parameters for bucket(s) {sorted(b for b in waiting if b <= upto)[:8]} (of {len(waiting)} missing)")
+            self._receive_until(done, lambda: f"no parameters for bucket(s) {sorted(b for b in waiting if b <= upto)[:8]} (of {len(waiting)} missing)")
             # And what else is here already: installed early (their copies start sooner), and values
             # from a remote node do not pile up in the socket's queue while the forward computes.
             take_waiting(TAKE_WAITING_ROUNDS)
@@ -171,32 +172,32 @@ class AwaitedValues:
     def complete(self) -> None:
         """Install every remaining value of the open step and end it; :class:`NonFiniteGradientError`
         when the nodes refused this rank's gradient of some buckets (the step stays open)."""
-        session, waiting = self._session, self.waiting
+        state, waiting = self._state, self.waiting
         try:
             # Done when every bucket is back, or, after a refusal of this rank's gradient, when each one
             # still missing waits for a refused gradient (this rank's, or another's it was told about).
-            session.receive_until(
-                lambda: not waiting or self._refusals.only_blocked_left(waiting, session.bucket_steps),
+            self._receive_until(
+                lambda: not waiting or self._refusals.only_blocked_left(waiting, state.bucket_steps),
                 lambda: f"no parameters for {len(waiting)} bucket(s)",
             )
             if waiting:
                 self._refusals.step_open = True
-                raise NonFiniteGradientError(session.rank, self._refusals.in_order(), session.describe_bucket)
+                raise NonFiniteGradientError(state.rank, self._refusals.in_order(), state.describe_bucket)
         finally:
             self.end()
 
     def end(self) -> None:
         """The open step's wait is over: the staged copies and, unless a refusal keeps the step open,
         what the step pushed and awaited are dropped."""
-        session, refusals = self._session, self._refusals
+        refusals = self._refusals
         self.awaiting = False
-        session.on_params = None
+        self._route.handler = None
         refusals.collecting = False
         self._installer.settle()
         self._pushes.sender.drop_staged()  # what was staged and not sent (a retried step stages again)
         if not refusals.step_open:
-            if session.pacer is not None:
-                session.pacer.clear()
+            if self._pacer is not None:
+                self._pacer.clear()
             self._pushes.pushed.clear()
             self.grads = None
             self.waiting = set()
@@ -205,50 +206,50 @@ class AwaitedValues:
     def await_again(self, bucket_id: int, step: int) -> None:
         """A node that restarted lost the update of ``bucket_id`` past ``step``: its values of the next
         step are awaited again."""
-        self._session.bucket_steps[bucket_id] = step
+        self._state.bucket_steps[bucket_id] = step
         self.waiting.add(bucket_id)
         self.first_awaited = min(self.first_awaited, bucket_id)
 
     def collect_refusal(self, error: NonFiniteGradientError) -> bool:
         """finish_step: note that a node refused this rank's gradient of a bucket it waits for (the
         step raises once the rest is in); False where it must raise now (layer-wise, another rank's)."""
-        session = self._session
+        state = self._state
         node, bucket_id, step, _values = error.refusals[0]
-        if not self._refusals.collecting or error.rank != session.rank or bucket_id not in self.waiting or step != session.bucket_steps[bucket_id]:
+        if not self._refusals.collecting or error.rank != state.rank or bucket_id not in self.waiting or step != state.bucket_steps[bucket_id]:
             return False
-        self._refusals.record(bucket_id, error.refusals[0], session.rank)
+        self._refusals.record(bucket_id, error.refusals[0], state.rank)
         self._pushes.pushed.pop(bucket_id, None)  # the node does not hold it: the retry pushes it again
-        log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", session.rank, node, bucket_id, step)
+        log.warning("rank %d: node %s refused this rank's gradient of bucket %d at step %d (NaN/inf)", state.rank, node, bucket_id, step)
         return True
 
     def install(self, node_index: int, message: Message, waiting: set[int], expect_next_step: bool) -> None:
         """One bucket's values from node ``node_index``, checked against what is awaited (``waiting``; the
         bucket's next step or, ``expect_next_step`` False, the step it is at) and installed."""
-        session = self._session
+        state = self._state
         header = message.header
         bucket_id = header.bucket_id
         if (
-            session.has_reconnected(node_index)
-            and 0 <= bucket_id < len(session.buckets)
-            and header.step == session.bucket_steps[bucket_id]
+            self._has_reconnected(node_index)
+            and 0 <= bucket_id < len(state.buckets)
+            and header.step == state.bucket_steps[bucket_id]
             and (expect_next_step or bucket_id not in waiting)
         ):
             return  # after a reconnect, values already installed can come twice (asked for again and broadcast)
-        if bucket_id not in waiting or session.buckets[bucket_id].node != node_index:
-            raise RuntimeError(f"node {session.nodes[node_index]} sent bucket {bucket_id}, which this worker did not ask it for")
-        bucket = session.buckets[bucket_id]
+        if bucket_id not in waiting or state.buckets[bucket_id].node != node_index:
+            raise RuntimeError(f"node {state.nodes[node_index]} sent bucket {bucket_id}, which this worker did not ask it for")
+        bucket = state.buckets[bucket_id]
         unchanged = header.meta.get("unchanged") is True and header.numel == 0  # no rank had a gradient for it: the values stay
-        if not unchanged and (header.numel != bucket.numel or header.dtype != session.job.wire_dtype):
+        if not unchanged and (header.numel != bucket.numel or header.dtype != state.job.wire_dtype):
             raise RuntimeError(
-                f"node {session.nodes[node_index]} sent bucket {bucket_id} as {header.numel} x {header.dtype}, expected {bucket.numel} x {session.job.wire_dtype}"
+                f"node {state.nodes[node_index]} sent bucket {bucket_id} as {header.numel} x {header.dtype}, expected {bucket.numel} x {state.job.wire_dtype}"
             )
-        expected = session.bucket_steps[bucket_id] + (1 if expect_next_step else 0)
+        expected = state.bucket_steps[bucket_id] + (1 if expect_next_step else 0)
         if header.step != expected:
-            raise RuntimeError(f"node {session.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
+            raise RuntimeError(f"node {state.nodes[node_index]} sent bucket {bucket_id} of step {header.step}, expected step {expected}")
         if not unchanged:
             started = time.perf_counter()
-            self._installer.install(bucket, message, session.params, node=session.nodes[node_index])
-            session.timings.install_s += elapsed(started)
-            session.timings.installs += 1
-        session.bucket_steps[bucket_id] = header.step
+            self._installer.install(bucket, message, state.params, node=state.nodes[node_index])
+            state.timings.install_s += elapsed(started)
+            state.timings.installs += 1
+        state.bucket_steps[bucket_id] = header.step
         waiting.discard(bucket_id)

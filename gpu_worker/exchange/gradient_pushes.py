@@ -6,42 +6,33 @@ there), or in ``step()`` with whatever was not pushed yet (:meth:`GradientPushes
 where runs of small buckets for one node go as one message. A rank that redoes a step its
 predecessor left unfinished does not push what the nodes already hold of it; those buckets' values
 are asked for instead. With a push window (:mod:`gpu_worker.exchange.push_pacing`), a push first waits for
-room, through the session that receives what the nodes send.
+room, receiving what the nodes send meanwhile (``wait_for_room``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu_worker.exchange.gradient_sender import GradientSender
-from gpu_worker.links.step_timings import WorkerStepTimings, elapsed
+from gpu_worker.exchange.push_pacing import PushPacer
+from gpu_worker.links.step_timings import elapsed
 from netoptim.job.hyper import AdamWHyper
 from netoptim.job.placement import BucketSpec
 from transport.batches import BATCH_BYTES
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
-    from gpu_worker.exchange.push_pacing import PushPacer
     from gpu_worker.links.connections import NodeConnections
+    from gpu_worker.links.rank_state import RankState
 
 
-class PushingSession(Protocol):
-    """What the pushes read of the session at each push (each may change between steps), and the
-    wait for room in the push window it runs."""
-
-    rank: int
-    buckets: list[BucketSpec]
-    bucket_steps: list[int]
-    resume_step: int
-    pacer: PushPacer | None
-    pacer_ack: MsgType
-    timings: WorkerStepTimings
-
-    def wait_for_room(self, pacer: PushPacer, nbytes: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None: ...
+WaitForRoom = Callable[[PushPacer, int, Sequence[torch.Tensor | None], Sequence[AdamWHyper]], None]
+"""``wait_for_room(pacer, nbytes, grads, hypers)``: block until ``nbytes`` more fit the push window,
+receiving what the nodes send meanwhile (the session's, which holds the receive loop)."""
 
 
 class GradientPushes:
@@ -50,13 +41,27 @@ class GradientPushes:
     ``contributed``: buckets of ``resume_step`` whose gradient from this rank the nodes hold already
     (pushed by the process this one replaces); ``skipped``: pushes of this step left out for that
     reason, whose new values are asked for; ``batching_nodes``: nodes that take several small
-    buckets per message."""
+    buckets per message. ``pacer`` (acknowledged by ``pacer_ack``): the push window, if any; a push
+    beyond it first calls ``wait_for_room``."""
 
-    def __init__(self, session: PushingSession, connections: NodeConnections, wire_dtype: torch.dtype, *, pin_memory: bool) -> None:
-        self._session = session
+    def __init__(
+        self,
+        state: RankState,
+        connections: NodeConnections,
+        wire_dtype: torch.dtype,
+        *,
+        pin_memory: bool,
+        pacer: PushPacer | None,
+        pacer_ack: MsgType,
+        wait_for_room: WaitForRoom,
+    ) -> None:
+        self._state = state
         self._connections = connections
         self._wire_dtype = wire_dtype
-        self.sender = GradientSender(connections, wire_dtype, pin_memory=pin_memory, bucket_count=len(session.buckets))
+        self._pacer = pacer
+        self._pacer_ack = pacer_ack
+        self._wait_for_room = wait_for_room
+        self.sender = GradientSender(connections, wire_dtype, pin_memory=pin_memory, bucket_count=len(state.buckets))
         self.pushed: dict[int, int] = {}  # bucket -> the step its gradient was pushed for, in the step in progress
         self.contributed: set[int] = set()
         self.skipped: set[int] = set()
@@ -65,33 +70,33 @@ class GradientPushes:
     def push_bucket(self, bucket_id: int, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Send one bucket's gradient for the current step now (``grads[i]`` belongs to ``params[i]``;
         ``hypers[g]``: param group ``g``'s hyperparameters for this step)."""
-        session = self._session
+        state = self._state
         if bucket_id in self.pushed:
-            raise RuntimeError(f"bucket {bucket_id} was already pushed for step {session.bucket_steps[bucket_id]}")
-        bucket = session.buckets[bucket_id]
+            raise RuntimeError(f"bucket {bucket_id} was already pushed for step {state.bucket_steps[bucket_id]}")
+        bucket = state.buckets[bucket_id]
         if self.node_has_gradient(bucket_id):
             self.contributed.discard(bucket_id)  # the node has this rank's gradient of this step already
             self.skipped.add(bucket_id)
-            self.pushed[bucket_id] = session.bucket_steps[bucket_id]
+            self.pushed[bucket_id] = state.bucket_steps[bucket_id]
             return
-        pacer = session.pacer
+        pacer = self._pacer
         if pacer is not None:
             nbytes = bucket.numel * self._wire_dtype.itemsize if any(grads[seg.param_index] is not None for seg in bucket.segments) else 0
-            session.wait_for_room(pacer, nbytes, grads, hypers)
+            self._wait_for_room(pacer, nbytes, grads, hypers)
             pacer.pushed(bucket_id, nbytes)
         meta: dict = {"hyper": self.sender.hyper_meta(bucket.group, hypers)}
         # Parameters without a gradient on this rank: zeros in the sum, as with DDP; not stepped if no rank has one.
         absent = [index for index, seg in enumerate(bucket.segments) if grads[seg.param_index] is None]
         if absent:
             meta["absent"] = absent
-        step = session.bucket_steps[bucket_id]
-        timings = session.timings
+        step = state.bucket_steps[bucket_id]
+        timings = state.timings
         if len(absent) == len(bucket.segments):  # no gradient for any of its parameters (a frozen layer): no payload
             sending = time.perf_counter()
-            self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=session.rank, step=step, bucket_id=bucket_id, meta=meta))
+            self._connections.send(bucket.node, Header(msg_type=MsgType.PUSH, rank=state.rank, step=step, bucket_id=bucket_id, meta=meta))
         else:
             started = time.perf_counter()
-            gathered = self.sender.push((bucket,), grads, rank=session.rank, step=step, meta=meta)
+            gathered = self.sender.push((bucket,), grads, rank=state.rank, step=step, meta=meta)
             timings.gather_s += gathered
             sending = started + gathered
         self.pushed[bucket_id] = step
@@ -102,7 +107,7 @@ class GradientPushes:
         """Start copying a final bucket's gradients out of the device, for :meth:`push_bucket` to send
         from there; buckets that go in a batch, or hold a parameter without a gradient, are not staged.
         True where the bucket was staged."""
-        bucket = self._session.buckets[bucket_id]
+        bucket = self._state.buckets[bucket_id]
         if self.small_for_batches(bucket):
             return False
         if bucket_id in self.pushed or self.node_has_gradient(bucket_id):
@@ -120,16 +125,16 @@ class GradientPushes:
     def push_remaining(self, grads: Sequence[torch.Tensor | None], hypers: Sequence[AdamWHyper]) -> None:
         """Push every bucket not pushed yet: runs of small ones for one node (same param group, every
         parameter with a gradient) as batches, the rest one by one."""
-        session = self._session
+        state = self._state
         run: list[BucketSpec] = []
         run_bytes = 0
-        for bucket in session.buckets:
+        for bucket in state.buckets:
             if bucket.bucket_id in self.pushed:
                 continue
             nbytes = bucket.numel * self._wire_dtype.itemsize
             batchable = (
                 self.small_for_batches(bucket)
-                and (session.pacer is None or session.pacer_ack == MsgType.PARAMS)
+                and (self._pacer is None or self._pacer_ack == MsgType.PARAMS)
                 and not self.node_has_gradient(bucket.bucket_id)
                 and all(grads[seg.param_index] is not None for seg in bucket.segments)
             )
@@ -149,13 +154,13 @@ class GradientPushes:
         if len(run) == 1:
             self.push_bucket(run[0].bucket_id, grads, hypers)
             return
-        session = self._session
+        state = self._state
         started = time.perf_counter()
         first = run[0]
-        step = session.bucket_steps[first.bucket_id]
+        step = state.bucket_steps[first.bucket_id]
         meta = {"hyper": self.sender.hyper_meta(first.group, hypers), "batch": [[bucket.bucket_id, bucket.numel] for bucket in run]}
-        gathered = self.sender.push(run, grads, rank=session.rank, step=step, meta=meta)
-        timings = session.timings
+        gathered = self.sender.push(run, grads, rank=state.rank, step=step, meta=meta)
+        timings = state.timings
         timings.gather_s += gathered
         sending = started + gathered
         self.pushed.update((bucket.bucket_id, step) for bucket in run)
@@ -165,7 +170,7 @@ class GradientPushes:
     def node_has_gradient(self, bucket_id: int) -> bool:
         """Whether the node holds this rank's gradient of the bucket for the step being redone already
         (pushed by the process this one replaces): it is not pushed again."""
-        return bucket_id in self.contributed and self._session.bucket_steps[bucket_id] == self._session.resume_step
+        return bucket_id in self.contributed and self._state.bucket_steps[bucket_id] == self._state.resume_step
 
     def small_for_batches(self, bucket: BucketSpec) -> bool:
         """Whether the bucket is small enough to go in a batch, to a node that takes batches."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,8 +21,11 @@ from gpu_worker.exchange.bucket_readiness import BucketReadiness
 from gpu_worker.exchange.forward_waits import ForwardWaits
 from gpu_worker.exchange.push_courier import PushCourier
 from gpu_worker.layout import GradsOf
-from gpu_worker.session import OffloadSession
 from netoptim.job.hyper import AdamWHyper
+
+if TYPE_CHECKING:
+    from gpu_worker.exchange.gradient_pushes import GradientPushes
+    from gpu_worker.links.rank_state import RankState
 
 
 class StepHooks:
@@ -29,18 +33,33 @@ class StepHooks:
 
     ``courier_send(bucket_id)`` pushes a staged bucket with the step's hyperparameters (the optimizer's
     method, held weakly by the courier so that its thread does not keep the optimizer alive). Nothing
-    here holds the optimizer: its gradient hook, given to :meth:`index`, is what the parameters hold."""
+    here holds the optimizer: its gradient hook, given to :meth:`index`, is what the parameters hold.
+
+    Of the session it uses: ``state`` (the buckets and the parameters' names, read at each use),
+    ``pushes`` (the step's pushes and staged copies), and the open step's values: ``awaiting()``,
+    whether a step awaits them; ``await_upto(bucket_id)``, install them up to a bucket;
+    ``complete()``, install the rest and end the step. ``paced``: the pushes wait for room in a push
+    window (only the owner thread may then push)."""
 
     def __init__(
         self,
-        session: OffloadSession,
+        state: RankState,
+        pushes: GradientPushes,
         *,
+        awaiting: Callable[[], bool],
+        await_upto: Callable[[int], None],
+        complete: Callable[[], None],
+        paced: bool,
         owner_thread: int,
         push_early: bool,
         overlap_module: torch.nn.Module | None,
         courier_send: Callable[[int], None],
     ) -> None:
-        self._session = session
+        self._state = state
+        self._pushes = pushes
+        self._awaiting = awaiting
+        self._await_upto = await_upto
+        self._complete = complete
         self._owner_thread = owner_thread
         self._push_early = push_early
         self.overlap_module = overlap_module
@@ -51,25 +70,24 @@ class StepHooks:
         """The hooks' view of the current gradients, in the layout's order."""
         # Unpaced full-model pushes staged on autograd's device thread leave from a courier thread (a
         # paced push may have to wait for values, which only the owner thread receives).
-        self.courier = PushCourier(session.wait_staged, courier_send) if push_early and session.pacer is None else None
+        self.courier = PushCourier(pushes.sender.wait_staged, courier_send) if push_early and not paced else None
 
     def index(self, params: Sequence[torch.Tensor], on_grad: Callable[[int, torch.Tensor], None]) -> None:
         """Which parameters each bucket holds and the other way round, and the early-push hooks
         (``on_grad(index, param)``) of the parameters that have none yet (after construction, or
         after a param group was added)."""
         self.grads = GradsOf(params)  # a new view: the optimizer's parameters change with a param group
-        self.readiness.index(self._session.buckets, params)
+        self.readiness.index(self._state.buckets, params)
         if self.overlap_module is not None:  # the parameters' buckets changed (a param group was added): hooks anew
             if self.forward_waits is not None:
                 self.forward_waits.remove()
-            session = self._session
             self.forward_waits = ForwardWaits(
                 self.overlap_module,
                 params,
                 self.readiness.param_buckets,
-                awaiting=lambda: session.awaiting_values,
-                await_upto=session.await_values,
-                complete=session.complete_step,
+                awaiting=self._awaiting,
+                await_upto=self._await_upto,
+                complete=self._complete,
                 owner_thread=self._owner_thread,
             )
         if self._push_early:
@@ -81,9 +99,8 @@ class StepHooks:
         # On a GPU autograd runs the hooks on its device thread, which must not block (it launches the
         # rest of backward) nor use the sockets: there the bucket's copy out of the device starts, and
         # the courier thread sends it once landed (or step(), what the courier did not send).
-        session = self._session
         foreign = threading.get_ident() != self._owner_thread
-        if session.awaiting_values:  # overlap_forward, and a backward whose forward did not end the step
+        if self._awaiting():  # overlap_forward, and a backward whose forward did not end the step
             if foreign:
                 raise RuntimeError(
                     "backward began while the last step's values were still awaited (overlap_forward): call the forward of the module "
@@ -92,24 +109,23 @@ class StepHooks:
             self.synchronize()
         if not sync_enabled:
             return
-        for bucket_id in self.readiness.mark(index, session.job.params[index].name):
-            if not session.has_pushed(bucket_id):  # a retried step keeps what the nodes took
+        for bucket_id in self.readiness.mark(index, self._state.job.params[index].name):
+            if bucket_id not in self._pushes.pushed:  # a retried step keeps what the nodes took
                 if foreign:
-                    staged = session.stage_bucket(bucket_id, self.grads)
+                    staged = self._pushes.stage_bucket(bucket_id, self.grads)
                     if staged and self.courier is not None:
                         self.courier.offer(bucket_id)
                 else:
-                    session.push_bucket(bucket_id, self.grads, hypers())
+                    self._pushes.push_bucket(bucket_id, self.grads, hypers())
 
     def synchronize(self) -> None:
         """The body of the optimizer's ``synchronize()``: install the rest of the last step's values,
         if a step awaits them, on the owner thread."""
-        session = self._session
-        if session.awaiting_values:
+        if self._awaiting():
             if threading.get_ident() != self._owner_thread:
                 raise RuntimeError("synchronize() receives on the connections: call it on the thread that built the optimizer")
             self.take_sockets()
-            session.complete_step()
+            self._complete()
 
     def take_sockets(self) -> None:
         """This thread is about to use the connections: the courier sends nothing more of the current

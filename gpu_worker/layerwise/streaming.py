@@ -113,7 +113,7 @@ class LayerStreamer:
         self._copier = HostToDevice(plan.device, session.job.bucket_numel)
         self._aliases = BoardAliases(self.params, session.buckets, WIRE_DTYPES[session.job.wire_dtype], enabled=not self._copier.cuda)
         self._grads = GradsOf(self.params)
-        self._pushes = LandedPushes(session)
+        self._pushes = LandedPushes(session.buckets, stage=session.stage_bucket, push=session.push_bucket, landed=session.staged_landed)
         self.step = 0
         self._handles: list = []
         self._hooked: set[int] = set()  # layout indices with a gradient hook

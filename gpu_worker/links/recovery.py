@@ -11,12 +11,10 @@ the node may have sent them to the connection this one replaced. What the node l
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gpu_worker.links.registration import NodeRegistration, resume_account
 from gpu_worker.links.resume import WorkerProgress, gradients_lost
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec
 from transport.interface import Message
 
 if TYPE_CHECKING:
@@ -26,21 +24,9 @@ if TYPE_CHECKING:
     from gpu_worker.links.liveness import WorkerTimeouts
     from gpu_worker.links.messages import NodeMessages
     from gpu_worker.links.news import NodeNews
+    from gpu_worker.links.rank_state import RankState
 
 log = logging.getLogger(__name__)
-
-
-class RecoveringSession(Protocol):
-    """What a reconnect reads of the session (each may change between steps)."""
-
-    rank: int
-    nodes: list[str]
-    job: JobSpec
-    buckets: list[BucketSpec]
-    bucket_steps: list[int]
-
-    @property
-    def step(self) -> int: ...
 
 
 class NodeRecovery:
@@ -48,12 +34,12 @@ class NodeRecovery:
 
     ``reconnected``: the nodes this process reconnected to: a bucket's values may come twice from them
     (asked for again and broadcast), the second copy even after the step that awaited them ended.
-    ``advanced_at`` (layer-wise; the session keeps it): bucket -> the step this process last pushed it
+    ``state``: this rank's place in the job, read at each reconnect. ``advanced_at`` (layer-wise; the session keeps it): bucket -> the step this process last pushed it
     for."""
 
     def __init__(
         self,
-        session: RecoveringSession,
+        state: RankState,
         connections: NodeConnections,
         registration: NodeRegistration,
         timeouts: WorkerTimeouts,
@@ -64,7 +50,7 @@ class NodeRecovery:
         news: NodeNews,
         advanced_at: dict[int, int],
     ) -> None:
-        self._session = session
+        self._state = state
         self._connections = connections
         self._registration = registration
         self._timeouts = timeouts
@@ -82,56 +68,56 @@ class NodeRecovery:
     def reconnect(self, index: int, why: str | None = None) -> None:
         """Reach node ``index`` again at the address it was given (its same-host socket may be gone
         with it) and continue where it is: push again what it lost, ask again for what is awaited."""
-        session, timeouts = self._session, self._timeouts
-        address = session.nodes[index]
+        state, timeouts = self._state, self._timeouts
+        address = state.nodes[index]
         silent = self._connections.liveness.silent_for(index)
         why = why or f"it has not answered for {silent:.0f} s"
-        log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", session.rank, address, why, timeouts.reconnect_s)
+        log.warning("rank %d: node %s: %s; reconnecting (for up to %.0f s)", state.rank, address, why, timeouts.reconnect_s)
         self._pushes.sender.forget(index)
         try:
-            reply = self._registration.reconnect(index, timeouts.reconnect_s, session.buckets)
+            reply = self._registration.reconnect(index, timeouts.reconnect_s, state.buckets)
         except TimeoutError:
             raise ConnectionError(
-                f"rank {session.rank}, step {session.step}: node {address} stopped answering ({why}) and did not come back within "
+                f"rank {state.rank}, step {state.step}: node {address} stopped answering ({why}) and did not come back within "
                 f"{timeouts.reconnect_s:.0f} s: restart it with the same flags plus --resume (the workers reconnect by themselves), or check the network"
             ) from None
         self._resync(index, reply)
 
     def _resync(self, index: int, reply: Message) -> None:
-        session, values, pushes = self._session, self._values, self._pushes
+        state, values, pushes = self._state, self._values, self._pushes
         self.reconnected.add(index)
         meta = reply.header.meta
-        address = session.nodes[index]
-        mine = [b.bucket_id for b in session.buckets if b.node == index]
+        address = state.nodes[index]
+        mine = [b.bucket_id for b in state.buckets if b.node == index]
         node_step, held = resume_account(reply)
         contributed = set(held)
         progress = WorkerProgress(
-            session.rank,
-            session.job.mode == "layerwise",
+            state.rank,
+            state.job.mode == "layerwise",
             mine,
-            session.bucket_steps,
+            state.bucket_steps,
             self._news.seen_step(index),
             self._advanced_at,
             pushes.pushed,
             keeps_gradients=values.grads is not None,
         )
         step, lost = gradients_lost(address, node_step, contributed, bool(meta.get("needs_init")), progress)
-        log.warning("rank %d: node %s is back at step %d; pushing %d bucket(s) again", session.rank, address, node_step, len(lost))
+        log.warning("rank %d: node %s is back at step %d; pushing %d bucket(s) again", state.rank, address, node_step, len(lost))
         for bucket_id in lost:
-            if session.bucket_steps[bucket_id] > step:  # installed from the node's previous life: it comes again
+            if state.bucket_steps[bucket_id] > step:  # installed from the node's previous life: it comes again
                 values.await_again(bucket_id, step)
         # Ask first: a request that reaches the node before the push that completes the bucket is
         # answered once, at the update, instead of the update's broadcast.
         asked = dict(self._messages.requests)  # what the node's previous life was asked for
-        asked.update({b: session.bucket_steps[b] + 1 for b in values.waiting})
-        if session.job.mode != "layerwise":
+        asked.update({b: state.bucket_steps[b] + 1 for b in values.waiting})
+        if state.job.mode != "layerwise":
             # Pushed this step (a paced worker reconnects in the middle of backward, before the step
             # awaits anything) and not back: the node may have sent the new values to the connection
             # this one replaced, where they are lost. Asked for, they come once more; a copy that came
             # twice is known by its step (see AwaitedValues.install).
-            asked.update({b: at + 1 for b, at in pushes.pushed.items() if at == session.bucket_steps[b]})
+            asked.update({b: at + 1 for b, at in pushes.pushed.items() if at == state.bucket_steps[b]})
         for bucket_id, at_step in sorted(asked.items()):
-            if session.buckets[bucket_id].node == index:
+            if state.buckets[bucket_id].node == index:
                 self._messages.request(bucket_id, at_step)
         if lost:
             grads, hypers = values.grads  # type: ignore[misc]

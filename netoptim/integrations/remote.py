@@ -4,6 +4,7 @@ replacement. No framework is imported here."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Iterable, Mapping
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from gpu_worker import RemoteAdam, RemoteAdamW, RemoteOptimizer, RemoteSGD
+from gpu_worker.remote_optimizer import RemoteOptions
 
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay", "param_names")
 """Param-group keys of torch's optimizers that choose how torch computes, not what: the nodes run their
@@ -52,11 +54,32 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters(remove_duplicate=True)}
 
 
+REMOTE_OPTIONS = tuple(field.name for field in dataclasses.fields(RemoteOptions))
+"""What :func:`to_remote` forwards: the options every remote optimizer takes besides its rule's
+hyperparameters (``nodes``, ``rank``, ``world_size``, ``wire_dtype``, ``max_grad_norm``, ``bucket_numel``,
+``bucket_layout``, ``timeout_s``, ``connect_timeout_s``, ``heartbeat_s``, ``silent_after_s``,
+``reconnect_s``, ``push_during_backward``, ``curve_secret_key``, ``curve_server_key``, ``units``,
+``push_window_bytes``, ``pace_window_bytes``, ``same_host_ipc``, ``connections_per_node``, ``module``,
+``broadcast_buffers``, ``join_at_step``, ``local_size``, ``node_bandwidths``, ``overlap_forward``,
+``keep_step_gradients``), each documented on :class:`~gpu_worker.RemoteAdamW`."""
+
+
 def to_remote(optimizer: torch.optim.Optimizer, names: Mapping[int, str], **options: Any) -> RemoteOptimizer:
     """A remote optimizer with ``optimizer``'s rule, param groups (every hyperparameter, and whatever a
     scheduler keeps in them, such as ``initial_lr``) and parameters, each under its name in ``names``.
-    ``options`` go to the remote optimizer (``nodes``, ``max_grad_norm``, ``module``, ...). ``optimizer``
-    must not have stepped yet: its state would not move (load a state dict for that)."""
+    ``optimizer`` must not have stepped yet: its state would not move (load a state dict for that).
+
+    Args:
+        optimizer: a ``torch.optim`` AdamW, Adam or SGD (a remote optimizer is returned as it is).
+        names: each parameter's name by ``id`` (:func:`parameter_names`).
+        options: forwarded by keyword to the remote optimizer's constructor, unchanged: only the names in
+            :data:`REMOTE_OPTIONS` (documented on :class:`~gpu_worker.RemoteAdamW`, with its defaults for
+            those not given). The hyperparameters come from ``optimizer``; any other name is a ``TypeError``,
+            raised before anything connects.
+    """
+    unknown = sorted(set(options) - set(REMOTE_OPTIONS))
+    if unknown:
+        raise TypeError(f"to_remote forwards the remote optimizers' options only ({', '.join(REMOTE_OPTIONS)}), not {', '.join(unknown)}")
     if isinstance(optimizer, RemoteOptimizer):
         return optimizer
     cls = remote_class(optimizer)

@@ -1,4 +1,4 @@
-"""LandedPushes on its own, with a stand-in for the session: buckets go out in order once their copies
+"""LandedPushes on its own, with stand-ins for the pushes: buckets go out in order once their copies
 landed, and a push that fails stays queued with its gradients for the step's retry."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class StandInSession:
 
 def test_buckets_go_in_order_once_landed_and_a_failed_push_stays_for_the_retry():
     session = StandInSession(fail_once=1)
-    pushes = LandedPushes(session)  # type: ignore[arg-type]
+    pushes = LandedPushes(session.buckets, stage=session.stage_bucket, push=session.push_bucket, landed=session.staged_landed)  # type: ignore[arg-type]
     grads = [torch.full((2,), float(i)) for i in range(3)]
     for bucket_id in range(3):
         pushes.push(bucket_id, grads, hypers=())
