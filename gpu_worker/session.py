@@ -3,7 +3,7 @@
 :class:`OffloadSession` registers the layout, pushes gradient buckets and installs the values the
 nodes send back. In full mode (:meth:`connect` + :meth:`finish_step`, or its two halves) every bucket
 comes back after every step; in layer-wise mode the caller asks for buckets when it needs them (:meth:`request`) and
-handles their arrival itself (``on_params``). It knows nothing of ``torch.optim`` or of modules;
+handles their arrival itself (the PARAMS route). It knows nothing of ``torch.optim`` or of modules;
 :class:`gpu_worker.RemoteAdamW` and :class:`gpu_worker.layerwise.streaming.LayerStreamer` sit on top of it.
 """
 
@@ -20,6 +20,7 @@ from gpu_worker.exchange.awaited_values import AwaitedValues
 from gpu_worker.exchange.gradient_pushes import GradientPushes
 from gpu_worker.exchange.push_pacing import PushPacer
 from gpu_worker.exchange.value_installer import ValueInstaller
+from gpu_worker.layerwise.streaming import StreamLinks
 from gpu_worker.layout import gather_bucket
 from gpu_worker.links.bucket_exchange import BucketExchange
 from gpu_worker.links.connections import NodeConnections, NodeError, NonFiniteGradientError
@@ -36,7 +37,6 @@ from gpu_worker.links.step_timings import WorkerStepTimings
 from netoptim.job.hyper import AdamWHyper
 from netoptim.job.placement import BucketSpec
 from netoptim.job.spec import JobSpec
-from transport.interface import Message
 from transport.wire import WIRE_DTYPES, MsgType
 from transport.zeromq.security import CurveClientConfig
 
@@ -198,14 +198,23 @@ class OffloadSession:
         """The phases' times since :meth:`take_timings`."""
         return self.state.timings
 
-    @property
-    def on_params(self) -> Callable[[int, Message], None] | None:
-        """Layer-wise: called for each PARAMS (the streamer sets it); ``None`` while nothing awaits values."""
-        return self._route.handler
-
-    @on_params.setter
-    def on_params(self, handler: Callable[[int, Message], None] | None) -> None:
-        self._route.handler = handler
+    def stream_links(self) -> StreamLinks:
+        """What a layer-wise streamer uses of this session: its state, the PARAMS route and the calls
+        that register, fetch, push and end a step (bound methods: the streamer holds no session)."""
+        return StreamLinks(
+            state=self.state,
+            route=self._route,
+            hello=self.hello,
+            send_initial=self.send_initial,
+            request=self.request,
+            receive_until=self.receive_until,
+            has_reconnected=self.has_reconnected,
+            stage=self.stage_bucket,
+            push=self.push_bucket,
+            landed=self.staged_landed,
+            advance=self.advance,
+            release_send_buffers=self.release_send_buffers,
+        )
 
     # ---------------------------------------------------------------- setup
 
@@ -465,7 +474,7 @@ class OffloadSession:
         """Handle what the nodes send until ``done()``; ``TimeoutError`` (with ``missing()`` and each
         node's account of what it waits for) when nothing moves for ``timeout_s``.
 
-        PARAMS go to ``on_params``; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
+        PARAMS go to the PARAMS route's handler; NOTICEs are logged; rank 0 answers the nodes' norm partials of a
         clipped step here, whatever it was waiting for; an ERROR raises :class:`NodeError`. Silent
         nodes are pinged, and one gone silent is reconnected to (see :mod:`gpu_worker.links.liveness`)."""
         self._receiver.run_until(done, missing, self.state.timings)

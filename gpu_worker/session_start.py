@@ -70,7 +70,7 @@ def start_session(
         if units is None:
             session.connect()
         else:
-            streamer = LayerStreamer(units, session, hypers=hypers, sync_enabled=sync_enabled)
+            streamer = LayerStreamer(units, session.stream_links(), hypers=hypers, sync_enabled=sync_enabled)
             streamer.connect()
     except BaseException:
         session.close()

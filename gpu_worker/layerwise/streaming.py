@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -34,11 +35,14 @@ from gpu_worker.layerwise.device_copy import HostToDevice, wait_on_host
 from gpu_worker.layerwise.landed_pushes import LandedPushes
 from gpu_worker.layerwise.units import UnitPlan, initialize, kept_for_backward
 from gpu_worker.layout import GradsOf, finish_board_read
-from gpu_worker.session import OffloadSession
 from netoptim.job.hyper import AdamWHyper
 from transport.host_memory import keep_step_heap, trim_host_heap
 from transport.interface import Message
 from transport.wire import WIRE_DTYPES
+
+if TYPE_CHECKING:
+    from gpu_worker.links.messages import ParamsRoute
+    from gpu_worker.links.rank_state import RankState
 
 log = logging.getLogger(__name__)
 
@@ -79,20 +83,47 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@dataclass(frozen=True, slots=True)
+class StreamLinks:
+    """What the streamer uses of the worker's links to its nodes (the session composes it).
+
+    ``state``: this rank's place in the job (parameters, buckets, nodes, the step to resume at);
+    ``route``: where the nodes' PARAMS go (the streamer sets its handler); ``hello()``: register, and
+    the buckets the nodes still need initial values of; ``send_initial(bucket, values)``;
+    ``request(bucket, step)``: PULL; ``receive_until(done, missing)``: receive until ``done()``;
+    ``has_reconnected(node)``: whether a node's connection was reopened this step;
+    ``stage``/``push``/``landed``: a bucket's gradients staged, pushed, and whether its staged copy
+    landed; ``advance(buckets)``: the step's end for them; ``release_send_buffers()``."""
+
+    state: RankState
+    route: ParamsRoute
+    hello: Callable[[], Iterable[int]]
+    send_initial: Callable[[int, torch.Tensor], None]
+    request: Callable[[int, int], None]
+    receive_until: Callable[[Callable[[], bool], Callable[[], str]], None]
+    has_reconnected: Callable[[int], bool]
+    stage: Callable[..., bool]
+    push: Callable[..., None]
+    landed: Callable[[int], bool]
+    advance: Callable[[Sequence[int]], None]
+    release_send_buffers: Callable[[], None]
+
+
 class LayerStreamer:
     """Installs the hooks that stream a model's units through a worker (see the module docstring)."""
 
     def __init__(
         self,
         plan: UnitPlan,
-        session: OffloadSession,
+        links: StreamLinks,
         *,
         hypers: Callable[[], list[AdamWHyper]],
         sync_enabled: Callable[[], bool],
     ) -> None:
         self.plan = plan
-        self.session = session
-        self.params = session.params
+        self._links = links
+        self._state = links.state
+        self.params = links.state.params
         self._hypers = hypers
         self._sync_enabled = sync_enabled
         self.stats = StreamStats()
@@ -102,7 +133,7 @@ class LayerStreamer:
         for layout_index, unit_index in enumerate(unit_index_of_param):
             self.units[unit_index].params.append(layout_index)
         self._unit_of_bucket: dict[int, _Unit] = {}
-        for bucket in session.buckets:
+        for bucket in links.state.buckets:
             unit = self.units[unit_index_of_param[bucket.segments[0].param_index]]
             assert all(unit_index_of_param[seg.param_index] == unit.index for seg in bucket.segments), "buckets never span units"
             unit.buckets.append(bucket.bucket_id)
@@ -110,10 +141,10 @@ class LayerStreamer:
         self._unit_of_param = [self.units[u] for u in unit_index_of_param]
         self._module_units = [self.units[u] for u in present if u != 0]  # forward order
         self._position = {unit.index: position for position, unit in enumerate(self._module_units)}
-        self._copier = HostToDevice(plan.device, session.job.bucket_numel)
-        self._aliases = BoardAliases(self.params, session.buckets, WIRE_DTYPES[session.job.wire_dtype], enabled=not self._copier.cuda)
+        self._copier = HostToDevice(plan.device, links.state.job.bucket_numel)
+        self._aliases = BoardAliases(self.params, links.state.buckets, WIRE_DTYPES[links.state.job.wire_dtype], enabled=not self._copier.cuda)
         self._grads = GradsOf(self.params)
-        self._pushes = LandedPushes(session.buckets, stage=session.stage_bucket, push=session.push_bucket, landed=session.staged_landed)
+        self._pushes = LandedPushes(links.state.buckets, stage=links.stage, push=links.push, landed=links.landed)
         self.step = 0
         self._handles: list = []
         self._hooked: set[int] = set()  # layout indices with a gradient hook
@@ -139,12 +170,12 @@ class LayerStreamer:
     def connect(self) -> None:
         """Register the job; rank 0 sends initial values unit by unit (materializing, initializing and
         freeing each in turn, so the model is never whole here); every unit ends freed."""
-        needs_init = set(self.session.hello())
+        needs_init = set(self._links.hello())
         # The step the nodes say this rank is at: a restarted rank redoes the step its predecessor
         # left unfinished, fetching that step's values (kept on the nodes for it) and pushing only
         # the buckets the nodes do not have its gradient of yet.
-        self.step = self.session.resume_step
-        if needs_init and self.session.rank == 0:
+        self.step = self._state.resume_step
+        if needs_init and self._state.rank == 0:
             log.info("registering initial values of %d buckets, unit by unit", len(needs_init))
             for unit in self.units.values():
                 todo = [b for b in unit.buckets if b in needs_init]
@@ -156,11 +187,11 @@ class LayerStreamer:
                         self._allocate(tensor)
                 initialize(self.plan, tensors)
                 self._measure(also=unit)
-                staging = torch.empty(max(self.session.buckets[b].numel for b in todo), dtype=torch.float32)
+                staging = torch.empty(max(self._state.buckets[b].numel for b in todo), dtype=torch.float32)
                 for bucket_id in todo:
-                    values = staging[: self.session.buckets[bucket_id].numel]
+                    values = staging[: self._state.buckets[bucket_id].numel]
                     self._gather_values(bucket_id, values)
-                    self.session.send_initial(bucket_id, values)
+                    self._links.send_initial(bucket_id, values)
                 del staging
                 for tensor in tensors:  # this unit is on the nodes now: free it before the next
                     tensor.untyped_storage().resize_(0)
@@ -168,11 +199,11 @@ class LayerStreamer:
             for i in self.units[index].params:
                 self.params[i].untyped_storage().resize_(0)
         trim_host_heap()
-        self.session.on_params = self._on_params
+        self._links.route.handler = self._on_params
         self._install_hooks()
         log.info(
             "rank %d streams %d units (prefetch %d, %d kept for backward), the job is at step %d",
-            self.session.rank,
+            self._state.rank,
             len(self.units),
             self.plan.prefetch,
             len(self._module_units) - self._first_kept,
@@ -180,7 +211,7 @@ class LayerStreamer:
         )
 
     def _gather_values(self, bucket_id: int, out: torch.Tensor) -> None:
-        for seg in self.session.buckets[bucket_id].segments:
+        for seg in self._state.buckets[bucket_id].segments:
             source = self.params[seg.param_index].data.view(-1)[seg.param_offset : seg.param_offset + seg.numel]
             out[seg.bucket_offset : seg.bucket_offset + seg.numel].copy_(source)
 
@@ -221,14 +252,14 @@ class LayerStreamer:
         unit.pending = set(unit.buckets)
         unit.requested_at = time.perf_counter()
         for bucket_id in unit.buckets:
-            self.session.request(bucket_id, self.step)
+            self._links.request(bucket_id, self.step)
         self._measure()
 
     def _ensure(self, unit: _Unit) -> None:
         self._request(unit)
         if unit.pending:
             started = time.perf_counter()
-            self.session.receive_until(lambda: not unit.pending, lambda: f"unit {unit.name!r} is missing {len(unit.pending)} bucket(s) of step {unit.step}")
+            self._links.receive_until(lambda: not unit.pending, lambda: f"unit {unit.name!r} is missing {len(unit.pending)} bucket(s) of step {unit.step}")
             self.stats.fetch_wait_s += time.perf_counter() - started
         HostToDevice.wait(unit.ready_event)
 
@@ -236,7 +267,7 @@ class LayerStreamer:
         if not unit.resident:
             return
         if unit.pending:  # a prefetch nobody used: let it land before its storage goes
-            self.session.receive_until(lambda: not unit.pending, lambda: f"unit {unit.name!r} is missing {len(unit.pending)} bucket(s)")
+            self._links.receive_until(lambda: not unit.pending, lambda: f"unit {unit.name!r} is missing {len(unit.pending)} bucket(s)")
         if unit.ready_event is not None:
             wait_on_host(unit.ready_event)
         self._aliases.check(unit.index)
@@ -248,14 +279,14 @@ class LayerStreamer:
     def _on_params(self, node_index: int, message: Message) -> None:
         header = message.header
         unit = self._unit_of_bucket.get(header.bucket_id)
-        if unit is not None and header.bucket_id not in unit.pending and header.step <= unit.step and self.session.has_reconnected(node_index):
-            log.debug("node %s sent bucket %d of step %d again after a reconnect: ignored", self.session.nodes[node_index], header.bucket_id, header.step)
+        if unit is not None and header.bucket_id not in unit.pending and header.step <= unit.step and self._links.has_reconnected(node_index):
+            log.debug("node %s sent bucket %d of step %d again after a reconnect: ignored", self._state.nodes[node_index], header.bucket_id, header.step)
             return  # asked for again after a reconnect while the first answer was on its way: the values are in already
         if unit is None or header.bucket_id not in unit.pending or header.step != unit.step:
-            raise RuntimeError(f"node {self.session.nodes[node_index]} sent bucket {header.bucket_id} at step {header.step}, which this worker did not ask for")
-        bucket = self.session.buckets[header.bucket_id]
-        if header.numel != bucket.numel or header.dtype != self.session.job.wire_dtype:
-            raise RuntimeError(f"node {self.session.nodes[node_index]} sent bucket {bucket.bucket_id} as {header.numel} x {header.dtype}")
+            raise RuntimeError(f"node {self._state.nodes[node_index]} sent bucket {header.bucket_id} at step {header.step}, which this worker did not ask for")
+        bucket = self._state.buckets[header.bucket_id]
+        if header.numel != bucket.numel or header.dtype != self._state.job.wire_dtype:
+            raise RuntimeError(f"node {self._state.nodes[node_index]} sent bucket {bucket.bucket_id} as {header.numel} x {header.dtype}")
         segments = self._aliases.install(bucket, message, unit.step)  # on CPU, read in place where it can be
         if not self._copier.cuda:  # the rest is copied, into storage allocated now (on a GPU, at the request)
             for seg in segments:
@@ -271,9 +302,9 @@ class LayerStreamer:
                     target = self.params[seg.param_index].data.view(-1)[start : start + high - low]
                     self._copier.copy(target, view[low - chunk_offset : high - chunk_offset])
         if len(segments) < len(bucket.segments):  # read in place until the unit is pushed or let go, checked then
-            self._aliases.hold(unit.index, message, self.session.nodes[node_index])
+            self._aliases.hold(unit.index, message, self._state.nodes[node_index])
         elif not self._copier.cuda:  # copied already: from a node's board, the values must still be the ones sent
-            finish_board_read(message, self.session.nodes[node_index])
+            finish_board_read(message, self._state.nodes[node_index])
         self.stats.fetched_bytes += header.payload_bytes
         unit.pending.discard(bucket.bucket_id)
         if not unit.pending:
@@ -389,8 +420,8 @@ class LayerStreamer:
             unit.grads_ready.clear()
             unit.waits_for = None
         self._pushes.send_all()
-        self.session.advance([b.bucket_id for b in self.session.buckets])
-        self.session.release_send_buffers()
+        self._links.advance([b.bucket_id for b in self._state.buckets])
+        self._links.release_send_buffers()
         self._heap.step_done()
         self.step += 1
 
@@ -401,7 +432,7 @@ class LayerStreamer:
         for unit in self.units.values():
             self._ensure(unit)
             for i in unit.params:
-                values[self.session.job.params[i].name] = self.params[i].detach().to("cpu", copy=True)
+                values[self._state.job.params[i].name] = self.params[i].detach().to("cpu", copy=True)
             self._release(unit)
         trim_host_heap()
         return values
