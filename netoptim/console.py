@@ -57,17 +57,24 @@ def run_plan_memory(args: argparse.Namespace) -> int:
 
     from optimizer_node.state.memory_plan import available_memory
 
-    job = job_size(args)
-    assert job is not None, "plan-memory requires --params"
+    try:
+        job = job_size(args)
+    except ValueError as exc:  # a --hf-config that cannot be read or counted: said with the file
+        print(f"netoptim plan-memory: {exc}", file=sys.stderr)
+        return 2
+    assert job is not None, "plan-memory requires --params or --hf-config"
     share, needs = job.share, job.needs()
     # the parameter board, where workers share the node's host (netoptim node --same-host-board): what it adds
     # to the in-memory figure, less the copies it stands in for (the kept values, a 16-bit wire's cast)
     board = job.needs(board=True).ram_in_memory - needs.ram_in_memory
     available = available_memory()
     if args.json:
-        print(json.dumps({"nodes": args.nodes, "per_node": needs.to_dict() | {"same_host_board": board}, "this_host_available_ram": available}, indent=2))
+        report = {"params": job.params, "nodes": args.nodes, "per_node": needs.to_dict() | {"same_host_board": board}, "this_host_available_ram": available}
+        print(json.dumps(report, indent=2))
         return 0
     gib = 2**30
+    if args.hf_config:
+        print(f"{args.hf_config}: {job.params:,} trainable parameters")
     print(f"{args.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire")
     print(f"  in memory:   {needs.ram_in_memory / gib:8.1f} GiB RAM per node")
     print(f"               {board / gib:8.1f} GiB more for the parameter board where workers run on the node's host (--no-same-host-board: none)")

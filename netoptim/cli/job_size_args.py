@@ -69,12 +69,19 @@ def add_job_size_arguments(parser: argparse.ArgumentParser, *, optional: bool) -
     def default(name: str) -> object:
         return None if optional else DEFAULTS[name]
 
-    parser.add_argument(
+    model = parser.add_mutually_exclusive_group(required=not optional)
+    model.add_argument(
         "--params",
         type=param_count,
-        required=not optional,
         default=None,
         help="trainable parameters of the model, like 3B, 85M or 125000000" + (": the checks then measure against one node's share" if optional else ""),
+    )
+    model.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="instead of --params: a Hugging Face model directory or its config.json, whose causal LM is counted "
+        "(exactly, on the meta device, with transformers installed; else from the config for Llama, Mistral, Qwen2 and GPT-2)",
     )
     parser.add_argument(
         "--workers", type=positive_int, required=not optional, default=None, help=f"{within}data-parallel workers" + (" (default: 1)" if optional else "")
@@ -100,13 +107,18 @@ def add_job_size_arguments(parser: argparse.ArgumentParser, *, optional: bool) -
 
 
 def job_size(args: argparse.Namespace) -> JobSize | None:
-    """The job the flags describe; ``None`` without ``--params``. ``ValueError`` for another of its
-    flags given without ``--params`` (it would change nothing)."""
+    """The job the flags describe; ``None`` without ``--params`` or ``--hf-config``. ``ValueError`` for
+    another of its flags given without either (it would change nothing), and for a config that cannot
+    be read or counted (:class:`~netoptim.planning.hf_config.HFConfigError`, naming the file)."""
     given = {name: getattr(args, name) for name in ("workers", "nodes", "wire_dtype", "push_window", "memory_budget", "keep")}
+    if getattr(args, "hf_config", None) is not None:
+        from netoptim.planning.hf_config import model_size
+
+        args.params = model_size(args.hf_config).params
     if args.params is None:
         stray = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None] + (["--layerwise"] if args.layerwise else [])
         if stray:
-            raise ValueError(f"{', '.join(stray)} size(s) a job: give --params too, or leave them out")
+            raise ValueError(f"{', '.join(stray)} size(s) a job: give --params (or --hf-config) too, or leave them out")
         return None
     filled = {name: DEFAULTS[name] if value is None and name in DEFAULTS else value for name, value in given.items()}
     return JobSize(params=args.params, layerwise=args.layerwise, **filled)

@@ -226,7 +226,7 @@ def test_a_gpu_s_copy_rates_bound_a_step(tmp_path):
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (("--workers", "4"), "--workers size(s) a job: give --params too"),
+        (("--workers", "4"), "--workers size(s) a job: give --params (or --hf-config) too"),
         (("--memory-budget", "4GiB", "--layerwise"), "--memory-budget, --layerwise size(s) a job"),
         (("--token-file", "t", "--state-dir", "."), "--token-file and --tls-ca apply to --admin"),
         (("--curve-secret-key", "a", "--curve-server-key", "b"), "the CURVE keys apply to the nodes probed"),
