@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from netoptim.benchmarks.cli import add_bench_parser
 from netoptim.cli.admin import add_admin_parser, run_admin
-from netoptim.cli.arg_types import positive_int
+from netoptim.cli.arg_types import positive_int, size
 from netoptim.cli.cluster import add_cluster_parser
 from netoptim.cli.job_size_args import add_job_size_arguments, job_size
 from netoptim.cli.node import run_node
@@ -142,7 +142,17 @@ def _add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         help="merge the nodes' checkpoints into one model state dict",
         description="Merge the checkpoints of all of a job's nodes (same step) into one ordinary state dict with the model's parameter names, loadable with model.load_state_dict.",
     )
-    export.add_argument("--to", required=True, metavar="FILE", help="output file, ending in .safetensors or .pt")
+    to = export.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to", metavar="FILE", help="one state dict file, ending in .safetensors or .pt (the whole model in this process)")
+    to.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="a Hugging Face model directory that AutoModelForCausalLM.from_pretrained loads: config, sharded safetensors, "
+        "written shard by shard (needs --hf-config)",
+    )
+    export.add_argument("--hf-config", metavar="PATH", help="with --hf: the model directory (or config.json) the job was trained from")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="with --hf: the weights' dtype (default: %(default)s)")
+    export.add_argument("--max-shard-size", type=size, default="5GB", metavar="SIZE", help="with --hf: the most bytes a shard holds (default: %(default)s)")
     export.add_argument(
         "checkpoints",
         nargs="+",
@@ -157,13 +167,26 @@ def run_export(args: argparse.Namespace) -> int:
     from optimizer_node.state.checkpoint import CheckpointError, resolve
     from optimizer_node.state.export import export
 
+    if args.hf and not args.hf_config:
+        log.error("export --hf needs --hf-config: the model directory (or config.json) the job was trained from")
+        return 2
+    if args.to and args.hf_config:
+        log.error("--hf-config, --dtype and --max-shard-size are for --hf; --to writes the fp32 state dict")
+        return 2
     try:
         checkpoints = [resolve(Path(path)) for path in args.checkpoints]
-        step, numel = export(checkpoints, Path(args.to))
+        if args.hf:
+            from netoptim.integrations.hf_export import export_hf
+
+            written = export_hf(checkpoints, Path(args.hf), config=Path(args.hf_config), dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+            step, numel, to = written["step"], written["params"], f"{args.hf} ({written['shards']} shard(s), {args.dtype})"
+        else:
+            step, numel = export(checkpoints, Path(args.to))
+            to = args.to
     except (CheckpointError, ValueError, OSError) as exc:
         log.error("export failed: %s", exc)
         return 1
-    print(f"exported step {step}: {numel:,} parameters from {len(checkpoints)} node checkpoint(s) to {args.to}")
+    print(f"exported step {step}: {numel:,} parameters from {len(checkpoints)} node checkpoint(s) to {to}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Merging the checkpoints of a job's nodes into one ordinary state dict with the model's own
-parameter names, written as ``.pt`` (``torch.save``) or ``.safetensors``."""
+parameter names, written as ``.pt`` (``torch.save``) or ``.safetensors``; or read parameter by
+parameter (:func:`iter_parameters`), so that a writer never holds the whole model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import logging
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -21,8 +22,8 @@ _PLACEHOLDER_NAME = re.compile(r"^group\d+\.param\d+$")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def merge_checkpoints(checkpoints: Sequence[Checkpoint]) -> tuple[dict[str, torch.Tensor], int]:
-    """The fp32 parameters of a whole job from one checkpoint per node; returns (state dict, step).
+def job_checkpoints(checkpoints: Sequence[Checkpoint]) -> tuple[JobSpec, dict[int, Checkpoint], int]:
+    """The job of one checkpoint per node, its checkpoints by node index, and their step.
 
     Raises :class:`CheckpointError` when the checkpoints are of different jobs or steps, or when a
     node is missing or given twice.
@@ -47,15 +48,47 @@ def merge_checkpoints(checkpoints: Sequence[Checkpoint]) -> tuple[dict[str, torc
     missing = sorted(set(range(spec.num_nodes)) - set(by_node))
     if missing:
         raise CheckpointError(f"the job has {spec.num_nodes} nodes; checkpoints of node(s) {missing} are missing")
+    if any(_PLACEHOLDER_NAME.match(param.name) for param in spec.params):
+        log.warning("the job was registered without parameter names (give RemoteAdamW model.named_parameters()); the export uses placeholder names")
+    return spec, by_node, int(first["step"])
+
+
+def iter_parameters(checkpoints: Sequence[Checkpoint]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The job's fp32 parameters, one at a time in the job's order, each as ``(name, tensor)`` of its
+    shape; at most two buckets' values are read in at once (a parameter may span buckets), so a
+    writer of shards holds one shard, not the model. :class:`CheckpointError` as :func:`job_checkpoints`."""
+    spec, by_node, _ = job_checkpoints(checkpoints)
+    pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in spec.params]  # param -> (bucket, bucket offset, param offset, numel)
+    node_of: dict[int, int] = {}
+    for bucket in spec.plan():
+        node_of[bucket.bucket_id] = bucket.node
+        for seg in bucket.segments:
+            pieces[seg.param_index].append((bucket.bucket_id, seg.bucket_offset, seg.param_offset, seg.numel))
+    loaded: dict[int, torch.Tensor] = {}
+    for param, param_pieces in zip(spec.params, pieces, strict=True):
+        values = torch.empty(param.numel, dtype=torch.float32)
+        for bucket_id, bucket_offset, param_offset, numel in param_pieces:
+            if bucket_id not in loaded:
+                if len(loaded) >= 2:
+                    loaded.pop(next(iter(loaded)))  # the oldest: the job's order walks the buckets forward
+                loaded[bucket_id] = by_node[node_of[bucket_id]].buckets[bucket_id].param
+            values[param_offset : param_offset + numel] = loaded[bucket_id][bucket_offset : bucket_offset + numel]
+        yield param.name, values.view(param.shape)
+
+
+def merge_checkpoints(checkpoints: Sequence[Checkpoint]) -> tuple[dict[str, torch.Tensor], int]:
+    """The fp32 parameters of a whole job from one checkpoint per node; returns (state dict, step).
+
+    Raises :class:`CheckpointError` as :func:`job_checkpoints`.
+    """
+    spec, by_node, step = job_checkpoints(checkpoints)
     flat = [torch.empty(param.numel, dtype=torch.float32) for param in spec.params]
     for bucket in spec.plan():
         values = by_node[bucket.node].buckets[bucket.bucket_id].param
         for seg in bucket.segments:
             flat[seg.param_index][seg.param_offset : seg.param_offset + seg.numel] = values[seg.bucket_offset : seg.bucket_offset + seg.numel]
-    if any(_PLACEHOLDER_NAME.match(param.name) for param in spec.params):
-        log.warning("the job was registered without parameter names (give RemoteAdamW model.named_parameters()); the export uses placeholder names")
     state = {param.name: tensor.view(param.shape) for param, tensor in zip(spec.params, flat, strict=True)}
-    return state, int(first["step"])
+    return state, step
 
 
 def save_safetensors(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
