@@ -7,6 +7,8 @@
 - :mod:`netoptim.integrations.lightning`: ``NetoptimStrategy``, a Lightning strategy that keeps the process
   group, does not wrap the model, and moves the optimizer the ``LightningModule`` configures to the nodes.
 - :mod:`netoptim.integrations.remote`: what they share, a torch optimizer as its remote counterpart (no framework).
+- :mod:`netoptim.integrations.hf_layerwise`: a Hugging Face causal LM from its directory, layer-wise, its
+  weights read from the shards a tensor at a time (``offload_causal_lm``).
 - :mod:`netoptim.integrations.hf_export`: the nodes' checkpoints as a directory ``from_pretrained`` loads
   (``netoptim export --hf``; ``transformers`` only to check the names, where it is installed).
 
