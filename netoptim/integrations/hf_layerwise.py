@@ -155,6 +155,8 @@ def offload_causal_lm(
     wire_dtype: torch.dtype = torch.float32,
     max_grad_norm: float | None = None,
     bucket_numel: int | None = None,
+    curve_secret_key: str | None = None,
+    curve_server_key: str | None = None,
     prefetch: int = 1,
     keep_for_backward: int = 0,
     device: torch.device | str | None = None,
@@ -166,8 +168,8 @@ def offload_causal_lm(
 
     Args:
         directory: a model directory as ``save_pretrained`` writes it.
-        nodes, rank, world_size, lr, betas, eps, weight_decay, wire_dtype, max_grad_norm, bucket_numel:
-            as for :class:`~gpu_worker.RemoteAdamW`.
+        nodes, rank, world_size, lr, betas, eps, weight_decay, wire_dtype, max_grad_norm, bucket_numel,
+            curve_secret_key, curve_server_key: as for :class:`~gpu_worker.RemoteAdamW`.
         prefetch, keep_for_backward, device: as for :func:`~gpu_worker.offload`.
         gradient_checkpointing: Hugging Face's gradient checkpointing (recompute each layer's
             activations in backward, where the layer is fetched anyway).
@@ -212,6 +214,11 @@ def offload_causal_lm(
         wire_dtype=wire_dtype,
         max_grad_norm=max_grad_norm,
         bucket_numel=bucket_numel,
+        curve_secret_key=curve_secret_key,
+        curve_server_key=curve_server_key,
+        # a causal LM's buffers (rotary frequencies, masks) follow from its config, the same on every
+        # rank: nothing to broadcast, and no process group needed for it
+        broadcast_buffers=False,
     )
     return model, optimizer
 

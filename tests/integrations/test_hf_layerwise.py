@@ -105,3 +105,24 @@ def test_shards_that_cannot_give_the_values_are_refused_naming_tensor_and_file(s
     with grpc.insecure_channel(node.admin_address) as channel:
         status = admin_pb2_grpc.OptimizerNodeAdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
     assert not status.registered and status.bytes_owned == 0, "refused before anything reached the node"
+
+
+def test_the_example_fine_tunes_with_two_workers(start_node, tmp_path):
+    """examples/finetune_hf.py as its docstring runs it: torchrun, two workers, one node; then the
+    same command again goes on at the step the nodes are at."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    directory = _saved(tmp_path / "model", FAMILIES["llama"]())
+    node = start_node()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    for steps in (3, 5):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/finetune_hf.py"]
+        command += ["--model", str(directory), "--nodes", node.address, "--steps", str(steps), "--global-batch", "4", "--seq-len", "16"]
+        result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert f"step {steps - 1}: loss " in result.stdout
+    assert "step 0:" not in result.stdout, "the second run went on at step 3, where the nodes were"
