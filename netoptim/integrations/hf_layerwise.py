@@ -168,8 +168,7 @@ def offload_causal_lm(
 
     Args:
         directory: a model directory as ``save_pretrained`` writes it.
-        nodes, rank, world_size, lr, betas, eps, weight_decay, wire_dtype, max_grad_norm, bucket_numel,
-            curve_secret_key, curve_server_key: as for :class:`~gpu_worker.RemoteAdamW`.
+        nodes, rank, world_size, lr, betas, eps, weight_decay, wire_dtype, max_grad_norm, bucket_numel, curve_secret_key, curve_server_key: as for :class:`~gpu_worker.RemoteAdamW`.
         prefetch, keep_for_backward, device: as for :func:`~gpu_worker.offload`.
         gradient_checkpointing: Hugging Face's gradient checkpointing (recompute each layer's
             activations in backward, where the layer is fetched anyway).
