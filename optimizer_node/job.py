@@ -24,7 +24,8 @@ from optimizer_node.admin.overrides import OperatorOverrides
 from optimizer_node.intake.admission import JobAdmission
 from optimizer_node.intake.gradients import GradientIntake, IntakeParts
 from optimizer_node.intake.morphing import MorphGate
-from optimizer_node.intake.registration import JobRegistration, RankCheck
+from optimizer_node.intake.rank_check import RankCheck
+from optimizer_node.intake.registration import JobRegistration
 from optimizer_node.intake.step_ledger import StepLedger
 from optimizer_node.job_end import JobEnd
 from optimizer_node.job_state import ActiveJob, CurrentJob

@@ -22,7 +22,7 @@ from transport.wire import Header, MsgType
 if TYPE_CHECKING:
     from optimizer_node.admin.overrides import OperatorOverrides
     from optimizer_node.config import NodeConfig
-    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.intake.rank_check import RankCheck
     from optimizer_node.job_state import ActiveJob, CurrentJob
     from optimizer_node.serving.replies import ParameterReplies
     from optimizer_node.state.persistence import Checkpoints

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from optimizer_node.intake.admission import JobAdmission
     from optimizer_node.intake.morphing import MorphGate
     from optimizer_node.intake.non_finite import NonFiniteStats
-    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.intake.rank_check import RankCheck
     from optimizer_node.job_state import ActiveJob, CurrentJob
     from optimizer_node.metrics import NodeMetrics
     from optimizer_node.state.persistence import Checkpoints

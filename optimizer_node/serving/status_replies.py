@@ -16,7 +16,7 @@ from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:
     from optimizer_node.intake.gradients import GradientIntake
-    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.intake.rank_check import RankCheck
     from optimizer_node.job_state import CurrentJob
     from optimizer_node.update.clipping import GlobalNormRound
     from optimizer_node.update.queue import UpdateQueue

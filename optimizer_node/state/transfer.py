@@ -19,7 +19,7 @@ from transport.wire import ErrorCode, Header, MsgType, WireError, tensor_header
 if TYPE_CHECKING:
     from optimizer_node.config import NodeConfig
     from optimizer_node.intake.admission import JobAdmission
-    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.intake.rank_check import RankCheck
     from optimizer_node.job_state import ActiveJob, BucketStep
     from optimizer_node.serving.outgoing import Outgoing
     from optimizer_node.serving.replies import ParameterReplies

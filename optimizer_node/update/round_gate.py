@@ -16,7 +16,7 @@ from transport.interface import Message
 from transport.wire import Header
 
 if TYPE_CHECKING:
-    from optimizer_node.intake.registration import RankCheck
+    from optimizer_node.intake.rank_check import RankCheck
     from optimizer_node.job_state import ActiveJob, CurrentJob
     from optimizer_node.serving.delivery import BucketDelivery
     from optimizer_node.update.clipping import GlobalNormRound
