@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.discovery import nodes_option
 from netoptim.integrations.hf_layerwise import offload_causal_lm
-from netoptim.job.discovery import nodes_option
 from netoptim.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 
 

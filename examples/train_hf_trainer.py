@@ -30,8 +30,8 @@ import argparse
 import torch
 import transformers
 
+from gpu_worker.discovery import nodes_option
 from netoptim.integrations.huggingface import NetoptimTrainer
-from netoptim.job.discovery import nodes_option
 
 
 class CountingTokens(torch.utils.data.Dataset):

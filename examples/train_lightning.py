@@ -35,9 +35,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from gpu_worker.discovery import nodes_option
 from gpu_worker.models import GPT, GPTConfig
 from netoptim.integrations.lightning import NetoptimStrategy
-from netoptim.job.discovery import nodes_option
 
 
 def counting_tokens(count: int, length: int, vocab: int, seed: int) -> torch.utils.data.TensorDataset:

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
+from gpu_worker.discovery import NodeSource
 from gpu_worker.host_group import HostExchange, HostGroup
 from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.remote_adamw import RemoteAdamW
 from gpu_worker.remote_optimizer import RemoteOptions
-from netoptim.job.discovery import NodeSource
 
 log = logging.getLogger(__name__)
 

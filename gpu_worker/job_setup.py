@@ -14,8 +14,8 @@ import torch.distributed as dist
 from gpu_worker.exchange.forward_waits import check_held
 from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.layout import layout_from_groups
-from netoptim.job.placement import default_bucket_numel
-from netoptim.job.spec import JobSpec
+from protos.job.placement import default_bucket_numel
+from protos.job.spec import JobSpec
 from transport.wire import dtype_name
 
 

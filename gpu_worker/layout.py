@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from netoptim.job.placement import BucketSpec, ParamSpec
+from protos.job.placement import BucketSpec, ParamSpec
 from transport.interface import Message
 from transport.wire import dtype_name
 

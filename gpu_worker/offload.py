@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpu_worker.discovery import NodeSource
 from gpu_worker.layerwise.units import InitFn, plan_units
 from gpu_worker.remote_adamw import RemoteAdamW
 from gpu_worker.remote_optimizer import RemoteOptions
-from netoptim.job.discovery import NodeSource
 
 
 def offload(

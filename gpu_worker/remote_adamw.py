@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from gpu_worker.discovery import NodeSource
 from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.remote_optimizer import RemoteOptimizer, RemoteOptions
-from netoptim.job.discovery import NodeSource
-from netoptim.job.hyper import AdamWHyper
+from protos.job.hyper import AdamWHyper
 
 TORCH_ADAMW_GROUP_KEYS = {
     "amsgrad": False,
@@ -43,7 +43,7 @@ class RemoteAdamW(RemoteOptimizer):
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``. The current values of each group
             travel with every step, so ``torch.optim.lr_scheduler`` works unchanged.
         amsgrad, maximize: as in ``torch.optim.AdamW``; only ``False`` (the nodes implement neither).
-        nodes: where the job's optimizer nodes are (:mod:`netoptim.job.discovery`). A list of data-plane
+        nodes: where the job's optimizer nodes are (:mod:`gpu_worker.discovery`). A list of data-plane
             addresses, like ``["tcp://10.0.0.5:5555"]``, is used as given: every rank must list them
             in the same order. A host file's path (one address per line, ``#`` comments) or ``None``
             (the default: ``$NETOPTIM_NODES``, addresses separated by commas, else the host file

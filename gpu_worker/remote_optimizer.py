@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from gpu_worker.buffers import BufferBroadcast
+from gpu_worker.discovery import NodeSource, discover_nodes
 from gpu_worker.exchange.forward_waits import check_held
 from gpu_worker.exchange.step_hooks import StepHooks
 from gpu_worker.job_setup import check_options, extend_job, job_from_groups, rank_and_world
@@ -23,8 +24,7 @@ from gpu_worker.layout import step_grads
 from gpu_worker.links.liveness import WorkerTimeouts
 from gpu_worker.optimizer_state import NodeHeldState, entries_to_load, load_state, with_node_state
 from gpu_worker.session_start import start_session
-from netoptim.job.discovery import NodeSource, discover_nodes
-from netoptim.job.hyper import AdamWHyper, validate_for_rule
+from protos.job.hyper import AdamWHyper, validate_for_rule
 from transport.host_memory import StepHeap, keep_step_heap
 
 
@@ -87,7 +87,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     when they are not Adam-style, and calls :meth:`_setup` from its ``__init__``. Every option is documented on :class:`~gpu_worker.RemoteAdamW`."""
 
     rule = "adamw"
-    """The update rule the nodes apply (:data:`netoptim.job.hyper.RULES`)."""
+    """The update rule the nodes apply (:data:`protos.job.hyper.RULES`)."""
     torch_group_keys: ClassVar[dict[str, Any]] = {}
     """What torch's optimizer of the same rule keeps in each param group besides the hyperparameters."""
 
@@ -299,7 +299,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._sync_enabled = previous
 
     def _group_hyper(self, group: dict[str, Any]) -> AdamWHyper:
-        """A param group's current hyperparameters in the wire's five slots (see :mod:`netoptim.job.hyper`):
+        """A param group's current hyperparameters in the wire's five slots (see :mod:`protos.job.hyper`):
         ``lr``, ``betas``, ``eps`` and ``weight_decay`` as AdamW and Adam keep them; rules whose groups
         hold other keys (SGD, Lion) map theirs."""
         return adam_style_hyper(group)

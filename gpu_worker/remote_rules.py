@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from gpu_worker.discovery import NodeSource
 from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.remote_adamw import TORCH_ADAMW_GROUP_KEYS
 from gpu_worker.remote_optimizer import RemoteOptimizer, RemoteOptions
-from netoptim.job.discovery import NodeSource
-from netoptim.job.hyper import AdamWHyper, validate_for_rule
+from protos.job.hyper import AdamWHyper, validate_for_rule
 
 
 class RemoteAdam(RemoteOptimizer):

@@ -34,9 +34,9 @@ from gpu_worker.links.refusals import RefusedGradients
 from gpu_worker.links.registration import NodeRegistration
 from gpu_worker.links.resume import resume_point
 from gpu_worker.links.step_timings import WorkerStepTimings
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.placement import BucketSpec
+from protos.job.spec import JobSpec
 from transport.wire import WIRE_DTYPES, MsgType
 from transport.zeromq.security import CurveClientConfig
 

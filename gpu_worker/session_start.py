@@ -14,8 +14,8 @@ from gpu_worker.layerwise.streaming import LayerStreamer
 from gpu_worker.layerwise.units import UnitPlan
 from gpu_worker.links.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.spec import JobSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.spec import JobSpec
 from transport.wire import MsgType
 from transport.zeromq.security import CurveClientConfig
 

@@ -4,7 +4,7 @@ The runtime lives in four packages of its own: :mod:`gpu_worker` (the training s
 ``RemoteAdamW`` and ``offload``), :mod:`optimizer_node` (the daemon), :mod:`transport` (the data
 plane) and :mod:`protos` (the admin service's messages). This package holds what sits around them:
 
-- :mod:`netoptim.job`: the job contract both runtimes share (spec, placement, hyperparameters, config file);
+- :mod:`netoptim.job`: the job's TOML config file (the contract both runtimes share is :mod:`protos.job`, below them);
 - :mod:`netoptim.console` and :mod:`netoptim.cli`: the ``netoptim`` command;
 - :mod:`netoptim.doctor`: ``netoptim doctor``, a host's and a node's checks before a run;
 - :mod:`netoptim.benchmarks`: ``netoptim bench``, each against a baseline in the same run;
@@ -14,8 +14,8 @@ plane) and :mod:`protos` (the admin service's messages). This package holds what
 - :mod:`netoptim.integrations`: Hugging Face ``Trainer``, accelerate and Lightning;
 - :mod:`netoptim.recipes`: ready training scripts (the GPT recipes behind ``netoptim demo``).
 
-Importing this package imports nothing else: the runtimes import :mod:`netoptim.job` without pulling
-in the command line.
+Importing this package imports nothing else. The runtimes import nothing from it: the layers run one
+way (``.importlinter``).
 """
 
 __version__ = "0.2.0"

@@ -75,7 +75,7 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     gib = 2**30
     if args.hf_config:
         print(f"{args.hf_config}: {job.params:,} trainable parameters")
-    print(f"{args.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire")
+    print(f"{job.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire")
     print(f"  in memory:   {needs.ram_in_memory / gib:8.1f} GiB RAM per node")
     print(f"               {board / gib:8.1f} GiB more for the parameter board where workers run on the node's host (--no-same-host-board: none)")
     if needs.ram_out_of_core is not None:

@@ -7,7 +7,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-from netoptim.job.spec import (
+from protos.job.spec import (
     DEFAULT_MAX_JOB_BUCKETS,
     DEFAULT_MAX_JOB_ELEMENTS,
     DEFAULT_MAX_JOB_NODES,

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from netoptim.job.spec import JobSpec
 from optimizer_node.admin.operator import NodeOperator
 from optimizer_node.admin.overrides import OperatorOverrides
 from optimizer_node.intake.admission import JobAdmission
@@ -41,6 +40,7 @@ from optimizer_node.update.clipping import GlobalNormRound
 from optimizer_node.update.path_choice import UpdatePathChoice
 from optimizer_node.update.queue import UpdateQueue
 from optimizer_node.update.round_gate import RoundGate
+from protos.job.spec import JobSpec
 from transport.wire import Header, MsgType
 
 if TYPE_CHECKING:

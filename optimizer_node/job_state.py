@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec
 from optimizer_node.intake.step_ledger import StepLedger
 from optimizer_node.update.adamw import AdamWHyper
 from optimizer_node.update.reduce import OrderedReduction
+from protos.job.placement import BucketSpec
+from protos.job.spec import JobSpec
 
 if TYPE_CHECKING:
     from optimizer_node.state.storage import BucketStore

@@ -21,7 +21,7 @@ import torch
 
 from gpu_worker.links.connections import NonFiniteGradientError
 from gpu_worker.links.step_timings import elapsed
-from netoptim.job.hyper import AdamWHyper
+from protos.job.hyper import AdamWHyper
 from transport.interface import Message
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from netoptim.job.placement import BucketSpec
+from protos.job.placement import BucketSpec
 
 
 class BucketReadiness:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from netoptim.job.placement import BucketSpec
+from protos.job.placement import BucketSpec
 
 
 class FiniteProbe:

@@ -20,8 +20,8 @@ import torch
 from gpu_worker.exchange.gradient_sender import GradientSender
 from gpu_worker.exchange.push_pacing import PushPacer
 from gpu_worker.links.step_timings import elapsed
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.placement import BucketSpec
 from transport.batches import BATCH_BYTES
 from transport.wire import Header, MsgType
 

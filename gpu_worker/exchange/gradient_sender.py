@@ -12,8 +12,8 @@ from gpu_worker.exchange.finite_probe import FiniteProbe
 from gpu_worker.layerwise.device_copy import host_waitable_event, in_page_locked_window, wait_for_stream, wait_on_host
 from gpu_worker.layout import gather_run
 from gpu_worker.links.connections import NodeConnections
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.placement import BucketSpec
 from transport.send_buffers import SendBuffers
 from transport.wire import MsgType, tensor_header
 

@@ -21,7 +21,7 @@ from gpu_worker.exchange.bucket_readiness import BucketReadiness
 from gpu_worker.exchange.forward_waits import ForwardWaits
 from gpu_worker.exchange.push_courier import PushCourier
 from gpu_worker.layout import GradsOf
-from netoptim.job.hyper import AdamWHyper
+from protos.job.hyper import AdamWHyper
 
 if TYPE_CHECKING:
     from gpu_worker.exchange.gradient_pushes import GradientPushes

@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.layerwise.device_copy import HostToDevice, lock_source_window, wait_on_host
 from gpu_worker.layout import InstallTargets, finish_board_read
-from netoptim.job.placement import BucketSpec
+from protos.job.placement import BucketSpec
 from transport.interface import Message
 
 

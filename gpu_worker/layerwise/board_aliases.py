@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_worker.layout import finish_board_read
-from netoptim.job.placement import BucketSpec, Segment
+from protos.job.placement import BucketSpec, Segment
 from transport.interface import Message
 
 

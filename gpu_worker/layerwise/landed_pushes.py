@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.placement import BucketSpec
 
 
 class _SegmentGrads:

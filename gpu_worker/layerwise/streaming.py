@@ -35,7 +35,7 @@ from gpu_worker.layerwise.device_copy import HostToDevice, wait_on_host
 from gpu_worker.layerwise.landed_pushes import LandedPushes
 from gpu_worker.layerwise.units import UnitPlan, initialize, kept_for_backward
 from gpu_worker.layout import GradsOf, finish_board_read
-from netoptim.job.hyper import AdamWHyper
+from protos.job.hyper import AdamWHyper
 from transport.host_memory import keep_step_heap, trim_host_heap
 from transport.interface import Message
 from transport.wire import WIRE_DTYPES

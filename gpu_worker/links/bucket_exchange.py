@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.links.connections import NodeConnections
-from netoptim.job.placement import BucketSpec
+from protos.job.placement import BucketSpec
 from transport.wire import Header, MsgType, tensor_header
 
 

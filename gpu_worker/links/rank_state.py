@@ -15,8 +15,8 @@ import torch
 
 from gpu_worker.layout import describe_bucket
 from gpu_worker.links.step_timings import WorkerStepTimings
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec
+from protos.job.placement import BucketSpec
+from protos.job.spec import JobSpec
 
 
 class RankState:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpu_worker.links.connections import NodeConnections
-from netoptim.job.placement import BucketSpec
+from protos.job.placement import BucketSpec
 from transport.interface import Message
 
 log = logging.getLogger(__name__)

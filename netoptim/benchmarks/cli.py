@@ -42,7 +42,7 @@ def _add_node_arg(parser: argparse.ArgumentParser, which: str, example: str) -> 
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from netoptim.job.placement import DEFAULT_BUCKET_NUMEL
+    from protos.job.placement import DEFAULT_BUCKET_NUMEL
 
     bench = subparsers.add_parser(
         "bench",
@@ -236,7 +236,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def add_gpu_parser(which: argparse._SubParsersAction) -> None:
     from netoptim.benchmarks.gpu.mode_names import MODES
-    from netoptim.job.placement import DEFAULT_BUCKET_NUMEL
+    from protos.job.placement import DEFAULT_BUCKET_NUMEL
 
     gpu = which.add_parser(
         "gpu",

@@ -33,11 +33,11 @@ from tqdm import tqdm
 
 from gpu_worker.links.liveness import WorkerTimeouts
 from gpu_worker.session import OffloadSession
-from netoptim.job.placement import ParamSpec
-from netoptim.job.spec import JobSpec
 from netoptim.launch.processes import NodeProcess
 from optimizer_node.update.adamw import AdamWHyper
 from protos import admin_pb2, admin_pb2_grpc
+from protos.job.placement import ParamSpec
+from protos.job.spec import JobSpec
 from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
 
 HYPER = AdamWHyper(1e-3, 0.9, 0.999, 1e-8, 0.01)

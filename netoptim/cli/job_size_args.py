@@ -111,14 +111,15 @@ def job_size(args: argparse.Namespace) -> JobSize | None:
     another of its flags given without either (it would change nothing), and for a config that cannot
     be read or counted (:class:`~netoptim.planning.hf_config.HFConfigError`, naming the file)."""
     given = {name: getattr(args, name) for name in ("workers", "nodes", "wire_dtype", "push_window", "memory_budget", "keep")}
+    params = args.params
     if getattr(args, "hf_config", None) is not None:
         from netoptim.planning.hf_config import model_size
 
-        args.params = model_size(args.hf_config).params
-    if args.params is None:
+        params = model_size(args.hf_config).params
+    if params is None:
         stray = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None] + (["--layerwise"] if args.layerwise else [])
         if stray:
             raise ValueError(f"{', '.join(stray)} size(s) a job: give --params (or --hf-config) too, or leave them out")
         return None
     filled = {name: DEFAULTS[name] if value is None and name in DEFAULTS else value for name, value in given.items()}
-    return JobSize(params=args.params, layerwise=args.layerwise, **filled)
+    return JobSize(params=params, layerwise=args.layerwise, **filled)

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from gpu_worker import RemoteAdamW, RemoteOptimizer
+from gpu_worker.discovery import NodeSource
 from netoptim.integrations._extras import require
 from netoptim.integrations.hf_accelerate import check_no_sharding, without_gradient_sync
 from netoptim.integrations.remote import remote_optimizers
-from netoptim.job.discovery import NodeSource
 
 transformers = require("transformers", by="netoptim.integrations.huggingface")
 trainer_module = require("transformers.trainer", by="netoptim.integrations.huggingface")
@@ -51,7 +51,7 @@ class NetoptimTrainer(transformers.Trainer):
     and without ``DistributedDataParallel``. Every argument of ``Trainer`` is accepted, plus:
 
     Args:
-        nodes: the optimizer nodes (:mod:`netoptim.job.discovery`): a list of addresses, a host file's path, or
+        nodes: the optimizer nodes (:mod:`gpu_worker.discovery`): a list of addresses, a host file's path, or
             ``None`` for ``$NETOPTIM_NODES`` / ``$NETOPTIM_NODE_FILE`` (read by rank 0, shared with the others).
         optimizer_options: more options of :class:`~gpu_worker.RemoteAdamW` (``wire_dtype``,
             ``bucket_numel``, ``timeout_s``, ``curve_secret_key``, ...). ``max_grad_norm`` comes from the

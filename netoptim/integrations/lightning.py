@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from gpu_worker import RemoteOptimizer
+from gpu_worker.discovery import NodeSource
 from netoptim.integrations._extras import require
 from netoptim.integrations.remote import parameter_names, rebind_schedulers, remote_optimizers, to_remote
-from netoptim.job.discovery import NodeSource
 
 require("lightning", by="netoptim.integrations.lightning")
 strategies = require("lightning.pytorch.strategies", by="netoptim.integrations.lightning")
@@ -55,7 +55,7 @@ class NetoptimStrategy(strategies.DDPStrategy):
     """DDP without the ``DistributedDataParallel`` wrapper, the optimizer on optimizer nodes.
 
     Args:
-        nodes: the optimizer nodes (:mod:`netoptim.job.discovery`): a list of addresses, a host file's path, or
+        nodes: the optimizer nodes (:mod:`gpu_worker.discovery`): a list of addresses, a host file's path, or
             ``None`` for ``$NETOPTIM_NODES`` / ``$NETOPTIM_NODE_FILE`` (read by rank 0, shared with the others).
         optimizer_options: more options of the remote optimizer (``wire_dtype``, ``bucket_numel``,
             ``timeout_s``, ``push_during_backward``, ``curve_secret_key``, ``broadcast_buffers``, ...).

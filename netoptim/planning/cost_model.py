@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 
 from gpu_worker.pipeline.balance import BlockCost
-from netoptim.job.placement import default_bucket_numel
 from netoptim.planning.planner import Candidate, OptimizerCost, PlanCalibration, predict
+from protos.job.placement import default_bucket_numel
 
 PROFILE_VERSION = 1
 WIRE_BYTES = 4  # fp32 gradients and parameters on the wire
@@ -216,7 +216,7 @@ def node_memory_bytes(params: int, replicas: int) -> int:
 def estimate_step(profile: CostProfile, candidate: Candidate, global_batch: int, hardware: Hardware, *, bucket_bytes: int | None = None) -> StepEstimate:
     """Step time, memory per rank and per node of ``candidate`` on ``hardware`` (see the module's
     docstring), the job's gradients in buckets of ``bucket_bytes`` (default: a worker's default
-    bucket for its share of the model and its stage's nodes, :func:`netoptim.job.placement.default_bucket_numel`)."""
+    bucket for its share of the model and its stage's nodes, :func:`protos.job.placement.default_bucket_numel`)."""
     c = candidate
     if c.layerwise:
         raise ValueError("the cost model covers full-model pipelines, not layer-wise mode")

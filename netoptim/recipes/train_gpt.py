@@ -21,8 +21,8 @@ from torch import nn
 from tqdm import tqdm
 
 from gpu_worker import RemoteAdamW, offload
+from gpu_worker.discovery import nodes_option
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
-from netoptim.job.discovery import nodes_option
 from netoptim.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 
 log = logging.getLogger(__name__)

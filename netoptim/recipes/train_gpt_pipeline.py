@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from gpu_worker.discovery import discover_nodes, nodes_option
 from gpu_worker.models import GPT
 from gpu_worker.pipeline import SCHEDULES, PipelineConfig, PipelineError, PipelineTrainer
-from netoptim.job.discovery import discover_nodes, nodes_option
 from netoptim.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
 from netoptim.recipes.train_gpt import (
     WIRE_DTYPES,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from optimizer_node.update.adamw import AdamWHyper, HyperOverrides
 
 if TYPE_CHECKING:
-    from netoptim.job.spec import JobSpec
+    from protos.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from importlib import metadata
 from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-import netoptim
 from optimizer_node.admin.address import bind_error, split_host_port
 from optimizer_node.admin.guards import BearerTokenInterceptor, RequestDecodingInterceptor
 from optimizer_node.control import StepTimings
@@ -57,7 +57,10 @@ step in flight) at most at once: the other threads stay free for status calls an
 
 
 def _version() -> str:
-    return netoptim.__version__
+    try:  # the distribution's, so that a node reads no module above it (netoptim.__version__ is the same number)
+        return metadata.version("netoptim-train")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,12 +15,12 @@ import hashlib
 import json
 import logging
 
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec, LimitError
 from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.state.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
+from protos.job.placement import BucketSpec
+from protos.job.spec import JobSpec, LimitError
 from transport.batches import MAX_BATCH_BYTES
 from transport.interface import Message, ServerEndpoint
 from transport.shm.window import UNIT_BYTES

@@ -21,17 +21,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from netoptim.job.hyper import validate_for_rule
 from optimizer_node.intake.non_finite import count_non_finite
 from optimizer_node.job_state import BucketStep
 from optimizer_node.update.adamw import AdamWHyper
 from optimizer_node.update.bucket_update import absent_segments
 from optimizer_node.update.reduce import OrderedReduction
+from protos.job.hyper import validate_for_rule
 from transport.batches import split_batch
 from transport.wire import ErrorCode, Header, MsgType, WireError, error_header
 
 if TYPE_CHECKING:
-    from netoptim.job.placement import BucketSpec
     from optimizer_node.admin.overrides import OperatorOverrides
     from optimizer_node.config import NodeConfig
     from optimizer_node.control import StepClock
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
     from optimizer_node.state.storage import BucketState, BucketStore
     from optimizer_node.update.bucket_apply import BucketApply
     from optimizer_node.update.clipping import GlobalNormRound
+    from protos.job.placement import BucketSpec
     from transport.interface import Message
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from netoptim.job.spec import JobSpec
+from protos.job.spec import JobSpec
 from transport.interface import Message
 from transport.wire import ErrorCode, WireError
 

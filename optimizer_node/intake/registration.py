@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from netoptim.job.spec import JobSpec, LimitError
 from optimizer_node.config import NodeConfig
 from optimizer_node.intake.admission import JobAdmission, job_fingerprint
 from optimizer_node.intake.morphing import MorphGate
@@ -28,6 +27,7 @@ from optimizer_node.job_state import ActiveJob, CurrentJob
 from optimizer_node.log_limits import RateLimitedLog
 from optimizer_node.serving.replies import ParameterReplies
 from optimizer_node.state.persistence import Checkpoints
+from protos.job.spec import JobSpec, LimitError
 from transport.interface import Message
 from transport.wire import ErrorCode, Header, MsgType, WireError
 from transport.zeromq.security import AllowList

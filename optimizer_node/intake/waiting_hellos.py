@@ -11,7 +11,7 @@ import dataclasses
 
 import msgpack
 
-from netoptim.job.spec import LimitError
+from protos.job.spec import LimitError
 from transport.interface import Message
 
 ENTRY_BYTES = 512

@@ -23,9 +23,9 @@ from transport.wire import WIRE_DTYPES, ErrorCode, MsgType, WireError, tensor_he
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from netoptim.job.placement import BucketSpec
     from optimizer_node.intake.step_ledger import StepLedger
     from optimizer_node.job_state import ActiveJob
+    from protos.job.placement import BucketSpec
     from transport.interface import Message, ServerEndpoint
 
     Send = Callable[..., None]  # the daemon's reply: (peer, header, payload=None, *, published=None)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from netoptim.job.spec import JobSpec
 from optimizer_node.state.checkpoint import Checkpoint, CheckpointError
+from protos.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,10 @@ def job_checkpoints(checkpoints: Sequence[Checkpoint]) -> tuple[JobSpec, dict[in
     if missing:
         raise CheckpointError(f"the job has {spec.num_nodes} nodes; checkpoints of node(s) {missing} are missing")
     if any(_PLACEHOLDER_NAME.match(param.name) for param in spec.params):
-        log.warning("the job was registered without parameter names (give RemoteAdamW model.named_parameters()); the export uses placeholder names")
+        log.warning(
+            "the job was registered without parameter names (give RemoteAdamW model.named_parameters()): "
+            "the export names each groupG.paramP, the P-th parameter of param group G"
+        )
     return spec, by_node, int(first["step"])
 
 

@@ -15,11 +15,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job_state import ActiveJob, CurrentJob
 from optimizer_node.state.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
+from protos.job.spec import JobSpec
 
 if TYPE_CHECKING:
     from optimizer_node.admin.overrides import OperatorOverrides

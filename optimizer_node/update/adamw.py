@@ -3,7 +3,7 @@
 No I/O here. The update calls torch's fused CPU AdamW kernel, the same kernel as
 ``torch.optim.AdamW(fused=True)``, so a bucket updated here is bitwise equal to that optimizer fed the
 same averaged gradient, provided each parameter's piece is passed to the kernel as a tensor of its
-own (see ``segments`` and :mod:`netoptim.job.placement`); the averaging (division by the number of workers) happens inside the kernel
+own (see ``segments`` and :mod:`protos.job.placement`); the averaging (division by the number of workers) happens inside the kernel
 through its ``grad_scale`` argument, which divides and so is bitwise equal to dividing beforehand.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from netoptim.job.hyper import AdamWHyper
+from protos.job.hyper import AdamWHyper
 
 CLIP_EPS = 1e-6
 """The epsilon ``torch.nn.utils.clip_grad_norm_`` adds to the norm."""

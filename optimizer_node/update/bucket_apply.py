@@ -24,7 +24,6 @@ from transport.wire import WIRE_DTYPES
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from netoptim.job.hyper import AdamWHyper
     from optimizer_node.admin.overrides import OperatorOverrides
     from optimizer_node.config import NodeConfig
     from optimizer_node.control import StepClock
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     from optimizer_node.serving.replies import ParameterReplies
     from optimizer_node.state.storage import BucketState, BucketStore
     from optimizer_node.update.path_choice import UpdatePathChoice
+    from protos.job.hyper import AdamWHyper
 
     # the new values out, while the bucket is held: (job, state at its new step, its gradients, whether nothing changed)
     Deliver = Callable[[ActiveJob, BucketState, BucketStep, bool], None]

@@ -192,7 +192,7 @@ def reduce_and_update_segments(
     a segment not stepped (its parameter had no gradient on any rank) is left exactly as it is:
     parameters, moments and step count, as ``torch.optim.AdamW`` leaves a parameter whose ``grad`` is
     None. Each stepped segment is one tensor of torch's kernel, as in the reference. ``rule``: any
-    of :data:`netoptim.job.hyper.RULES` (see :mod:`optimizer_node.update.rules`)."""
+    of :data:`protos.job.hyper.RULES` (see :mod:`optimizer_node.update.rules`)."""
     if not (len(steps) == len(stepped) == len(segments)):
         raise ValueError(f"{len(segments)} segments, {len(steps)} step counts and {len(stepped)} flags")
     for name, out in (("wire_out", wire_out), ("previous_out", previous_out)):

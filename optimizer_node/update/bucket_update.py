@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
 from optimizer_node.state.storage import BucketState
 from optimizer_node.update.bucket_pass import move_for_update_in_place, reduce_and_update, reduce_and_update_segments
 from optimizer_node.update.reduce import OrderedReduction
+from protos.job.hyper import AdamWHyper
+from protos.job.placement import BucketSpec
 from transport.wire import ErrorCode, WireError
 
 _NONE_ABSENT: frozenset[int] = frozenset()

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from netoptim.job.placement import SPLIT_ALIGNMENT
 from optimizer_node.update.kernels import compiled_update
+from protos.job.placement import SPLIT_ALIGNMENT
 
 CHUNK_NUMEL = 512 << 10
 """Elements per chunk of the torch-ops path: 2 MiB of fp32 sum, kept in L2/L3 until the kernel reads

@@ -4,15 +4,15 @@ not ship, to the reference implementation in ``tests/optimizer_node/test_rules.p
 
 The gradient arrives as the fp32 sum of the ranks' gradients; it is divided by the world size here
 first (``grad_divisor``), exactly as the reference averages, then handed to torch's fused kernel.
-Slots of :class:`~netoptim.job.hyper.AdamWHyper` per rule are described in :mod:`netoptim.job.hyper`.
+Slots of :class:`~protos.job.hyper.AdamWHyper` per rule are described in :mod:`protos.job.hyper`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from netoptim.job.hyper import AdamWHyper
 from optimizer_node.update.adamw import fused_adamw
+from protos.job.hyper import AdamWHyper
 
 
 def apply_rule(

@@ -16,8 +16,8 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
+from gpu_worker.discovery import NODE_FILE_ENV, NODES_ENV, resolve_nodes
 from netoptim.console import parse_command_line
-from netoptim.job.discovery import NODE_FILE_ENV, NODES_ENV, resolve_nodes
 from tests.examples.commands import check_netoptim, check_torchrun
 from transport.secret_files import check_private
 

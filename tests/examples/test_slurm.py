@@ -1,7 +1,7 @@
 """examples/slurm/train_gpt.sbatch: valid bash, and run whole against stand-ins for Slurm
 (``srun``, ``scontrol``) and for ``netoptim`` and ``torchrun`` that record their command lines,
 which are then checked against the real parsers; the host file it writes is one
-:func:`netoptim.job.discovery.resolve_nodes` reads."""
+:func:`gpu_worker.discovery.resolve_nodes` reads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from netoptim.job.discovery import resolve_nodes
+from gpu_worker.discovery import resolve_nodes
 from tests.examples.commands import check_netoptim, check_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker import offload
 from gpu_worker.layerwise.board_aliases import BoardAliases
-from netoptim.job.placement import ParamSpec, plan_buckets
+from protos.job.placement import ParamSpec, plan_buckets
 from tests.gpu_worker.test_layerwise import make_gpt, tokens
 from transport.interface import Message
 from transport.payload_views import board_payload_views

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.exchange.finite_probe import FiniteProbe
-from netoptim.job.placement import BucketSpec, Segment
+from protos.job.placement import BucketSpec, Segment
 
 
 def bucket(bucket_id: int, *pieces: tuple[int, int, int]) -> BucketSpec:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.layout import InstallTargets, gather_bucket, gather_run, scatter_bucket
-from netoptim.job.placement import ParamSpec, plan_buckets
+from protos.job.placement import ParamSpec, plan_buckets
 
 
 def _params() -> list[torch.Tensor]:

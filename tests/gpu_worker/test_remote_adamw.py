@@ -13,7 +13,7 @@ import torch
 from gpu_worker import RemoteAdamW
 from gpu_worker.links import connections as node_connections
 from gpu_worker.session import BYE_WAIT_S
-from netoptim.job.placement import default_bucket_numel
+from protos.job.placement import default_bucket_numel
 from tests.gpu_worker.harness import run_threads
 from tests.ports import restartable_address
 

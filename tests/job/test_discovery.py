@@ -1,4 +1,4 @@
-"""The node list a worker resolves (netoptim/job/discovery.py): explicit lists, host files, the environment,
+"""The node list a worker resolves (gpu_worker/discovery.py): explicit lists, host files, the environment,
 and rank 0's list shared through a c10d store."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from netoptim.job.discovery import (
+from gpu_worker.discovery import (
     NODE_FILE_ENV,
     NODES_ENV,
     NodeList,
@@ -75,7 +75,7 @@ def test_environment_and_precedence(tmp_path, caplog):
     path = host_file(tmp_path, f"{C}\n")
     assert resolve_nodes(environ={NODES_ENV: f" {A}, {B} ,"}) == NodeList((A, B), NODES_ENV)
     assert resolve_nodes(environ={NODE_FILE_ENV: str(path)}) == NodeList((C,), f"host file {path} (${NODE_FILE_ENV})")
-    with caplog.at_level(logging.WARNING, logger="netoptim.job.discovery"):
+    with caplog.at_level(logging.WARNING, logger="gpu_worker.discovery"):
         assert resolve_nodes(environ={NODES_ENV: A, NODE_FILE_ENV: str(path)}).addresses == (A,)
     assert f"ignoring the host file {path}" in caplog.text
     # The nodes argument wins over both; empty variables count as unset.
@@ -179,7 +179,7 @@ def test_tcp_store_between_processes_roles(tmp_path):
 def test_discover_through_torchruns_store(tmp_path, monkeypatch):
     """Rank 1 as torchrun starts it, without a process group: it reads rank 0's list from the store
     its variables name (here a TCPStore on loopback standing in for torchrun's agent)."""
-    monkeypatch.setattr("netoptim.job.discovery._published", itertools.count())  # this process's first list: .../0
+    monkeypatch.setattr("gpu_worker.discovery._published", itertools.count())  # this process's first list: .../0
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     share_nodes(server, 0, lambda: NodeList((B, A), "host file x"), key="netoptim/nodes/job7/1/0", timeout_s=10)
     torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1"}

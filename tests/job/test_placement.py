@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from netoptim.job.placement import ParamSpec, plan_buckets
-from netoptim.job.spec import JobSpec
+from protos.job.placement import ParamSpec, plan_buckets
+from protos.job.spec import JobSpec
 
 
 def params(count: int, numel: int = 1024) -> list[ParamSpec]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpu_worker import RemoteAdamW
-from netoptim.job.discovery import NodeSource, nodes_option
+from gpu_worker.discovery import NodeSource, nodes_option
 
 STEPS = 3
 

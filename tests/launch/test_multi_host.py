@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from netoptim.job.discovery import NODE_FILE_ENV, NODES_ENV
+from gpu_worker.discovery import NODE_FILE_ENV, NODES_ENV
 from netoptim.launch.processes import NodeProcess, free_port
 from tests.launch.discovery_worker import build_model, train
 

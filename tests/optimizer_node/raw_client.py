@@ -7,9 +7,9 @@ import secrets
 
 import torch
 
-from netoptim.job.placement import ParamSpec
-from netoptim.job.spec import JobSpec
 from optimizer_node.update.adamw import AdamWHyper, adamw_update
+from protos.job.placement import ParamSpec
+from protos.job.spec import JobSpec
 from transport.wire import Header, MsgType, tensor_header
 from transport.zeromq.backend import ZmqClient, ZmqTransport
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_worker import RemoteAdamW
-from netoptim.job.placement import ParamSpec
+from protos.job.placement import ParamSpec
 from tests.optimizer_node.raw_client import HYPER, JOB, Mirror, RawWorker
 from transport.wire import PROTOCOL_VERSION, ErrorCode, Header, MsgType, encode_header, tensor_header
 from transport.zeromq.backend import ZmqTransport

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from netoptim.job.placement import ParamSpec
 from optimizer_node.update.adamw import adamw_update
+from protos.job.placement import ParamSpec
 from tests.optimizer_node.raw_client import HYPER, JOB, RawWorker
 from tests.optimizer_node.test_metrics import scrape
 from transport.wire import WIRE_DTYPES, Header, MsgType, tensor_header

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from netoptim.job.placement import ParamSpec
+from protos.job.placement import ParamSpec
 from tests.optimizer_node.raw_client import JOB, RawWorker
 from transport.wire import WIRE_DTYPES, ErrorCode, Header, MsgType, tensor_header
 from transport.zeromq.backend import ZmqTransport

@@ -331,7 +331,7 @@ def test_deferred_reduction_holds_the_last_arrivals_and_sums_the_rest():
 
 
 def test_chunks_cut_segments_only_at_the_split_alignment():
-    from netoptim.job.placement import SPLIT_ALIGNMENT
+    from protos.job.placement import SPLIT_ALIGNMENT
 
     segments = _segments(SEGMENT_SIZES)
     for chunk_numel in (64, 100, 4096, 1 << 20):

@@ -15,10 +15,10 @@ from torch import nn
 
 from gpu_worker import RemoteAdamW
 from gpu_worker.links.connections import NodeError
-from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon
 from protos import admin_pb2, admin_pb2_grpc
+from protos.job.spec import JobSpec
 from tests.gpu_worker.harness import run_threads
 
 WORLD = 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from netoptim.job.spec import JobSpec, ParamSpec
 from optimizer_node.admin.overrides import OperatorOverrides
 from optimizer_node.update.adamw import AdamWHyper, HyperOverrides
+from protos.job.spec import JobSpec, ParamSpec
 
 
 def spec(max_grad_norm: float | None, num_nodes: int = 1) -> JobSpec:

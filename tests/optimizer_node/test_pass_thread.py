@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from netoptim.job.placement import ParamSpec
-from netoptim.job.spec import JobSpec
 from optimizer_node.update.adamw import adamw_update
 from optimizer_node.update.pass_thread import DEPTH, PassThread, shorten_switch_interval
+from protos.job.placement import ParamSpec
+from protos.job.spec import JobSpec
 from tests.optimizer_node.raw_client import HYPER, RawWorker
 from transport.wire import Header, MsgType, tensor_header
 from transport.zeromq.backend import ZmqTransport

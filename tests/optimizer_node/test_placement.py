@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from netoptim.job.placement import SPLIT_ALIGNMENT, ParamSpec, first_difference, plan_buckets
+from protos.job.placement import SPLIT_ALIGNMENT, ParamSpec, first_difference, plan_buckets
 
 
 def specs(*sizes: int, groups: list[int] | None = None) -> list[ParamSpec]:

@@ -16,7 +16,7 @@ PROGRAM = r"""
 import json, sys, threading
 import torch
 torch.set_num_threads(int(sys.argv[1]))
-from netoptim.job.hyper import AdamWHyper
+from protos.job.hyper import AdamWHyper
 from optimizer_node.update.kernels import compiled_update
 from optimizer_node.update.reduce import OrderedReduction
 from optimizer_node.update.bucket_pass import reduce_and_update

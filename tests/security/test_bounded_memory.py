@@ -25,12 +25,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gpu_worker import RemoteAdamW
 from gpu_worker.links.connections import NodeError
-from netoptim.job.placement import ParamSpec
-from netoptim.job.spec import JobLimits, JobSpec, LimitError
 from netoptim.launch.processes import NodeProcess
 from optimizer_node.config import NodeConfig
 from optimizer_node.intake.waiting_hellos import WaitingHellos
 from optimizer_node.log_limits import RateLimitedLog
+from protos.job.placement import ParamSpec
+from protos.job.spec import JobLimits, JobSpec, LimitError
 from tests.gpu_worker.harness import RunConfig, max_difference, reference_averaged, run_offloaded
 from tests.optimizer_node.raw_client import JOB
 from transport.interface import Message

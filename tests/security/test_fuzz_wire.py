@@ -31,8 +31,8 @@ import torch
 import zmq
 
 from gpu_worker import RemoteAdamW
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.spec import JobSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.spec import JobSpec
 from tests.optimizer_node.raw_client import HYPER, JOB
 from tests.security.fuzzing import WatchedNode, fuzz_seconds, fuzz_seed, seed_named_on_failure, watched_nodes
 from tests.security.wire_fuzz import (

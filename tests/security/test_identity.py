@@ -18,10 +18,10 @@ import zmq
 
 from gpu_worker import RemoteAdamW
 from netoptim.console import main as netoptim_main
-from netoptim.job.placement import ParamSpec
-from netoptim.job.spec import JobSpec
 from optimizer_node.config import NodeConfig
 from optimizer_node.daemon import NodeDaemon
+from protos.job.placement import ParamSpec
+from protos.job.spec import JobSpec
 from transport.interface import Message, SendHandle
 from transport.payload_views import payload_views
 from transport.wire import ErrorCode, Header, MsgType, decode_header, encode_message, tensor_header

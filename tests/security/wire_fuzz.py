@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from netoptim.job.hyper import AdamWHyper
-from netoptim.job.placement import BucketSpec
-from netoptim.job.spec import JobSpec
+from protos.job.hyper import AdamWHyper
+from protos.job.placement import BucketSpec
+from protos.job.spec import JobSpec
 from tests.security.fuzzing import WatchedNode
 from tests.security.wire_mutations import Draft, Template, answerable, header_bomb, is_int, mutate, pack, random_frames, routing_id, short
 from transport.batches import split_batch
@@ -227,7 +227,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class Oracle:
     """``torch.optim.AdamW(fused=True)`` on one job's buckets, each parameter piece a tensor of its own
-    (as the node updates them, see :mod:`netoptim.job.placement`), fed the rank-ordered sum of the
+    (as the node updates them, see :mod:`protos.job.placement`), fed the rank-ordered sum of the
     accepted gradients divided by the world size."""
 
     def __init__(self, buckets: Iterable[BucketSpec], initial: dict[int, torch.Tensor]) -> None:

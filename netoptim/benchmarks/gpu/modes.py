@@ -17,9 +17,9 @@ import torch
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from netoptim.benchmarks.common import vm_bytes
 from netoptim.benchmarks.gpu.mode_names import DEEPSPEED_MODES, MODES
-from netoptim.job.placement import DEFAULT_BUCKET_NUMEL
 from netoptim.launch.host_cpus import format_cpu_list, run_on
 from netoptim.launch.processes import free_port
+from protos.job.placement import DEFAULT_BUCKET_NUMEL
 from transport.host_threads import cpu_seconds_between, thread_cpu_seconds
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

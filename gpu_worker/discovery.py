@@ -1,6 +1,6 @@
 """Where a job's optimizer nodes are: the ordered list of their data-plane addresses.
 
-The order is the node index :func:`netoptim.job.placement.plan_buckets` deals buckets by, so every rank of a
+The order is the node index :func:`protos.job.placement.plan_buckets` deals buckets by, so every rank of a
 job must use the same list in the same order. A worker gets it from one of, first match wins:
 
 1. the ``nodes`` argument: a list of addresses (used as given), or the path of a *host file*;

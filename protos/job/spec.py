@@ -2,7 +2,7 @@
 
 Rank 0 registers a :class:`JobSpec` with every node; every other rank sends its own and the node
 checks that it is identical. Both sides derive the bucket plan from it with
-:func:`netoptim.job.placement.plan_buckets`.
+:func:`protos.job.placement.plan_buckets`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from netoptim.job.hyper import RULES
-from netoptim.job.placement import SPLIT_ALIGNMENT, BucketSpec, ParamSpec, first_difference, plan_buckets
+from protos.job.hyper import RULES
+from protos.job.placement import SPLIT_ALIGNMENT, BucketSpec, ParamSpec, first_difference, plan_buckets
 from transport.wire import WIRE_DTYPES
 
 MAX_PARAM_DIMS = 64
@@ -89,7 +89,7 @@ class JobSpec:
     params: tuple[ParamSpec, ...]
     mode: str = "full"
     unit_starts: tuple[int, ...] = ()  # layer-wise: index of each unit's first parameter
-    rule: str = "adamw"  # the update rule the nodes apply (netoptim.job.hyper.RULES)
+    rule: str = "adamw"  # the update rule the nodes apply (protos.job.hyper.RULES)
     # Workers behind each pushing rank (a host group whose gradients it sums first, gpu_worker.host_group):
     # the nodes sum world_size contributions and average over world_size x local_size workers.
     local_size: int = 1
