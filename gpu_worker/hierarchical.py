@@ -110,6 +110,8 @@ class HostGroupAdamW(torch.optim.Optimizer):
         node_bandwidths: Sequence[float] | None = None,
         overlap_forward: bool = False,
         keep_step_gradients: bool = True,
+        moments: str = "fp32",
+        moment_block: int = 256,
     ) -> None:
         if overlap_forward:
             raise ValueError(

@@ -81,6 +81,8 @@ def job_from_groups(
     rule: str,
     local_size: int,
     node_bandwidths: Sequence[float] | None,
+    moments: str = "fp32",
+    moment_block: int = 256,
 ) -> tuple[JobSpec, list[torch.Tensor]]:
     """The job's spec and its parameters in layout order. Layer-wise (``units``), the layout is
     ordered by unit, each unit in buckets of its own; ``bucket_numel`` ``None`` takes the default
@@ -106,7 +108,10 @@ def job_from_groups(
         local_size=local_size,
         node_weights=tuple(float(b) for b in node_bandwidths) if node_bandwidths else (),
         bucket_layout=bucket_layout if bucket_layout is not None else (1 if units is None else 2),
+        moments=moments,
+        moment_block=moment_block,
     )
+    job.validate()  # a bad moments option says so here, before any node hears of the job
     return job, tensors
 
 

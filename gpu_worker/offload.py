@@ -53,6 +53,8 @@ def offload(
     node_bandwidths: Sequence[float] | None = None,
     overlap_forward: bool = False,
     keep_step_gradients: bool = True,
+    moments: str = "fp32",
+    moment_block: int = 256,
 ) -> RemoteAdamW:
     """Stream ``model``'s ``units`` from the optimizer nodes and return its optimizer.
 
@@ -109,6 +111,7 @@ def offload(
         node_bandwidths: each node's link bandwidth: buckets are shared out in proportion.
         overlap_forward: full-model mode, with ``module``: the next forward waits for each module's new values.
         keep_step_gradients: hold each step's gradients until its values are in (a node may restart mid-step).
+        moments, moment_block: how the nodes store the moments (``"fp32"``, ``"bf16"``, ``"8bit"``), as :class:`~gpu_worker.RemoteAdamW`.
 
     The options from ``rank`` on are :class:`RemoteAdamW`'s, with its defaults; its docstring
     describes each in full.

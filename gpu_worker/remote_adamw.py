@@ -125,6 +125,11 @@ class RemoteAdamW(RemoteOptimizer):
             come on top of them on the GPU (on a 1.0B GPT, about a gradient's size of GPU memory
             less), and a node that restarts mid-step stops this worker with a ``RuntimeError`` that
             says to restart it (it redoes the step), as a layer-wise worker, which keeps none, does.
+        moments: how the nodes store the optimizer's moments: ``"fp32"`` (torch's, the default),
+            ``"bf16"`` (half the bytes) or ``"8bit"`` (blockwise with an absmax scale per block and
+            the dynamic map of 8-bit Adam: a quarter). The fp32 master parameters stay exact; tensors
+            under 4,096 elements stay fp32. See docs/node.md for when to choose which.
+        moment_block: ``"8bit"``: elements per scale (64 to 4096, a power of two; 256 by default).
         node_bandwidths: each node's link bandwidth (any unit, one number per node, the same on every
             rank): a node gets a share of the buckets in proportion, so a slower link is not the
             step's bottleneck. Default: equal shares.
@@ -181,6 +186,8 @@ class RemoteAdamW(RemoteOptimizer):
         node_bandwidths: Sequence[float] | None = None,
         overlap_forward: bool = False,
         keep_step_gradients: bool = True,
+        moments: str = "fp32",
+        moment_block: int = 256,
     ) -> None:
         if amsgrad or maximize:
             raise ValueError("RemoteAdamW does not support amsgrad or maximize")

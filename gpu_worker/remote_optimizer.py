@@ -67,6 +67,8 @@ class RemoteOptions:
     node_bandwidths: Sequence[float] | None = None
     overlap_forward: bool = False
     keep_step_gradients: bool = True
+    moments: str = "fp32"
+    moment_block: int = 256
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> RemoteOptions:
@@ -138,6 +140,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             rule=self.rule,
             local_size=options.local_size,
             node_bandwidths=options.node_bandwidths,
+            moments=options.moments,
+            moment_block=options.moment_block,
         )
         self._params = tensors
         if overlap_forward:

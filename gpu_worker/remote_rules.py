@@ -96,6 +96,8 @@ class RemoteAdam(RemoteOptimizer):
         node_bandwidths: Sequence[float] | None = None,
         overlap_forward: bool = False,
         keep_step_gradients: bool = True,
+        moments: str = "fp32",
+        moment_block: int = 256,
     ) -> None:
         validate_for_rule(self.rule, AdamWHyper(float(lr), betas[0], betas[1], eps, weight_decay))
         self._setup(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, RemoteOptions.from_arguments(locals()))
@@ -178,6 +180,8 @@ class RemoteSGD(RemoteOptimizer):
         node_bandwidths: Sequence[float] | None = None,
         overlap_forward: bool = False,
         keep_step_gradients: bool = True,
+        moments: str = "fp32",
+        moment_block: int = 256,
     ) -> None:
         self.rule = "sgd-nesterov" if nesterov else "sgd"  # one rule per job: every group uses it
         validate_for_rule(self.rule, AdamWHyper(float(lr), momentum, dampening, 0.0, weight_decay))
@@ -266,6 +270,8 @@ class RemoteLion(RemoteOptimizer):
         node_bandwidths: Sequence[float] | None = None,
         overlap_forward: bool = False,
         keep_step_gradients: bool = True,
+        moments: str = "fp32",
+        moment_block: int = 256,
     ) -> None:
         validate_for_rule(self.rule, AdamWHyper(float(lr), betas[0], betas[1], 0.0, weight_decay))
         self._setup(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay}, RemoteOptions.from_arguments(locals()))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optimizer_node.intake.step_ledger import StepLedger
+from optimizer_node.moments.codec import MomentCodec, codec_for
 from optimizer_node.update.adamw import AdamWHyper
 from optimizer_node.update.reduce import OrderedReduction
 from protos.job.placement import BucketSpec
@@ -47,6 +48,10 @@ class ActiveJob:
     segments: dict[int, list[tuple[int, int]]]  # bucket_id -> (offset, numel) per parameter piece, for the update
     divisor: torch.Tensor  # () fp32 workers in all (world size x local size): the averaging divisor, made once
     base_step: int = 0  # the step buckets created now start at: 0, or the step a param group was added at
+
+    def codec(self, bucket_id: int) -> MomentCodec | None:
+        """How the bucket's moments are stored (``None``: fp32, torch's layout)."""
+        return codec_for(self.spec.moments, self.spec.moment_block, tuple(self.segments[bucket_id]))
 
     @classmethod
     def create(cls, spec: JobSpec, node_index: int, plan: list[BucketSpec] | None = None, base_step: int = 0) -> ActiveJob:

@@ -18,6 +18,7 @@ import logging
 from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob
 from optimizer_node.log_limits import RateLimitedLog
+from optimizer_node.moments.codec import codec_for, moment_bytes
 from optimizer_node.state.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from protos.job.placement import BucketSpec
 from protos.job.spec import JobSpec, LimitError
@@ -126,13 +127,21 @@ class JobAdmission:
 
     def fit_problem(self, spec: JobSpec, node_index: int, plan: list[BucketSpec]) -> str | None:
         """Why this node cannot hold its share of the job (memory, disk), or ``None``."""
-        params = sum(b.numel for b in plan if b.node == node_index)
-        needs = node_needs(params, workers=spec.world_size, wire_bytes=WIRE_DTYPES[spec.wire_dtype].itemsize, layerwise=spec.mode == "layerwise")
+        mine = [b for b in plan if b.node == node_index]
+        params = sum(b.numel for b in mine)
+        sizes = [bucket_state_bytes(spec, bucket) for bucket in mine]  # the moments as the job stores them
+        needs = node_needs(
+            params,
+            workers=spec.world_size,
+            wire_bytes=WIRE_DTYPES[spec.wire_dtype].itemsize,
+            layerwise=spec.mode == "layerwise",
+            state_bytes=sum(sizes),
+        )
         return fit_problem(
             needs,
             state_dir=self._config.state_dir,
             memory_budget=self._config.memory_budget,
-            bucket_bytes=STATE_BYTES_PER_PARAM * spec.bucket_numel,
+            bucket_bytes=max(sizes, default=STATE_BYTES_PER_PARAM * spec.bucket_numel),
             num_nodes=spec.num_nodes,
         )
 
@@ -202,3 +211,9 @@ class JobAdmission:
             raise WireError(ErrorCode.WRONG_DTYPE, f"bucket {bucket.bucket_id} travels as {dtype}, got {header.dtype or 'no payload'}")
         if header.numel != bucket.numel:
             raise WireError(ErrorCode.WRONG_SHAPE, f"bucket {bucket.bucket_id} has {bucket.numel} elements, got {header.numel}")
+
+
+def bucket_state_bytes(spec: JobSpec, bucket: BucketSpec) -> int:
+    """Bytes of a bucket's state on a node: fp32 parameters and both moments in the job's format."""
+    codec = codec_for(spec.moments, spec.moment_block, tuple((seg.bucket_offset, seg.numel) for seg in bucket.segments))
+    return 4 * bucket.numel + 2 * moment_bytes(codec, bucket.numel)

@@ -329,7 +329,7 @@ class JobRegistration:
         initial = torch.empty(bucket.numel, dtype=torch.float32)
         for offset, view in message.tensors:
             initial[offset : offset + view.numel()].copy_(view)
-        store.create(bucket.bucket_id, initial).step = job.base_step  # an added param group's buckets join at the current step
+        store.create(bucket.bucket_id, initial, job.codec(bucket.bucket_id)).step = job.base_step  # an added param group's buckets join at the current step
         if len(store) == len(job.owned):
             self._checkpoints.job_initialized()
         self._send(message.peer, Header(msg_type=MsgType.ACK, bucket_id=bucket.bucket_id))

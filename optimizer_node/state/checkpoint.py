@@ -51,9 +51,16 @@ class BucketSnapshot:
     numel: int
     path: Path
     segment_steps: list[float] | None = None  # per segment, when they differ (see BucketState)
+    moment_bytes: int = -1  # bytes of each moment as stored (optimizer_node.moments); -1: fp32, 4 x numel
+
+    def __post_init__(self) -> None:
+        if self.moment_bytes < 0:
+            self.moment_bytes = 4 * self.numel
 
     def values(self) -> torch.Tensor:
-        """param, exp_avg and exp_avg_sq back to back (3 x numel fp32)."""
+        """param, exp_avg and exp_avg_sq back to back (3 x numel fp32; a checkpoint of fp32 moments)."""
+        if self.moment_bytes != 4 * self.numel:
+            raise CheckpointError(f"{self.path} holds compressed moments: read them through the job's moment codec")
         return torch.from_file(str(self.path), shared=False, size=3 * self.numel, dtype=torch.float32)
 
     @property
@@ -124,6 +131,8 @@ def write_checkpoint(
             name = f"bucket-{state.bucket_id:06d}.bin"
             written = write_file(state, temporary / name)
             files[name] = {"bucket_id": state.bucket_id, "numel": state.numel, "step": state.step, "step_tensor": float(state.step_tensor), **written}
+            if state.codec is not None:
+                files[name]["moment_bytes"] = state.moment_bytes
             if state.segment_steps is not None:
                 files[name]["segment_steps"] = list(state.segment_steps)
             after_file()
@@ -221,13 +230,20 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if size != entry["bytes"] or any(entry.get(kind, value) != value for kind, value in digests.items()):
             raise CheckpointError(f"{path / name} does not match its checksum in the manifest ({size} bytes, {entry['bytes']} expected): the file is damaged")
         numel = entry["numel"]
-        if size != 12 * numel:
-            raise CheckpointError(f"{path / name} holds {size // 4} values, {3 * numel} expected")
+        moment = entry.get("moment_bytes", 4 * numel)
+        if size != 4 * numel + 2 * moment:
+            raise CheckpointError(f"{path / name} holds {size} bytes, {4 * numel + 2 * moment} expected (parameters and two moments of {moment} bytes)")
         segment_steps = entry.get("segment_steps")
         if segment_steps is not None and not (isinstance(segment_steps, list) and all(isinstance(s, (int, float)) and s >= 0 for s in segment_steps)):
             raise CheckpointError(f"{path / MANIFEST}: segment_steps of {name} must be a list of non-negative numbers, got {segment_steps!r}")
         buckets[entry["bucket_id"]] = BucketSnapshot(
-            entry["bucket_id"], entry["step"], entry["step_tensor"], numel, path / name, None if segment_steps is None else [float(s) for s in segment_steps]
+            entry["bucket_id"],
+            entry["step"],
+            entry["step_tensor"],
+            numel,
+            path / name,
+            None if segment_steps is None else [float(s) for s in segment_steps],
+            moment,
         )
     return Checkpoint(path, manifest, buckets)
 

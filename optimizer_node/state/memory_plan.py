@@ -1,6 +1,8 @@
 """What a node needs, in RAM and on disk, before it allocates anything.
 
-Per parameter a node keeps 12 bytes of state (fp32 master, exp_avg, exp_avg_sq). On top of that it
+Per parameter a node keeps 12 bytes of state (fp32 master, exp_avg, exp_avg_sq) with fp32 moments,
+8 with bf16 moments and about 6 with 8-bit ones (:mod:`optimizer_node.moments`; tensors under 4,096
+elements keep fp32 moments). On top of that it
 holds the gradients that arrived and are not applied yet: in full-model mode up to every worker's
 whole share (workers push everything at the end of the step), in layer-wise mode at most each
 worker's push window. A wire dtype other than fp32 adds an fp32 sum and a cast copy per resident
@@ -18,9 +20,18 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from optimizer_node.moments.codec import bytes_per_element
+
 STATE_BYTES_PER_PARAM = 12
+"""With fp32 moments (:func:`state_bytes_per_param` for the others)."""
 FIXED_OVERHEAD_BYTES = 400 << 20
 """A node process with torch and ZeroMQ loaded and nothing registered: ~225 MiB measured, plus headroom."""
+
+
+def state_bytes_per_param(moments: str = "fp32", block: int = 256) -> float:
+    """Bytes of state per parameter: the fp32 master and both moments in format ``moments``
+    (compressed ones counted as if every tensor were compressed)."""
+    return 4.0 + bytes_per_element(moments, block)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +58,18 @@ def node_needs(
     keep_checkpoints: int = 0,
     board: bool = False,
     masters_on_board: bool = True,
+    state_bytes: int | None = None,
 ) -> NodeNeeds:
     """RAM and disk for a node owning ``params`` parameters of a job with ``workers`` workers;
     ``board``: with a parameter board for same-host workers (in memory only: two slots a bucket in the
     wire dtype, the one before the current holding what is kept for a restarted rank, and a 16-bit
     wire's cast written there instead of into a copy of its own; in fp32 the slots are the master
-    values themselves, in place of the node's own copy, unless ``masters_on_board`` is False)."""
+    values themselves, in place of the node's own copy, unless ``masters_on_board`` is False).
+    ``state_bytes``: the share's state in bytes, where the moments are not fp32 (default 12 a parameter)."""
     gradients = workers * wire_bytes * params
     if layerwise:
         gradients = min(gradients, workers * push_window_bytes)
-    state = STATE_BYTES_PER_PARAM * params
+    state = STATE_BYTES_PER_PARAM * params if state_bytes is None else state_bytes
     cast = 0 if wire_bytes == 4 else (4 + (0 if board else wire_bytes)) * params  # fp32 sums and the cast copy of what goes out
     kept_for_restarts = 0 if board else wire_bytes * params
     board_bytes = 2 * wire_bytes * params if board else 0
@@ -104,7 +117,7 @@ def fit_problem(needs: NodeNeeds, *, state_dir: str | None, memory_budget: int |
     if memory_budget < 2 * bucket_bytes:
         return f"--memory-budget {memory_budget / 2**20:.0f} MiB is less than two buckets ({2 * bucket_bytes / 2**20:.0f} MiB of state): raise it"
     free = free_disk(state_dir)
-    live = STATE_BYTES_PER_PARAM * needs.params
+    live = needs.disk_out_of_core  # with no checkpoints kept: the live state
     if live > free:
         return f"the state of this node's share needs {live / 2**20:,.1f} MiB under {state_dir} and {free / 2**20:,.1f} MiB are free: free space or use another --state-dir"
     if needs.ram_out_of_core is not None:

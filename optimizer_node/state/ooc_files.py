@@ -77,13 +77,14 @@ def digest(data: memoryview | bytes) -> int:
     return hasher.intdigest()
 
 
-def state_digests(data: memoryview) -> tuple[int, int]:
-    """Digests of a state file's bytes ``data``: of the whole, and of its parameter third alone (what a
-    fetch reads), in one pass."""
+def state_digests(data: memoryview, param_bytes: int | None = None) -> tuple[int, int]:
+    """Digests of a state file's bytes ``data``: of the whole, and of its first ``param_bytes`` (the
+    parameters, what a fetch reads; default a third: fp32 moments) alone, in one pass."""
+    cut = len(data) // 3 if param_bytes is None else param_bytes
     hasher = xxhash.xxh3_64()
-    hasher.update(data[: len(data) // 3])
+    hasher.update(data[:cut])
     param = hasher.intdigest()
-    hasher.update(data[len(data) // 3 :])
+    hasher.update(data[cut:])
     return hasher.intdigest(), param
 
 
@@ -94,11 +95,11 @@ def _pieces(length: int, piece: int, cut: int) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop in itertools.pairwise(bounds) if start < stop]
 
 
-def _write_hashing(fd: int, data: memoryview) -> tuple[int, int]:
+def _write_hashing(fd: int, data: memoryview, param_bytes: int | None = None) -> tuple[int, int]:
     """Write ``data`` at the start of the file through the page cache, piece by piece, each hashed just
     before the kernel copies it; returns :func:`state_digests` of ``data``."""
     hasher = xxhash.xxh3_64()
-    third = len(data) // 3
+    third = len(data) // 3 if param_bytes is None else param_bytes
     param = hasher.intdigest()  # of nothing: a file of under 3 bytes has an empty parameter third
     for start, stop in _pieces(len(data), WRITE_PIECE, third):
         view = data[start:stop]
@@ -224,10 +225,11 @@ def _direct_ok(direct: bool, data: memoryview, tensor: torch.Tensor) -> bool:
     return direct and bool(O_DIRECT) and tensor.data_ptr() % ALIGN == 0 and len(data) >= ALIGN
 
 
-def write_version(path: Path, flat: torch.Tensor, step: int, *, sync: bool, direct: bool, overwrite: bool) -> FileInfo:
+def write_version(path: Path, flat: torch.Tensor, step: int, *, sync: bool, direct: bool, overwrite: bool, param_bytes: int | None = None) -> FileInfo:
     """Write ``flat`` to ``path``: a new file, or with ``overwrite`` an existing one of the same size
     (a retired version the store reuses). With ``sync`` the data is on the disk and out of the page
-    cache when this returns. A failed write removes the file."""
+    cache when this returns. A failed write removes the file. ``param_bytes``: where the parameters
+    end (default a third of the file: fp32 moments)."""
     data = memoryview(flat.numpy()).cast("B")
     direct = _direct_ok(direct, data, flat)
     flags = os.O_WRONLY | (0 if overwrite else os.O_CREAT | os.O_EXCL) | (O_DIRECT if direct else 0)
@@ -236,10 +238,10 @@ def write_version(path: Path, flat: torch.Tensor, step: int, *, sync: bool, dire
         if overwrite and os.fstat(fd).st_size != len(data):
             os.ftruncate(fd, len(data))
         if direct:  # the device reads the buffer: nothing is in cache to hash, so hash first
-            whole, param = state_digests(data)
+            whole, param = state_digests(data, param_bytes)
             _, cached = _transfer(fd, data, write=True, direct=True)
         else:
-            (whole, param), cached = _write_hashing(fd, data), True
+            (whole, param), cached = _write_hashing(fd, data, param_bytes), True
         if sync:
             os.fdatasync(fd)  # also for direct writes: the new blocks' metadata and the disk's cache
             if cached:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from optimizer_node.moments.codec import MomentCodec
 from optimizer_node.state.ooc_files import (
     DIGEST,
     FileInfo,
@@ -55,6 +56,14 @@ log = logging.getLogger(__name__)
 
 _EVICTED = torch.empty(0, dtype=torch.float32)
 BYTES_PER_PARAM = 12
+"""Bytes of state per parameter with fp32 moments (the estimate before a job says its format)."""
+
+
+def _nbytes(state: BucketState) -> int:
+    """Bytes of the bucket's state in memory and in its file: fp32 parameters and both moments as stored."""
+    return 4 * state.numel + 2 * state.moment_bytes
+
+
 OVERLAP_BUCKETS = 4
 """Buckets of state the budget should hold for the I/O to overlap the updates: the one updated, the
 next read ahead, the last written back, and room for one more."""
@@ -63,7 +72,7 @@ next read ahead, the last written back, and room for one more."""
 @dataclass(eq=False, slots=True)
 class _Slot:
     state: BucketState
-    flat: torch.Tensor | None = None  # (3 * numel,) fp32 while resident
+    flat: torch.Tensor | None = None  # the state's bytes as fp32 words while resident (param, then the moments as stored)
     file: FileInfo | None = None  # the newest version on disk
     dirty: bool = False  # resident values are newer than the file
     pins: int = 0
@@ -130,15 +139,17 @@ class OutOfCoreStore(BucketStore):
                 largest / 2**20,
             )
 
-    def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
+    def create(self, bucket_id: int, initial: torch.Tensor, codec: MomentCodec | None = None) -> BucketState:
         if bucket_id in self._slots:
             raise ValueError(f"bucket {bucket_id} already exists")
         numel = initial.numel()
-        self._make_room(BYTES_PER_PARAM * numel, block=True)  # may fail (disk full): then nothing is registered
-        state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.zeros(()), numel=numel)
+        if codec is not None and codec.numel != numel:
+            raise ValueError(f"bucket {bucket_id} has {numel} elements, its moments' layout {codec.numel}")
+        state = BucketState(bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.zeros(()), numel=numel, codec=codec)
+        self._make_room(_nbytes(state), block=True)  # may fail (disk full): then nothing is registered
         slot = _Slot(state)
         self._slots[bucket_id] = slot
-        self._total += BYTES_PER_PARAM * numel
+        self._total += _nbytes(state)
         self._make_resident(slot)
         slot.flat.zero_()  # type: ignore[union-attr]
         state.param.copy_(initial.reshape(-1))
@@ -176,7 +187,7 @@ class OutOfCoreStore(BucketStore):
         slot = self._slots.get(bucket_id)
         if slot is None or slot.flat is not None or slot.file is None:
             return
-        if not self._make_room(BYTES_PER_PARAM * slot.state.numel, block=False):
+        if not self._make_room(_nbytes(slot.state), block=False):
             return  # no room without waiting: the acquire will read it
         self._start_read(slot)
 
@@ -187,7 +198,7 @@ class OutOfCoreStore(BucketStore):
             if slot.writing is not None:  # its last values are still being written: no changes until done
                 self._finish_write(slot)
             if slot.flat is None:
-                self._make_room(BYTES_PER_PARAM * state.numel, block=True)
+                self._make_room(_nbytes(state), block=True)
                 self._start_read(slot)
             if slot.reading is not None:
                 self._finish_read(slot)
@@ -263,17 +274,23 @@ class OutOfCoreStore(BucketStore):
         link_or_copy(self._path(state.bucket_id, slot.file.step), path, durable=True)
         return {"bytes": slot.file.size, DIGEST: slot.file.digest}
 
-    def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
+    def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int, codec: MomentCodec | None = None) -> BucketState:
         """Adopt a verified checkpoint file as the bucket's current version (a hard link, no copy)."""
         state = BucketState(
-            bucket_id=bucket_id, param=_EVICTED, exp_avg=_EVICTED, exp_avg_sq=_EVICTED, step_tensor=torch.tensor(float(step_tensor)), numel=numel
+            bucket_id=bucket_id,
+            param=_EVICTED,
+            exp_avg=_EVICTED,
+            exp_avg_sq=_EVICTED,
+            step_tensor=torch.tensor(float(step_tensor)),
+            numel=numel,
+            codec=codec,
         )
         state.step = step
         target = self._path(bucket_id, step)
         link_or_copy(path, target, durable=False)  # the state directory is scratch: a crash starts from the checkpoint again
         slot = _Slot(state, file=describe_file(target, step, param_bytes=4 * numel))
         self._slots[bucket_id] = slot
-        self._total += BYTES_PER_PARAM * numel
+        self._total += _nbytes(state)
         return state
 
     # ---------------------------------------------------------------- residency
@@ -282,20 +299,23 @@ class OutOfCoreStore(BucketStore):
         return self.state_dir / f"bucket-{bucket_id:06d}.v{step:010d}.bin"
 
     def _make_resident(self, slot: _Slot) -> None:
-        numel = slot.state.numel
-        self._make_room(BYTES_PER_PARAM * numel, block=True)
-        slot.flat = self._buffer(numel)
-        self._resident += BYTES_PER_PARAM * numel
+        self._make_room(_nbytes(slot.state), block=True)
+        slot.flat = self._buffer(slot.state)
+        self._resident += _nbytes(slot.state)
         self._bind(slot)
 
-    def _buffer(self, numel: int) -> torch.Tensor:
-        """A state buffer for a bucket of ``numel``: a spare one, else a new one (the caller made room)."""
-        return self._spare.take(3 * numel, room=self.memory_budget - self._resident)
+    def _buffer(self, state: BucketState) -> torch.Tensor:
+        """A state buffer for the bucket (fp32 words): a spare one, else a new one (the caller made room)."""
+        return self._spare.take(_nbytes(state) // 4, room=self.memory_budget - self._resident)
 
     def _bind(self, slot: _Slot) -> None:
-        numel = slot.state.numel
+        state = slot.state
+        numel, words = state.numel, state.moment_bytes // 4
         assert slot.flat is not None
-        slot.state.param, slot.state.exp_avg, slot.state.exp_avg_sq = slot.flat[:numel], slot.flat[numel : 2 * numel], slot.flat[2 * numel :]
+        first, second = slot.flat[numel : numel + words], slot.flat[numel + words :]
+        if state.codec is not None:  # the encoded bytes
+            first, second = first.view(torch.uint8), second.view(torch.uint8)
+        state.param, state.exp_avg, state.exp_avg_sq = slot.flat[:numel], first, second
 
     def _evict(self, slot: _Slot) -> None:
         assert slot.pins == 0 and not slot.dirty and slot.writing is None and slot.reading is None
@@ -307,7 +327,7 @@ class OutOfCoreStore(BucketStore):
         assert slot.flat is not None
         self._spare.give(slot.flat)
         slot.flat = None
-        self._resident -= BYTES_PER_PARAM * slot.state.numel
+        self._resident -= _nbytes(slot.state)
 
     def _make_room(self, nbytes: int, *, block: bool) -> bool:
         """Free memory until ``nbytes`` more fit the budget; False if that needs waiting and ``block`` is off."""
@@ -349,9 +369,8 @@ class OutOfCoreStore(BucketStore):
 
     def _start_read(self, slot: _Slot) -> None:
         assert slot.file is not None, "a bucket without a file is always resident"
-        numel = slot.state.numel
-        slot.flat = self._buffer(numel)
-        self._resident += BYTES_PER_PARAM * numel
+        slot.flat = self._buffer(slot.state)
+        self._resident += _nbytes(slot.state)
         slot.reading = self._readers.submit(
             read_checked,
             self._path(slot.state.bucket_id, slot.file.step),
@@ -371,11 +390,11 @@ class OutOfCoreStore(BucketStore):
             assert slot.flat is not None
             self._spare.give(slot.flat)
             slot.flat = None
-            self._resident -= BYTES_PER_PARAM * slot.state.numel
+            self._resident -= _nbytes(slot.state)
             raise StorageError(
                 f"bucket {slot.state.bucket_id}: cannot read its state: {exc}; its state is lost: restart the node with --resume from a checkpoint"
             ) from None
-        self.bytes_read += BYTES_PER_PARAM * slot.state.numel
+        self.bytes_read += _nbytes(slot.state)
         self._bind(slot)
 
     def _start_write(self, slot: _Slot) -> None:
@@ -398,7 +417,9 @@ class OutOfCoreStore(BucketStore):
             if not overwrite and slot.file is not None and slot.file.step == step:
                 path.unlink(missing_ok=True)  # same step rewritten (a restore): replace it
                 slot.file = None
-        slot.writing = self._writers.submit(write_version, path, slot.flat, step, sync=self.sync, direct=self.direct, overwrite=overwrite)
+        slot.writing = self._writers.submit(
+            write_version, path, slot.flat, step, sync=self.sync, direct=self.direct, overwrite=overwrite, param_bytes=4 * slot.state.numel
+        )
         slot.dirty = False
 
     def _finish_write(self, slot: _Slot) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from optimizer_node.config import NodeConfig
 from optimizer_node.faults import CrashPoints
 from optimizer_node.job_state import ActiveJob, CurrentJob
+from optimizer_node.moments.codec import moment_bytes
 from optimizer_node.state.checkpoint import CheckpointError, read_latest, step_directory, write_checkpoint
 from protos.job.spec import JobSpec
 
@@ -182,7 +183,13 @@ class Checkpoints:
         if set(owned) != set(checkpoint.buckets):
             raise CheckpointError(f"{checkpoint.path} holds buckets {sorted(checkpoint.buckets)}, the job's plan gives node {node_index} {sorted(owned)}")
         for bucket_id, snapshot in sorted(checkpoint.buckets.items()):
-            state = self._store.restore(bucket_id, snapshot.step, snapshot.step_tensor, snapshot.path, snapshot.numel)
+            codec = job.codec(bucket_id)
+            if snapshot.moment_bytes != moment_bytes(codec, snapshot.numel):
+                raise CheckpointError(
+                    f"{checkpoint.path}: bucket {bucket_id} holds moments of {snapshot.moment_bytes} bytes, the job's {spec.moments} moments take "
+                    f"{moment_bytes(codec, snapshot.numel)}: the checkpoint is damaged or from another netoptim"
+                )
+            state = self._store.restore(bucket_id, snapshot.step, snapshot.step_tensor, snapshot.path, snapshot.numel, codec)
             if snapshot.segment_steps is not None:
                 if len(snapshot.segment_steps) != len(job.segments[bucket_id]):
                     raise CheckpointError(

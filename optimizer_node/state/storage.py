@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from optimizer_node.moments.codec import SIGNED, MomentCodec, moment_bytes
 from transport.interface import SendHandle
 
 
@@ -36,8 +37,8 @@ class BucketState:
 
     bucket_id: int
     param: torch.Tensor  # (numel,) fp32 master parameters; out of core: valid only while acquired
-    exp_avg: torch.Tensor  # (numel,) fp32
-    exp_avg_sq: torch.Tensor  # (numel,) fp32
+    exp_avg: torch.Tensor  # (numel,) fp32; with a codec its encoded bytes (uint8)
+    exp_avg_sq: torch.Tensor  # (numel,) fp32; with a codec its encoded bytes (uint8)
     step_tensor: torch.Tensor  # () fp32, as torch's AdamW keeps it
     step: int = 0
     # (numel,) fp32 reduction buffer, made on first need: gradients that arrive as one fp32 frame
@@ -61,6 +62,8 @@ class BucketState:
     # into the slot beside the one it reads); what is written into it other than by an update must
     # go into memory of the bucket's own first (:meth:`own_param`), as workers may be reading it
     param_on_board: bool = False
+    # How the moments are stored (optimizer_node.moments.codec): None, fp32 as torch keeps them.
+    codec: MomentCodec | None = None
 
     def __post_init__(self) -> None:
         if self.numel < 0:
@@ -100,6 +103,25 @@ class BucketState:
         else:
             self.segment_steps = list(counts)
 
+    def moment(self, part: str) -> torch.Tensor:
+        """Moment ``part`` (``exp_avg`` or ``exp_avg_sq``) as fp32, ``numel`` values: the tensor itself
+        for fp32 moments, a decoded copy otherwise (the bucket acquired)."""
+        encoded = getattr(self, part)
+        return encoded if self.codec is None else self.codec.decode(encoded, SIGNED[part])
+
+    def set_moment(self, part: str, values: torch.Tensor) -> None:
+        """Replace moment ``part`` with the fp32 ``values`` (rounded to the job's format)."""
+        encoded = getattr(self, part)
+        if self.codec is None:
+            encoded.copy_(values)
+        else:
+            self.codec.encode(values, encoded, SIGNED[part])
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes of one moment as stored."""
+        return moment_bytes(self.codec, self.numel)
+
     def reduction_buffer(self) -> torch.Tensor:
         if self.grad is None:
             self.grad = torch.empty(self.numel, dtype=torch.float32)
@@ -108,7 +130,7 @@ class BucketState:
     @property
     def state_bytes(self) -> int:
         """Bytes held: parameters and both moments, plus the reduction buffer if one was needed."""
-        return 4 * self.numel * (3 if self.grad is None else 4)
+        return 4 * self.numel * (1 if self.grad is None else 2) + 2 * self.moment_bytes
 
 
 def no_store_io() -> dict[str, int]:
@@ -130,8 +152,9 @@ class BucketStore(ABC):
         return 0
 
     @abstractmethod
-    def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
-        """Create a bucket from its initial fp32 values (copied); ``ValueError`` if it exists."""
+    def create(self, bucket_id: int, initial: torch.Tensor, codec: MomentCodec | None = None) -> BucketState:
+        """Create a bucket from its initial fp32 values (copied), its moments zero in ``codec``'s
+        format (``None``: fp32); ``ValueError`` if it exists."""
 
     @abstractmethod
     def get(self, bucket_id: int) -> BucketState | None:
@@ -198,7 +221,7 @@ class BucketStore(ABC):
     # Checkpoints.
 
     def write_checkpoint_file(self, state: BucketState, path: Path) -> dict[str, int | str]:
-        """Put the bucket's state (param, exp_avg, exp_avg_sq as fp32, back to back) in ``path``,
+        """Put the bucket's state (param as fp32, exp_avg, exp_avg_sq as stored, back to back) in ``path``,
         durably; returns ``bytes`` and a checksum (``sha256`` or ``xxh3_64``) for the manifest."""
         self.acquire(state)
         try:
@@ -206,13 +229,15 @@ class BucketStore(ABC):
         finally:
             self.release(state, dirty=False)
 
-    def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int) -> BucketState:
+    def restore(self, bucket_id: int, step: int, step_tensor: float, path: Path, numel: int, codec: MomentCodec | None = None) -> BucketState:
         """Create a bucket from a verified checkpoint file (the caller restores ``segment_steps``)."""
-        values = torch.from_file(str(path), shared=False, size=3 * numel, dtype=torch.float32)
-        state = self.create(bucket_id, values[:numel])
+        moment = moment_bytes(codec, numel)
+        raw = torch.from_file(str(path), shared=False, size=4 * numel + 2 * moment, dtype=torch.uint8)
+        state = self.create(bucket_id, raw[: 4 * numel].view(torch.float32), codec)
         self.acquire(state)
-        state.exp_avg.copy_(values[numel : 2 * numel])
-        state.exp_avg_sq.copy_(values[2 * numel :])
+        for index, part in enumerate(("exp_avg", "exp_avg_sq")):
+            stored = raw[4 * numel + index * moment : 4 * numel + (index + 1) * moment]
+            getattr(state, part).view(torch.uint8).copy_(stored)
         state.step_tensor.fill_(step_tensor)
         state.step = step
         self.release(state, dirty=True)
@@ -250,16 +275,19 @@ class InMemoryStore(BucketStore):
     def __init__(self) -> None:
         self._buckets: dict[int, BucketState] = {}
 
-    def create(self, bucket_id: int, initial: torch.Tensor) -> BucketState:
+    def create(self, bucket_id: int, initial: torch.Tensor, codec: MomentCodec | None = None) -> BucketState:
         if bucket_id in self._buckets:
             raise ValueError(f"bucket {bucket_id} already exists")
         numel = initial.numel()
+        if codec is not None and codec.numel != numel:
+            raise ValueError(f"bucket {bucket_id} has {numel} elements, its moments' layout {codec.numel}")
         state = BucketState(
             bucket_id=bucket_id,
             param=initial.to(torch.float32, copy=True).reshape(-1),
-            exp_avg=torch.zeros(numel, dtype=torch.float32),
-            exp_avg_sq=torch.zeros(numel, dtype=torch.float32),
+            exp_avg=torch.zeros(numel, dtype=torch.float32) if codec is None else codec.zeros(),
+            exp_avg_sq=torch.zeros(numel, dtype=torch.float32) if codec is None else codec.zeros(),
             step_tensor=torch.zeros((), dtype=torch.float32),
+            codec=codec,
         )
         self._buckets[bucket_id] = state
         return state

@@ -2,7 +2,9 @@
 ``load_state_dict()``: the master parameters, the two moments and each segment's AdamW step count.
 
 Moving a run between torch (or DeepSpeed) and netoptim needs the moments as well as the parameters;
-they travel as fp32, whatever the job's wire dtype, so nothing is rounded on the way.
+they travel as fp32, whatever the job's wire dtype, so nothing is rounded on the way. Moments a job
+keeps compressed (:mod:`optimizer_node.moments`) are decoded to fp32 on the way out and rounded to
+the job's format on the way in.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def read_part(store: BucketStore, state: BucketState, meta: dict, segments: int)
     part = _part(meta)
     store.acquire(state)
     try:
-        values = getattr(state, part).clone()
+        values = state.param.clone() if part == "param" else state.moment(part).clone()  # compressed moments: decoded to fp32
     finally:
         store.release(state, dirty=False)
     return values, {"part": part, "segment_steps": state.segment_step_counts(segments)}
@@ -59,9 +61,11 @@ def load_part(store: BucketStore, state: BucketState, message: Message, segments
     try:
         if part == "param":
             state.own_param()  # not into the board's slot same-host workers may be reading
-        target = getattr(state, part)
+        target = state.param if part == "param" or state.codec is None else state.moment(part)
         for offset, view in message.tensors:
             target[offset : offset + view.numel()].copy_(view)
+        if part != "param" and state.codec is not None:
+            state.set_moment(part, target)  # rounded to the job's format, as the update would store it
         if part == "param":
             state.wire_step = -1  # the cast copy no longer holds these values
             state.new_revision()  # nor does the parameter board

@@ -22,6 +22,7 @@ import torch
 
 from optimizer_node.state.storage import BucketState
 from optimizer_node.update.bucket_pass import move_for_update_in_place, reduce_and_update, reduce_and_update_segments
+from optimizer_node.update.moment_pass import update_compressed
 from optimizer_node.update.reduce import OrderedReduction
 from protos.job.hyper import AdamWHyper
 from protos.job.placement import BucketSpec
@@ -79,6 +80,21 @@ def update_bucket(
     new parameters go there and ``state.param`` is only read; the caller makes it the bucket's
     ``param`` (its master values on the parameter board's other slot)."""
     stepped = [index not in absent_everywhere for index in range(len(segments))]
+    if any(stepped) and state.codec is not None:  # compressed moments: a pass of their own
+        ran_compiled = update_compressed(
+            state,
+            reduction,
+            hyper,
+            stepped=stepped,
+            rule=rule,
+            grad_divisor=grad_divisor,
+            grad_multiplier=grad_multiplier,
+            wire_out=wire_out,
+            previous_out=previous_out,
+            param_out=param_out,
+            compiled=compiled,
+        )
+        return Applied(changed=True, compiled=ran_compiled)
     if not any(stepped):
         reduction.take_pending()
         if previous_out is not None:

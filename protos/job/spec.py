@@ -75,6 +75,13 @@ worker as soon as it is updated. ``layerwise``: workers hold a window of units a
 bucket when they need it (the node answers a PULL for step ``s`` once the bucket reached ``s``)."""
 BUCKET_LAYOUTS = (1, 2)
 """How a job cuts its parameters into buckets (:attr:`JobSpec.bucket_layout`)."""
+MOMENT_FORMATS = ("fp32", "bf16", "8bit")
+"""How the nodes store the optimizer's moments (:attr:`JobSpec.moments`): ``fp32`` as torch does;
+``bf16``; ``8bit``, blockwise with an absmax scale per block and the dynamic map (see
+:mod:`optimizer_node.moments`). The fp32 master parameters are exact in every format."""
+MOMENT_BLOCKS = (64, 128, 256, 512, 1024, 2048, 4096)
+"""Block sizes (elements per scale) an 8-bit job may choose (:attr:`JobSpec.moment_block`)."""
+DEFAULT_MOMENT_BLOCK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,9 @@ class JobSpec:
     # split wherever a bucket fills; 2, a parameter that fits in one bucket never split (layer-wise
     # jobs). Part of the spec so that a checkpoint resumes in the layout it was written in.
     bucket_layout: int = 1
+    # How the nodes store the moments (MOMENT_FORMATS), and the 8-bit format's elements per scale.
+    moments: str = "fp32"
+    moment_block: int = DEFAULT_MOMENT_BLOCK
 
     @property
     def workers(self) -> int:
@@ -135,6 +145,12 @@ class JobSpec:
             raise ValueError(f"rule {self.rule!r} is not one of {list(RULES)}")
         if type(self.bucket_layout) is not int or self.bucket_layout not in BUCKET_LAYOUTS:  # True and 2.0 compare equal to 1 and 2
             raise ValueError(f"bucket_layout must be one of {list(BUCKET_LAYOUTS)}, got {self.bucket_layout!r}")
+        if self.moments not in MOMENT_FORMATS:
+            raise ValueError(f"moments {self.moments!r} is not one of {list(MOMENT_FORMATS)}")
+        if type(self.moment_block) is not int or self.moment_block not in MOMENT_BLOCKS:
+            raise ValueError(f"moment_block must be one of {list(MOMENT_BLOCKS)}, got {self.moment_block!r}")
+        if self.moments == "8bit" and self.rule in ("sgd", "sgd-nesterov"):
+            raise ValueError("SGD's momentum can be kept in bf16, not in 8 bits: give moments='bf16' or 'fp32'")
 
     def check_limits(self, limits: JobLimits) -> None:
         """:class:`LimitError` when the job is over ``limits``, ``ValueError`` for a layout no plan
@@ -194,6 +210,8 @@ class JobSpec:
             **({"local_size": self.local_size} if self.local_size != 1 else {}),
             **({"node_weights": list(self.node_weights)} if self.node_weights else {}),
             **({"bucket_layout": self.bucket_layout} if self.bucket_layout != 1 else {}),
+            **({"moments": self.moments} if self.moments != "fp32" else {}),
+            **({"moment_block": self.moment_block} if self.moment_block != DEFAULT_MOMENT_BLOCK else {}),
         }
 
     @classmethod
@@ -231,6 +249,12 @@ class JobSpec:
         bucket_layout = raw.get("bucket_layout", 1)  # absent: the layout before there were two
         if not isinstance(bucket_layout, int) or isinstance(bucket_layout, bool):
             raise ValueError("job spec field bucket_layout must be an integer")
+        moments = raw.get("moments", "fp32")
+        if not isinstance(moments, str):
+            raise ValueError("job spec field moments must be a string")
+        moment_block = raw.get("moment_block", DEFAULT_MOMENT_BLOCK)
+        if not isinstance(moment_block, int) or isinstance(moment_block, bool):
+            raise ValueError("job spec field moment_block must be an integer")
         if (
             not isinstance(node_weights, list)
             or len(node_weights) > ints["num_nodes"]
@@ -256,6 +280,8 @@ class JobSpec:
             local_size=local_size,
             node_weights=tuple(float(w) for w in node_weights),
             bucket_layout=bucket_layout,
+            moments=moments,
+            moment_block=moment_block,
         )
         spec.validate()
         return spec
@@ -267,7 +293,18 @@ class JobSpec:
             return False
         if any(
             getattr(self, name) != getattr(other, name)
-            for name in ("rule", "world_size", "local_size", "num_nodes", "bucket_numel", "wire_dtype", "max_grad_norm", "bucket_layout")
+            for name in (
+                "rule",
+                "world_size",
+                "local_size",
+                "num_nodes",
+                "bucket_numel",
+                "wire_dtype",
+                "max_grad_norm",
+                "bucket_layout",
+                "moments",
+                "moment_block",
+            )
         ):
             return False
         groups = {param.group for param in self.params}
@@ -291,6 +328,8 @@ class JobSpec:
             "max_grad_norm",
             "unit_starts",
             "bucket_layout",
+            "moments",
+            "moment_block",
         ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine == theirs:
@@ -302,6 +341,8 @@ class JobSpec:
 
 
 _JOIN_BY_GIVING = {
+    "moments": "",  # RemoteAdamW(moments=...)
+    "moment_block": "",
     "bucket_numel": "",  # RemoteAdamW's default follows the model's size and the node count
     "bucket_layout": " (the job was started by a netoptim that cut its buckets another way, e.g. a checkpoint resumed)",
 }

@@ -1,0 +1,112 @@
+"""The compiled update of compressed moments (numba; imported on first use by
+:mod:`optimizer_node.update.kernels.moment_update`): for each piece of the compressed segments, the
+moments are decoded into a per-thread fp32 scratch, updated with the arithmetic of
+:mod:`optimizer_node.update.kernels._numba_kernels` (torch's fused AdamW, operation by operation),
+and encoded again while the piece is in cache: the memory traffic is the compressed bytes.
+
+8 bits: the block's scale is the absmax of its new values (at least ``SCALE_FLOOR``, NaN if one is
+NaN, as torch's ``amax`` and ``clamp``); each value divided by it is rounded to the nearest map value
+as the reference's branchless binary search rounds (ties up), the search started from a table on the
+upper 16 bits of the fp32 (a step or two instead of eight).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import get_thread_id, prange
+
+from optimizer_node.update.kernels._numba_kernels import _adamw_into, _as_bits, _jit, _to_bf16, _widen
+
+SCALE_FLOOR = np.float32(1e-12)
+
+
+@_jit(inline="always")
+def _code(y, qmap, table):  # pragma: no cover - compiled
+    """The map code of the scaled value ``y``: the largest map value at or below it (0 below the
+    map and for NaN), one up where ``y`` is at least halfway to the next."""
+    c = np.int64(table[_as_bits(y) >> np.uint32(16)])
+    while c < 255 and qmap[c + 1] <= y:
+        c += 1
+    up = c + 1 if c < 255 else c
+    low = qmap[c]
+    if y - low >= (qmap[up] - low) * np.float32(0.5):
+        c = up
+    return np.uint8(c)
+
+
+@_jit(inline="always")
+def _scale_of(values, n):  # pragma: no cover - compiled
+    amax = np.float32(0.0)
+    nan = False
+    for i in range(n):
+        a = abs(values[i])
+        if a != a:
+            nan = True
+        elif a > amax:
+            amax = a
+    if nan:
+        return np.float32(np.nan)
+    return amax if amax > SCALE_FLOOR else SCALE_FLOOR
+
+
+@_jit(inline="always")
+def _grad(a, b, pair, i, scale):  # pragma: no cover - compiled
+    return (a[i] + b[i]) / scale if pair else a[i] / scale
+
+
+@_jit(parallel=True)
+def update_8bit(
+    p, out, a, b, pair, mc, ms, vc, vs, qmap_s, table_s, qmap_u, table_u, rows, block, scratch,
+    scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+):  # pragma: no cover - compiled  # fmt: skip
+    """AdamW on the 8-bit rows ``(bucket offset, compressed index, length)``: ``p`` read, ``out``
+    written (may be ``p``), gradient ``a`` (+ ``b`` with ``pair``) divided by ``scale``; ``mc``/``vc``
+    codes, ``ms``/``vs`` scales, indexed by the compressed index (a block per row)."""
+    for r in prange(rows.shape[0]):
+        off = rows[r, 0]
+        at = rows[r, 1]
+        n = rows[r, 2]
+        k = at // block
+        m = scratch[get_thread_id(), 0]
+        v = scratch[get_thread_id(), 1]
+        m_scale = ms[k]
+        v_scale = vs[k]
+        for i in range(n):
+            m[i] = qmap_s[mc[at + i]] * m_scale
+            v[i] = qmap_u[vc[at + i]] * v_scale
+        pp = p[off : off + n]
+        oo = out[off : off + n]
+        for i in range(n):
+            _adamw_into(pp, oo, m, v, i, _grad(a, b, pair, off + i, scale), decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        m_scale = _scale_of(m, n)
+        v_scale = _scale_of(v, n)
+        ms[k] = m_scale
+        vs[k] = v_scale
+        for i in range(n):
+            mc[at + i] = _code(m[i] / m_scale, qmap_s, table_s)
+            vc[at + i] = _code(v[i] / v_scale, qmap_u, table_u)
+
+
+@_jit(parallel=True)
+def update_bf16_moments(
+    p, out, a, b, pair, mc, vc, rows, scratch,
+    scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+):  # pragma: no cover - compiled  # fmt: skip
+    """AdamW on the bf16 rows ``(bucket offset, compressed index, length)``; ``mc``/``vc`` the bf16
+    bits (uint16), rounded to nearest even when stored."""
+    for r in prange(rows.shape[0]):
+        off = rows[r, 0]
+        at = rows[r, 1]
+        n = rows[r, 2]
+        m = scratch[get_thread_id(), 0]
+        v = scratch[get_thread_id(), 1]
+        for i in range(n):
+            m[i] = _widen(mc[at + i])
+            v[i] = _widen(vc[at + i])
+        pp = p[off : off + n]
+        oo = out[off : off + n]
+        for i in range(n):
+            _adamw_into(pp, oo, m, v, i, _grad(a, b, pair, off + i, scale), decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        for i in range(n):
+            mc[at + i] = _to_bf16(m[i])
+            vc[at + i] = _to_bf16(v[i])
