@@ -70,6 +70,7 @@ class HostGroupAdamW(torch.optim.Optimizer):
         join_at_step: a worker joining a running job at this step (:mod:`gpu_worker.elastic`).
         node_bandwidths: each node's link bandwidth: buckets are shared out in proportion.
         keep_step_gradients: hold each step's gradients until its values are in (a node may restart mid-step).
+        moments, moment_block: how the nodes store the moments (``"fp32"``, ``"bf16"``, ``"8bit"``), as :class:`~gpu_worker.RemoteAdamW`.
 
     The options from ``nodes`` on are the leader's :class:`~gpu_worker.RemoteAdamW` options, with its
     defaults; its docstring describes each in full. ``local_size`` is the group's.

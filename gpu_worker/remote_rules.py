@@ -53,6 +53,7 @@ class RemoteAdam(RemoteOptimizer):
         node_bandwidths: each node's link bandwidth: buckets are shared out in proportion.
         overlap_forward: full-model mode, with ``module``: the next forward waits for each module's new values.
         keep_step_gradients: hold each step's gradients until its values are in (a node may restart mid-step).
+        moments, moment_block: how the nodes store the moments (``"fp32"``, ``"bf16"``, ``"8bit"``), as :class:`~gpu_worker.RemoteAdamW`.
 
     The options after the hyperparameters are :class:`~gpu_worker.RemoteAdamW`'s, with the same
     defaults; its docstring describes each in full.
@@ -137,6 +138,7 @@ class RemoteSGD(RemoteOptimizer):
         node_bandwidths: each node's link bandwidth: buckets are shared out in proportion.
         overlap_forward: full-model mode, with ``module``: the next forward waits for each module's new values.
         keep_step_gradients: hold each step's gradients until its values are in (a node may restart mid-step).
+        moments, moment_block: how the nodes store the moments (``"fp32"``, ``"bf16"``, ``"8bit"``), as :class:`~gpu_worker.RemoteAdamW`.
 
     The options after the hyperparameters are :class:`~gpu_worker.RemoteAdamW`'s, with the same
     defaults; its docstring describes each in full.
@@ -228,6 +230,7 @@ class RemoteLion(RemoteOptimizer):
         node_bandwidths: each node's link bandwidth: buckets are shared out in proportion.
         overlap_forward: full-model mode, with ``module``: the next forward waits for each module's new values.
         keep_step_gradients: hold each step's gradients until its values are in (a node may restart mid-step).
+        moments, moment_block: how the nodes store the moments (``"fp32"``, ``"bf16"``, ``"8bit"``), as :class:`~gpu_worker.RemoteAdamW`.
 
     The options after the hyperparameters are :class:`~gpu_worker.RemoteAdamW`'s, with the same
     defaults; its docstring describes each in full.

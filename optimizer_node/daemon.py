@@ -36,6 +36,7 @@ from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.data_plane import bind_data_plane
 from optimizer_node.dispatch import MessageDispatch
 from optimizer_node.faults import CrashPoints
+from optimizer_node.intake.admission import bucket_state_bytes
 from optimizer_node.intake.non_finite import NonFiniteStats
 from optimizer_node.intake.registration import JobRegistrar
 from optimizer_node.intake.waiting_hellos import WaitingHellos
@@ -104,6 +105,7 @@ class NodeDaemon:
             curve_refused=lambda: key_refusals.count if key_refusals is not None else 0,
             master_bytes_on_board=lambda: self._job.store.master_bytes_on_board(),
             state_at_risk=bool(config.state_at_risk),
+            moments=self._moments_and_bytes,
         )
         # every message sent (in order after a peer's batched values; answers to outsiders bounded), and what rejections log
         self._outgoing = Outgoing(
@@ -190,6 +192,13 @@ class NodeDaemon:
                 self.metrics.step_reached(self.step)
         elif config.checkpoint_dir:  # now, so that a node killed before its first checkpoint can be restarted with --resume
             self._job.checkpoints.make_directory()
+
+    def _moments_and_bytes(self) -> tuple[str, int]:
+        """The job's moment format and its state bytes (none without a job), for the metrics."""
+        status = self._job.current.job
+        if status is None:
+            return "", 0
+        return status.spec.moments, sum(bucket_state_bytes(status.spec, bucket) for bucket in status.owned.values())
 
     def _new_store(self) -> BucketStore:
         if self.config.state_dir:

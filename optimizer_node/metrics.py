@@ -131,6 +131,12 @@ class _ScrapeTimeCollector(Collector):
             "1 when a crash of this node loses its job's state: no checkpoint directory, or no periodic checkpoints (--checkpoint-every).",
             value=int(m.state_at_risk),
         )
+        moments, state_bytes = m.moments()
+        if moments:
+            family = GaugeMetricFamily("netoptim_moments", "1, labelled with how the job's moments are stored (fp32, bf16, 8bit).", labels=["format"])
+            family.add_metric([moments], 1)
+            yield family
+            yield GaugeMetricFamily("netoptim_state_bytes", "Bytes of the owned buckets' parameters and optimizer state, as stored.", value=state_bytes)
         yield GaugeMetricFamily("netoptim_paused", "1 while an operator has paused updates, else 0.", value=int(bool(m.paused())))
         yield GaugeMetricFamily("netoptim_draining", "1 once a drain was asked for (no gradients after its last step), else 0.", value=int(bool(m.draining())))
         created = m.last_checkpoint_unix()
@@ -215,6 +221,7 @@ class NodeMetrics:
         curve_refused: Callable[[], int] = lambda: 0,
         master_bytes_on_board: Callable[[], int] = lambda: 0,
         state_at_risk: bool = False,
+        moments: Callable[[], tuple[str, int]] = lambda: ("", 0),
         silent_after_s: float | None = None,
     ) -> None:
         self.non_finite = non_finite if non_finite is not None else NonFiniteStats("refuse")
@@ -227,6 +234,7 @@ class NodeMetrics:
         self.curve_refused = curve_refused
         self.master_bytes_on_board = master_bytes_on_board
         self.state_at_risk = state_at_risk
+        self.moments = moments
         self.silent_after_s = worker_silent_after_s() if silent_after_s is None else silent_after_s
         self.registry = registry = CollectorRegistry()  # no auto_describe: the scrape-time collector must not run before the daemon is built
         ProcessCollector(registry=registry)

@@ -43,7 +43,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite", "job_state", "drain_step", "overrides", "jobs_let_go", "morphs", "last_morph_step", "last_morph_from", "last_morph_pause_seconds", "update_path", "state_at_risk")
+    __slots__ = ("node_id", "version", "uptime_seconds", "registered", "step", "buckets_owned", "bytes_owned", "bytes_in_ram", "bytes_on_disk", "world_size", "workers", "last_step", "paused", "pause_reason", "data_address", "non_finite", "job_state", "drain_step", "overrides", "jobs_let_go", "morphs", "last_morph_step", "last_morph_from", "last_morph_pause_seconds", "update_path", "state_at_risk", "moments")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class GetStatusResponse(_message.Message):
     LAST_MORPH_PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PATH_FIELD_NUMBER: _ClassVar[int]
     STATE_AT_RISK_FIELD_NUMBER: _ClassVar[int]
+    MOMENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     uptime_seconds: float
@@ -96,7 +97,8 @@ class GetStatusResponse(_message.Message):
     last_morph_pause_seconds: float
     update_path: str
     state_at_risk: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ..., job_state: _Optional[str] = ..., drain_step: _Optional[int] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., jobs_let_go: _Optional[int] = ..., morphs: _Optional[int] = ..., last_morph_step: _Optional[int] = ..., last_morph_from: _Optional[int] = ..., last_morph_pause_seconds: _Optional[float] = ..., update_path: _Optional[str] = ..., state_at_risk: _Optional[str] = ...) -> None: ...
+    moments: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., registered: _Optional[bool] = ..., step: _Optional[int] = ..., buckets_owned: _Optional[int] = ..., bytes_owned: _Optional[int] = ..., bytes_in_ram: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., world_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., last_step: _Optional[_Union[StepTimings, _Mapping]] = ..., paused: _Optional[bool] = ..., pause_reason: _Optional[str] = ..., data_address: _Optional[str] = ..., non_finite: _Optional[_Union[NonFiniteStatus, _Mapping]] = ..., job_state: _Optional[str] = ..., drain_step: _Optional[int] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., jobs_let_go: _Optional[int] = ..., morphs: _Optional[int] = ..., last_morph_step: _Optional[int] = ..., last_morph_from: _Optional[int] = ..., last_morph_pause_seconds: _Optional[float] = ..., update_path: _Optional[str] = ..., state_at_risk: _Optional[str] = ..., moments: _Optional[str] = ...) -> None: ...
 
 class Override(_message.Message):
     __slots__ = ("name", "value", "origin")

@@ -104,7 +104,8 @@ def _render_status(status: dict) -> str:
         + (f", {int(status['bytes_on_disk']) / 2**20:.1f} MiB on disk)" if int(status.get("bytes_on_disk", 0)) else ")"),
         f"last step: {1e3 * last['wall_seconds']:.1f} ms (sum {1e3 * last['reduce_seconds']:.1f}, update {1e3 * last['update_seconds']:.1f}, send {1e3 * last['send_seconds']:.1f}; "
         f"{1e3 * float(last.get('tail_seconds', 0.0)):.1f} after the last gradient)"
-        + (f", updates on {status['update_path']}" if status.get("update_path") else ""),
+        + (f", updates on {status['update_path']}" if status.get("update_path") else "")
+        + (f", moments {status['moments']}" if status.get("moments") else ""),
     ]
     if int(last.get("buckets", 0)):  # a long tail: update threads held up by others on their cores
         lines.append(

@@ -1,5 +1,5 @@
 """The flags that size a job for one node (``--params``, ``--workers``, ``--nodes``, ``--wire-dtype``,
-``--layerwise``, ``--push-window``, ``--memory-budget``, ``--keep``), shared by ``netoptim
+``--layerwise``, ``--push-window``, ``--memory-budget``, ``--keep``, ``--moments``), shared by ``netoptim
 plan-memory`` and ``netoptim doctor``, and what one node's share of that job needs."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ DEFAULTS = {
     "wire_dtype": "float32",
     "push_window": 1 << 30,
     "keep": 3,
+    "moments": "fp32",
 }  # --keep: the node's own default (NodeConfig.keep; a test holds them equal)
 """What an optional job's flags mean when not given (``plan-memory`` requires ``--params`` and ``--workers``)."""
 
@@ -35,6 +36,7 @@ class JobSize:
     push_window: int
     memory_budget: int | None
     keep: int
+    moments: str = "fp32"
 
     @property
     def share(self) -> int:
@@ -47,7 +49,7 @@ class JobSize:
 
     def needs(self, *, board: bool = False) -> NodeNeeds:
         """RAM and disk one node needs for its share (:func:`optimizer_node.state.memory_plan.node_needs`)."""
-        from optimizer_node.state.memory_plan import node_needs
+        from optimizer_node.state.memory_plan import node_needs, state_bytes_per_param
 
         return node_needs(
             self.share,
@@ -58,6 +60,7 @@ class JobSize:
             memory_budget=self.memory_budget,
             keep_checkpoints=self.keep,
             board=board,
+            state_bytes=int(state_bytes_per_param(self.moments) * self.share),
         )
 
 
@@ -99,6 +102,13 @@ def add_job_size_arguments(parser: argparse.ArgumentParser, *, optional: bool) -
     )
     parser.add_argument("--memory-budget", type=size, default=None, metavar="SIZE", help=f"{within}out of core: the node's --memory-budget, e.g. 4GiB")
     parser.add_argument(
+        "--moments",
+        choices=["fp32", "bf16", "8bit"],
+        default=default("moments"),
+        help=f"{within}how the nodes store the optimizer's moments (RemoteAdamW's moments): 12 bytes of state per parameter with fp32, "
+        "8 with bf16, about 6 with 8bit (default: fp32)",
+    )
+    parser.add_argument(
         "--keep",
         type=non_negative_int,
         default=default("keep"),
@@ -110,7 +120,7 @@ def job_size(args: argparse.Namespace) -> JobSize | None:
     """The job the flags describe; ``None`` without ``--params`` or ``--hf-config``. ``ValueError`` for
     another of its flags given without either (it would change nothing), and for a config that cannot
     be read or counted (:class:`~netoptim.planning.hf_config.HFConfigError`, naming the file)."""
-    given = {name: getattr(args, name) for name in ("workers", "nodes", "wire_dtype", "push_window", "memory_budget", "keep")}
+    given = {name: getattr(args, name) for name in ("workers", "nodes", "wire_dtype", "push_window", "memory_budget", "keep", "moments")}
     params = args.params
     if getattr(args, "hf_config", None) is not None:
         from netoptim.planning.hf_config import model_size

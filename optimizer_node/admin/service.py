@@ -184,6 +184,7 @@ class AdminServicer(admin_pb2_grpc.OptimizerNodeAdminServicer):
             last_morph_pause_seconds=status["last_morph_pause_s"],
             update_path=status["update_path"],
             state_at_risk=status["state_at_risk"],
+            moments=status["moments"],
         )
 
     def ListWorkers(self, request: admin_pb2.ListWorkersRequest, context: grpc.ServicerContext) -> admin_pb2.ListWorkersResponse:

@@ -29,9 +29,8 @@ import numpy as np
 import torch
 
 from optimizer_node.moments.dynamic_map import dequantize, quantize
+from optimizer_node.moments.sizes import MIN_COMPRESSED, bytes_per_element  # noqa: F401  (re-exported)
 
-MIN_COMPRESSED = 4096
-"""Elements a segment needs at least to be kept compressed (bitsandbytes' and torchao's threshold)."""
 
 BF16_UNIT = 64
 """A bf16 segment's elements are a multiple of this: the update's vector, so none takes its scalar tail."""
@@ -187,10 +186,7 @@ def moment_bytes(codec: MomentCodec | None, numel: int) -> int:
     return 4 * numel if codec is None else codec.moment_bytes
 
 
-def bytes_per_element(format: str, block: int) -> float:
-    """Bytes of both moments per compressed element (the plan's count; small segments stay at 8)."""
-    if format == "fp32":
-        return 8.0
-    if format == "bf16":
-        return 4.0
-    return 2.0 + 8.0 / block
+def describe_moments(spec: object) -> str:
+    """How a job's moments are stored, for status and logs: ``fp32``, ``bf16`` or ``8bit, blocks of 256``."""
+    moments, block = getattr(spec, "moments", "fp32"), getattr(spec, "moment_block", 256)
+    return f"8bit, blocks of {block}" if moments == "8bit" else moments

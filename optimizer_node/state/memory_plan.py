@@ -20,7 +20,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from optimizer_node.moments.codec import bytes_per_element
+from optimizer_node.moments.sizes import bytes_per_element
 
 STATE_BYTES_PER_PARAM = 12
 """With fp32 moments (:func:`state_bytes_per_param` for the others)."""

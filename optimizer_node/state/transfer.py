@@ -61,7 +61,7 @@ def load_part(store: BucketStore, state: BucketState, message: Message, segments
     try:
         if part == "param":
             state.own_param()  # not into the board's slot same-host workers may be reading
-        target = state.param if part == "param" or state.codec is None else state.moment(part)
+        target = state.param if part == "param" else state.moment(part)  # fp32 moments: the tensor itself
         for offset, view in message.tensors:
             target[offset : offset + view.numel()].copy_(view)
         if part != "param" and state.codec is not None:
