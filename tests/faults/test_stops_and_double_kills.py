@@ -83,6 +83,31 @@ def test_a_process_stopped_for_5s_and_continued_changes_nothing(tmp_path, refere
         job.close()
 
 
+@pytest.mark.parametrize("seed", range(TRIALS))
+def test_the_node_killed_and_resumed_with_8bit_moments_continues_bitwise(tmp_path, reference, seed):
+    """SIGKILL to a node keeping the moments in 8 bits, at a seeded moment of a worker's step, and
+    ``--resume``: its checkpoint holds the encoded moments, and the run ends bitwise as one with no kill."""
+    rng = random.Random(f"node-8bit-{seed}")
+    checkpoints = tmp_path / "checkpoints"
+    job = Job(tmp_path, mode="full-8bit", node_args=("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1"))
+    job.worker_args = FAST_LIVENESS
+    rank, when = rng.randrange(WORLD), moment(rng)
+    try:
+        node = job.start_node()
+        for r in range(WORLD):
+            job.start_worker(r, extra=("--signal-at", when, "--signal", "KILL", "--to", str(node.process.pid)) if r == rank else ())
+        deadline = time.monotonic() + 120
+        while node.process.poll() is None and any(job.workers[r].poll() is None for r in range(WORLD)):  # killed, or the moment never came
+            assert time.monotonic() < deadline, job.logs()
+            time.sleep(0.05)
+        if node.process.poll() == -signal.SIGKILL:
+            job.restart_node()
+        supervise(job)
+        check_bitwise(job, reference, f"node killed at {when} of rank {rank}")
+    finally:
+        job.close()
+
+
 @pytest.mark.slow  # 25-40 s; worker kills (test_worker_restarts.py) and node kills (test_node_restarts.py) each stay in the default run
 @pytest.mark.parametrize("seed", range(TRIALS))
 def test_a_worker_and_the_node_killed_together_continue_bitwise(tmp_path, reference, seed):

@@ -64,6 +64,7 @@ def assert_continues_bitwise(tmp_path, reference: dict, mode: str, deaths: dict[
     "mode",
     [
         "full",
+        "full-8bit",  # moments kept in 8 bits on the node: a restarted worker's step is summed and rounded as before
         "overlapped",  # the new values awaited in the next forward: a death there, and a restart that comes back mid-forward
         pytest.param("early", marks=pytest.mark.slow),
         pytest.param("paced", marks=pytest.mark.slow),

@@ -112,10 +112,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument(
         "--mode",
-        choices=["full", "early", "paced", "overlapped", "layerwise", "layerwise-kept"],
+        choices=["full", "full-8bit", "early", "paced", "overlapped", "layerwise", "layerwise-kept"],
         default="full",
         help="early: push during backward; paced: also with a two-bucket push window; overlapped: also overlap_forward (pulls happen in forward); "
-        "layerwise-kept: layer-wise with every block kept from forward to backward (backward fetches none)",
+        "layerwise-kept: layer-wise with every block kept from forward to backward (backward fetches none); "
+        "full-8bit: the nodes keep the moments in 8 bits (buckets large enough that the MLP weights are compressed)",
     )
     parser.add_argument("--die-at", default=None, help="PHASE:STEP:N, see the module docstring")
     parser.add_argument("--out", default=None, help="rank 0: where to save the final parameters")
@@ -150,6 +151,8 @@ def main() -> None:
             options["pace_window_bytes"] = 2 * BUCKET_NUMEL * 4
         if args.mode == "overlapped":
             options |= {"overlap_forward": True, "module": model}
+        if args.mode == "full-8bit":
+            options |= {"moments": "8bit", "bucket_numel": 4 * BUCKET_NUMEL}
         opt = RemoteAdamW(model.named_parameters(), push_during_backward=args.mode in ("early", "paced", "overlapped"), **options)
     for step in range(opt.remote_step, args.steps):
         plan.current_step, plan.count = step, 0
