@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> dict:
     rule = args.rule
     if rule not in HYPERS:
         raise ValueError(f"--rule {rule!r}: this benchmark measures {sorted(HYPERS)} (AdamW is the default benchmark)")
+    if getattr(args, "moments", "fp32") != "fp32":
+        raise ValueError(f"--moments {args.moments}: compressed moments are measured with --rule adamw, not {rule}")
     wire_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.wire_dtype]
     sizes = bucket_sizes(args.numel, args.bucket_numel)
     num_buckets, numel = len(sizes), args.numel

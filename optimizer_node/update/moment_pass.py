@@ -79,7 +79,7 @@ def self_check() -> str | None:
                 divisor = torch.tensor(2.0)
                 steps = [torch.tensor(float(step))] * len(segments)
                 p, m, v = mine
-                moment_update.update(codec, p, p, grads, m, v, hyper, float(step), 2.0)
+                moment_update.update(codec, p, grads, m, v, hyper, float(step), 2.0)
                 torch_update_segments(codec, p, grads[0] + grads[1], m, v, steps, plain, "adamw", hyper, divisor)
                 p, m, v = reference
                 torch_update_segments(codec, p, grads[0] + grads[1], m, v, steps, [True] * len(segments), "adamw", hyper, divisor)
@@ -137,7 +137,7 @@ def update_compressed(
                 step.add_(1)
     if loop:
         assert grad_divisor is not None
-        moment_update.update(codec, param, param, grads, state.exp_avg, state.exp_avg_sq, hyper, float(state.step_tensor), float(grad_divisor))
+        moment_update.update(codec, param, grads, state.exp_avg, state.exp_avg_sq, hyper, float(state.step_tensor), float(grad_divisor))
         rest = [stepping and not layout.compressed for stepping, layout in zip(stepped, codec.layouts, strict=True)]
         grad = grads[0]
         if len(grads) == 2:  # the plain segments' sum: the same single addition as the loop's

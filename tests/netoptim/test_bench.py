@@ -24,6 +24,32 @@ def test_optimizer_bench_reports_a_ratio():
     assert report["node_bytes_per_param"] == 4 * 6 + 2  # the frames just landed: read from the cache
     assert report["node_bytes_per_param_cold_frames"] == 2 * 2 + 4 * 6 + 2
     assert report["ratio_cold_frames"] > 0 and report["node_cold_frames_mparams_per_s"] > 0
+    assert "moments" not in report  # fp32 moments: the report as before the option
+
+
+@pytest.mark.parametrize(
+    ("moments", "moment_bytes"),
+    [("8bit", 1 + 4 / 256), ("bf16", 2)],  # per moment and parameter: a code and its share of the block's scale, or a bf16 value
+)
+def test_optimizer_bench_times_the_update_of_compressed_moments(moments, moment_bytes):
+    report = bench("optimizer", "--moments", moments, "--numel", str(3 << 19), "--bucket-numel", str(1 << 20), "--repeats", "1")
+    assert report["benchmark"] == "optimizer" and report["moments"] == moments and report["buckets"] == 2
+    assert report["moment_block"] == (256 if moments == "8bit" else None)
+    assert report["ratio"] > 0 and report["ratio_over_fp32_moments"] > 0 and isinstance(report["compiled_loop"], bool)
+    assert report["node_mparams_per_s"] > 0 and report["torch_fused_adamw_mparams_per_s"] > 0
+    # the parameter read and written, two fp32 gradients read, both moments read and written as stored
+    assert report["bytes_per_param"] == 8 + 2 * 4 + 4 * moment_bytes
+    assert report["state_bytes_per_param"] == 4 + 2 * moment_bytes and report["fused_adamw_bytes_per_param"] == 28
+
+
+def test_optimizer_bench_refuses_buckets_that_would_keep_fp32_moments():
+    result = subprocess.run(
+        [sys.executable, "-m", "netoptim", "bench", "optimizer", "--moments", "8bit", "--numel", "100000", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "a bucket of 100000 elements would keep fp32 moments" in result.stderr and result.stdout == ""
 
 
 def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
@@ -35,6 +61,8 @@ def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
         report = run(argparse.Namespace(rule=rule, numel=3 << 19, bucket_numel=1 << 20, workers=2, wire_dtype="bfloat16", repeats=1))
         assert report["rule"] == rule and report["ratio"] > 0 and baseline in report["baseline"]
         assert report["numel"] == 3 << 19 and report["buckets"] == 2
+    with pytest.raises(ValueError, match="compressed moments are measured with --rule adamw"):
+        run(argparse.Namespace(rule="lion", moments="8bit", numel=3 << 19, bucket_numel=1 << 20, workers=2, wire_dtype="float32", repeats=1))
 
 
 @pytest.mark.slow  # ~12 s: four transfers with CURVE and same-host windows; tests/transport covers each path
@@ -77,6 +105,17 @@ def test_offload_bench_compares_with_the_disk(tmp_path):
     assert report["benchmark"] == "offload" and report["ratio"] > 0
     assert report["bytes_read_per_step"] == report["bytes_written_per_step"] == report["state_bytes"], "out of core: every byte read and written once"
     assert report["disk_read_gbs"] > 0 and report["disk_write_gbs"] > 0 and report["in_memory_mparams_per_s"] > 0
+
+
+def test_offload_bench_compares_compressed_moments_with_fp32_ones(tmp_path):
+    args = ("--numel", str(2 << 20), "--bucket-numel", str(1 << 18), "--repeats", "1", "--state-dir", str(tmp_path))
+    report = bench("offload", "--moments", "8bit", *args)
+    assert report["benchmark"] == "offload" and report["moments"] == "8bit" and report["moment_block"] == 256
+    assert report["ratio"] > 0 and report["fp32_moments_mparams_per_s"] > 0 and report["compressed_moments_mparams_per_s"] > 0
+    assert 0 < report["compressed_moments_disk_bytes_per_step"] < report["fp32_moments_disk_bytes_per_step"]
+    assert report["disk_bytes_ratio"] < 0.7, "8 bits: 6 bytes of state a parameter against 12"
+    assert report["compressed_moments_state_bytes"] == (4 + 2 * (1 + 4 / 256)) * (2 << 20)
+    assert report["memory_budget"] == 12 * (2 << 20) // 4  # a quarter of the state with fp32 moments, for both
 
 
 def test_step_bench_reports_phases_and_the_cost_of_a_bucket():

@@ -78,7 +78,6 @@ def _scratch_for(threads: int, length: int) -> np.ndarray:
 def update(
     codec: MomentCodec,
     param: torch.Tensor,
-    out: torch.Tensor,
     grads: tuple[torch.Tensor, ...],
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
@@ -86,8 +85,8 @@ def update(
     step: float,
     divisor: float,
 ) -> None:
-    """AdamW at ``step`` (already incremented) on the bucket's compressed segments: ``param`` read,
-    ``out`` written (may be ``param``), the gradient the sum of the one or two fp32 ``grads`` divided by
+    """AdamW at ``step`` (already incremented) on the bucket's compressed segments, ``param`` in
+    place, the gradient the sum of the one or two fp32 ``grads`` divided by
     ``divisor``; ``exp_avg``/``exp_avg_sq`` the encoded moments, updated in place. The plain
     segments are the caller's."""
     kernels = _kernels()
@@ -103,14 +102,14 @@ def update(
         if codec.format == "8bit":
             scratch = _scratch_for(threads, codec.block)
             kernels.update_8bit(
-                param.numpy(), out.numpy(), a, b, pair, m_values.numpy(), m_scales.numpy(), v_values.numpy(), v_scales.numpy(),
+                param.numpy(), a, b, pair, m_values.numpy(), m_scales.numpy(), v_values.numpy(), v_scales.numpy(),
                 kernels.qmap_s, kernels.table_s, kernels.qmap_u, kernels.table_u, work, codec.block, scratch, *consts,
             )  # fmt: skip
         else:
             scratch = _scratch_for(threads, BF16_ROW)
             m_bits = m_values.view(torch.int16).numpy().view(np.uint16)
             v_bits = v_values.view(torch.int16).numpy().view(np.uint16)
-            kernels.update_bf16(param.numpy(), out.numpy(), a, b, pair, m_bits, v_bits, work, scratch, *consts)
+            kernels.update_bf16(param.numpy(), a, b, pair, m_bits, v_bits, work, scratch, *consts)
 
 
 _settled: bool | None = None
