@@ -24,6 +24,8 @@ log = logging.getLogger("netoptim")
 
 
 def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
+    from protos.job.moment_formats import MOMENT_FORMATS
+
     demo = subparsers.add_parser(
         "demo",
         help="train a small GPT on this machine: nodes and workers all local",
@@ -39,6 +41,13 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         help="dtype of gradients and parameters on the wire (default: %(default)s)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed of the model and the data order (default: %(default)s)")
+    demo.add_argument(
+        "--moments",
+        choices=MOMENT_FORMATS,
+        default="fp32",
+        help="how the nodes store AdamW's moments: fp32 (as torch does), bf16, or 8bit (blockwise, a scale per 256 elements); "
+        "tensors under 4,096 elements stay fp32 (default: %(default)s)",
+    )
     demo.add_argument("--layerwise", action="store_true", help="layer-wise mode: workers stream the blocks from the nodes instead of holding the model")
 
 
@@ -75,7 +84,9 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     gib = 2**30
     if args.hf_config:
         print(f"{args.hf_config}: {job.params:,} trainable parameters")
-    print(f"{job.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire")
+    print(
+        f"{job.params:,} parameters over {args.nodes} node(s): about {share:,} per node, {args.workers} workers, {args.wire_dtype} on the wire, {job.moments} moments"
+    )
     print(f"  in memory:   {needs.ram_in_memory / gib:8.1f} GiB RAM per node")
     print(f"               {board / gib:8.1f} GiB more for the parameter board where workers run on the node's host (--no-same-host-board: none)")
     if needs.ram_out_of_core is not None:

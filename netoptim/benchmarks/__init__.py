@@ -40,6 +40,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from netoptim.benchmarks.cluster_bench import run
     elif args.bench == "morph":
         from netoptim.benchmarks.morph_bench import run
+    elif args.bench == "convergence":
+        from netoptim.benchmarks.convergence_bench import run
     else:
         raise AssertionError(args.bench)
     try:

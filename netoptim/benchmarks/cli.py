@@ -41,6 +41,27 @@ def _add_node_arg(parser: argparse.ArgumentParser, which: str, example: str) -> 
     )
 
 
+def _add_moment_flags(parser: argparse.ArgumentParser, measured: str) -> None:
+    """``--moments`` and ``--moment-block``: how the node stores the moments of the buckets ``measured``."""
+    from protos.job.moment_formats import DEFAULT_MOMENT_BLOCK, MOMENT_BLOCKS, MOMENT_FORMATS
+
+    parser.add_argument(
+        "--moments",
+        choices=MOMENT_FORMATS,
+        default="fp32",
+        help=f"how the node stores the optimizer's moments (a job's moments option): fp32 as torch does; bf16 or 8bit (blockwise, "
+        f"an fp32 scale per block) compressed, {measured} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--moment-block",
+        type=int,
+        choices=MOMENT_BLOCKS,
+        default=DEFAULT_MOMENT_BLOCK,
+        metavar="N",
+        help=f"--moments 8bit: elements per block, each with its own scale; one of {', '.join(map(str, MOMENT_BLOCKS))} (default: %(default)s)",
+    )
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     from protos.job.placement import DEFAULT_BUCKET_NUMEL
 
@@ -49,7 +70,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="measure netoptim against a baseline in the same run; prints JSON",
         description='Benchmarks. Each prints one JSON object with a top-level "ratio" (netoptim over the baseline measured in the same run; higher is better) and the figures behind it, medians over --repeats.',
     )
-    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,gpu,offload,plan,cost,step,cluster,morph}")
+    which = bench.add_subparsers(dest="bench", required=True, metavar="{optimizer,transport,train,gpu,offload,plan,cost,step,cluster,morph,convergence}")
     optimizer = which.add_parser("optimizer", help="node update rate (sum W gradients + AdamW + cast back) vs torch's fused AdamW")
     optimizer.add_argument("--numel", type=positive_int, default=16 << 20, help="parameters updated per step (default: %(default)s)")
     optimizer.add_argument("--workers", type=positive_int, default=2, help="gradients summed per update (default: %(default)s)")
@@ -71,6 +92,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=DEFAULT_BUCKET_NUMEL,
         help="elements per bucket: the node updates one bucket a pass, torch's fused AdamW one tensor a bucket (default: %(default)s, RemoteAdamW's for a model of 64M parameters a node or more)",
+    )
+    _add_moment_flags(
+        optimizer,
+        "timed as the node's update of buckets that hold them so (--numel and --bucket-numel multiples of the block, or of 64 in bf16) against "
+        "torch's fused fp32 AdamW and the same update with fp32 moments; adamw only",
     )
     transport = which.add_parser("transport", help="push+pull GB/s through a real node vs a plain TCP socket")
     transport.add_argument("--bytes", type=size, default=64 << 20, help="gradient bytes pushed (and the same pulled back) per measurement (default: 64MiB)")
@@ -174,7 +200,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="sync: fdatasync each write and drop it from the page cache (disk speed, bounded cache); buffered: leave it to the page cache (default: %(default)s)",
     )
     offload.add_argument("--io-threads", type=positive_int, default=2, help="I/O threads of the store (default: %(default)s)")
-    offload.add_argument("--repeats", type=positive_int, default=3, help="timed steps and disk probes; medians are reported (default: %(default)s)")
+    offload.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed steps and disk probes (with --moments: turns of each store, a step untimed and one timed); medians are reported (default: %(default)s)",
+    )
+    _add_moment_flags(
+        offload,
+        "run out of core beside a store with fp32 moments on the same buckets and budget, their disk bytes and update rates compared "
+        "(no disk probe or in-memory run then; --bucket-numel a multiple of the block, or of 64 in bf16)",
+    )
     train.add_argument("--timeout-s", type=positive_int, default=1800, help="give up on a mode after this long (default: %(default)s)")
     planned = which.add_parser("plan", help="netoptim plan's predicted step time vs the measured one, for a spread of configurations")
     add_model_flags(planned)
@@ -223,6 +259,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     morph.add_argument("--leave-after", type=positive_int, default=3, help="two workers are preempted once this step is done (default: %(default)s)")
     morph.add_argument("--join-after", type=positive_int, default=7, help="a worker joins once this step is done (default: %(default)s)")
     morph.add_argument("--width", type=positive_int, default=32, help="hidden width of the small model trained (default: %(default)s)")
+    add_convergence_parser(which)
     cluster = which.add_parser("cluster", help="tokens/s and bytes per link on an emulated cluster (root): netoptim vs torch FSDP and DDP over gloo")
     add_cluster_flags(cluster)
     for mode in which.choices.values():
@@ -232,6 +269,55 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
             metavar="FILE.png",
             help="also draw the comparison into this PNG (matplotlib: pip install 'netoptim-train[plot]'); the JSON on stdout is unchanged",
         )
+
+
+def add_convergence_parser(which: argparse._SubParsersAction) -> None:
+    """``netoptim bench convergence``: the GPT recipe's final loss with compressed moments against fp32 ones."""
+    from protos.job.moment_formats import MOMENT_FORMATS
+
+    convergence = which.add_parser(
+        "convergence",
+        help="the GPT recipe's final loss with the moments kept in 8 bits or bf16 on the nodes, over its loss with fp32 moments",
+        description="Trains the GPT recipe (netoptim.recipes.train_gpt, as netoptim demo does) against local nodes for every --moments "
+        "setting and seed, and reports each setting's final loss (mean of the last --window steps) and its ratio to fp32's with the same "
+        'seed (median over seeds; "within_1pct" when it is within 1%). The top-level "ratio" is fp32\'s final loss over the worst '
+        "compressed setting's (higher is better; 1: compression costs nothing).",
+    )
+    convergence.add_argument("--steps", type=positive_int, default=1000, help="training steps of every run (default: %(default)s)")
+    convergence.add_argument(
+        "--moments",
+        type=choice_list(MOMENT_FORMATS, "moment formats"),
+        default=["fp32", "8bit", "bf16"],
+        help="comma-separated moment formats to train with: fp32 (the baseline, always needed), 8bit, bf16 (default: fp32,8bit,bf16)",
+    )
+    convergence.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=3,
+        help="runs per setting, with seeds 0, 1, ...: each sets the initial values and the data order (default: %(default)s)",
+    )
+    convergence.add_argument(
+        "--window", type=positive_int, default=20, help="a run's final loss is the mean of its last this many steps' losses (default: %(default)s)"
+    )
+    convergence.add_argument("--workers", type=positive_int, default=2, help="worker processes of every run (default: %(default)s)")
+    convergence.add_argument("--nodes", type=positive_int, default=1, help="local optimizer nodes of every run (default: %(default)s)")
+    convergence.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default: %(default)s)")
+    convergence.add_argument("--n-layer", type=positive_int, default=4, help="transformer blocks, as the recipe's (default: %(default)s)")
+    convergence.add_argument("--n-embd", type=positive_int, default=128, help="model width, as the recipe's (default: %(default)s)")
+    convergence.add_argument("--n-head", type=positive_int, default=4, help="attention heads, as the recipe's (default: %(default)s)")
+    convergence.add_argument("--block-size", type=positive_int, default=128, help="tokens per sequence, as the recipe's (default: %(default)s)")
+    convergence.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay), as the recipe's (default: %(default)s)")
+    convergence.add_argument(
+        "--global-batch", type=non_negative_int, default=0, help="sequences per step over all workers (default: %(default)s, the recipe's: 8 per worker)"
+    )
+    convergence.add_argument(
+        "--bucket-numel",
+        type=non_negative_int,
+        default=0,
+        help="parameters per bucket (default: %(default)s, RemoteAdamW's); a parameter split over buckets keeps fp32 moments for a piece "
+        "that is not a whole number of blocks",
+    )
+    convergence.add_argument("--timeout-s", type=positive_int, default=3600, help="give up on a run after this long (default: %(default)s)")
 
 
 def add_gpu_parser(which: argparse._SubParsersAction) -> None:

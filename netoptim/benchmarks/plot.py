@@ -5,7 +5,7 @@ result it prints (which stays as it is on stdout). matplotlib is an optional ext
 Each mode names the figures it compares (:data:`METRICS`): every number in the result under such a
 key is a bar, labelled by where it sits (``ddp``, ``results.netoptim``) or by the configuration beside
 it (``1024 buckets``); the title carries the ratio. ``bench morph`` draws each morph's pause against a
-median step.
+median step; ``bench convergence`` draws the loss curves of its moment formats.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "plan": (r"^(measured|predicted)_step_s$", "s per step"),
     "cost": (r"^(measured|predicted)_step_s$", "s per step"),
     "step": (r"^step_s$", "s per step"),
+    "convergence": (r"^median_final_loss$", "loss"),
 }
 _LABEL_KEYS = ("buckets", "configuration", "workers")  # what tells the bars of one list apart
 
@@ -70,6 +71,29 @@ def bars_of(mode: str, result: dict) -> tuple[list[str], list[float], str]:
     return [label for label, _ in picked], [number for _, number in picked], unit
 
 
+def _plot_curves(result: dict, path: Path) -> Path:
+    """``bench convergence``: each moment format's loss curve (the median over seeds), its ratio in the legend."""
+    from matplotlib import pyplot
+
+    curves, every = result.get("curves", {}), int(result.get("curve_every", 1))
+    if not curves:
+        raise ValueError("the convergence result has no loss curve to draw")
+    figure, axes = pyplot.subplots(figsize=(7.0, 4.0))
+    for moments, losses in curves.items():
+        ratio = result.get("settings", {}).get(moments, {}).get("ratio")
+        label = f"{moments} moments" + (f" (final loss x{float(ratio):.4f} of fp32)" if moments != "fp32" and isinstance(ratio, (int, float)) else "")
+        axes.plot([min((i + 1) * every, result.get("steps", (i + 1) * every)) for i in range(len(losses))], losses, label=label, linewidth=1.2)
+    axes.set_xlabel("step")
+    axes.set_ylabel(f"training loss (mean of {every} steps, median of {len(result.get('seeds', [])) or 1} seed(s))")
+    axes.legend(fontsize=8)
+    ratio = result.get("ratio")
+    axes.set_title("netoptim bench convergence" + (f": ratio {float(ratio):.4g}" if isinstance(ratio, (int, float)) else ""), fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+    return path
+
+
 def plot_result(mode: str, result: dict, path: str | Path) -> Path:
     """Draw ``mode``'s comparison from its ``result`` into ``path`` (PNG); returns the path."""
     check_available()
@@ -78,6 +102,8 @@ def plot_result(mode: str, result: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib import pyplot
 
+    if mode == "convergence":
+        return _plot_curves(result, Path(path))
     labels, values, unit = bars_of(mode, result)
     figure, axes = pyplot.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.0))
     bars = axes.barh(range(len(labels)), values, color=["#3a6ea5" if "netoptim" in label or "node" in label else "#9a9a9a" for label in labels])

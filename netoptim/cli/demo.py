@@ -20,7 +20,7 @@ def run_demo(args: argparse.Namespace) -> int:
             addresses = ",".join(node.address for node in nodes)
             mode = "layer-wise" if args.layerwise else "full-model"
             print(f"netoptim demo: {args.nodes} optimizer node(s) at {addresses}, {args.workers} {mode} worker process(es), {args.steps} steps", flush=True)
-            script = ["--nodes", addresses, "--steps", str(args.steps), "--wire-dtype", args.wire_dtype, "--seed", str(args.seed)]
+            script = ["--nodes", addresses, "--steps", str(args.steps), "--wire-dtype", args.wire_dtype, "--seed", str(args.seed), "--moments", args.moments]
             status = run_workers([*script, "--layerwise"] if args.layerwise else script, args.workers)
         finally:
             for node in nodes:

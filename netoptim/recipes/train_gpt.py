@@ -9,6 +9,7 @@ launch commands.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from gpu_worker import RemoteAdamW, offload
 from gpu_worker.discovery import nodes_option
 from gpu_worker.models import GPT, GPTConfig, gpt_initializer
 from netoptim.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
+from protos.job.moment_formats import MOMENT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="full model, with --push-during-backward: KiB of pushed gradients whose new values have not come back that a worker may have in "
         "flight (paced pushes: docs/launch.md); 0: no window",
+    )
+    parser.add_argument(
+        "--moments",
+        choices=MOMENT_FORMATS,
+        default="fp32",
+        help="how the nodes store AdamW's moments: fp32 (torch's AdamW bitwise), bf16 (half the bytes), or 8bit (blockwise 8-bit with a scale "
+        "per 256 elements, as torchao's and bitsandbytes' 8-bit AdamW; about a quarter of the bytes); tensors under 4,096 elements stay fp32 "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--loss-file",
+        default=None,
+        metavar="FILE",
+        help="at the end, write the loss of every step trained (this rank's share of the batch) to FILE as JSON "
+        '({"rank", "start_step", "losses"}); {rank} is replaced by the rank, and without it only rank 0 writes',
     )
     add_security_flags(parser)
     return parser
@@ -160,6 +177,15 @@ def lr_lambda(steps: int) -> Callable[[int], float]:
     return factor
 
 
+def write_losses(path: str, rank: int, start_step: int, losses: Sequence[float]) -> None:
+    """``--loss-file``: the losses of steps ``start_step``, ``start_step + 1``, ... as JSON, written whole
+    under a temporary name and renamed, so a reader never sees half a file."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump({"rank": rank, "start_step": start_step, "losses": list(losses)}, handle)
+    os.replace(partial, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_recipe_args(build_parser(), argv)
     logging.basicConfig(level=os.environ.get("NETOPTIM_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -178,7 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--pace-window-kib needs --push-during-backward and a positive size")
     torch.manual_seed(args.seed)  # every rank builds the same model; rank 0's values are registered
     config = model_config(args)
-    options = dict(lr=args.lr, betas=(0.9, 0.95), nodes=nodes_option(args.nodes), rank=rank, world_size=world_size, wire_dtype=WIRE_DTYPES[args.wire_dtype])
+    options = dict(
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        nodes=nodes_option(args.nodes),
+        rank=rank,
+        world_size=world_size,
+        wire_dtype=WIRE_DTYPES[args.wire_dtype],
+        moments=args.moments,
+    )
     options.update(security_options(args, rank))
     if args.keep_for_backward < 0:
         raise SystemExit(f"--keep-for-backward must be a byte count >= 0, got {args.keep_for_backward}")
@@ -232,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elapsed = time.perf_counter() - started
         progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")
     progress.close()
+    if args.loss_file and (rank == 0 or "{rank}" in args.loss_file):
+        write_losses(args.loss_file.replace("{rank}", str(rank)), rank, start_step, losses)
     if rank == 0 and losses:
         window = max(1, min(10, len(losses) // 4))
         first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window

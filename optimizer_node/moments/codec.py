@@ -31,7 +31,6 @@ import torch
 from optimizer_node.moments.dynamic_map import dequantize, quantize
 from optimizer_node.moments.sizes import MIN_COMPRESSED, bytes_per_element  # noqa: F401  (re-exported)
 
-
 BF16_UNIT = 64
 """A bf16 segment's elements are a multiple of this: the update's vector, so none takes its scalar tail."""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos.job.hyper import RULES
+from protos.job.moment_formats import DEFAULT_MOMENT_BLOCK, MOMENT_BLOCKS, MOMENT_FORMATS
 from protos.job.placement import SPLIT_ALIGNMENT, BucketSpec, ParamSpec, first_difference, plan_buckets
 from transport.wire import WIRE_DTYPES
 
@@ -75,13 +76,6 @@ worker as soon as it is updated. ``layerwise``: workers hold a window of units a
 bucket when they need it (the node answers a PULL for step ``s`` once the bucket reached ``s``)."""
 BUCKET_LAYOUTS = (1, 2)
 """How a job cuts its parameters into buckets (:attr:`JobSpec.bucket_layout`)."""
-MOMENT_FORMATS = ("fp32", "bf16", "8bit")
-"""How the nodes store the optimizer's moments (:attr:`JobSpec.moments`): ``fp32`` as torch does;
-``bf16``; ``8bit``, blockwise with an absmax scale per block and the dynamic map (see
-:mod:`optimizer_node.moments`). The fp32 master parameters are exact in every format."""
-MOMENT_BLOCKS = (64, 128, 256, 512, 1024, 2048, 4096)
-"""Block sizes (elements per scale) an 8-bit job may choose (:attr:`JobSpec.moment_block`)."""
-DEFAULT_MOMENT_BLOCK = 256
 
 
 @dataclass(frozen=True, slots=True)

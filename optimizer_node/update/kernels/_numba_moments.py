@@ -12,10 +12,12 @@ upper 16 bits of the fp32 (one step instead of eight, and no branch).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import get_thread_id, prange
 
-from optimizer_node.update.kernels._numba_kernels import _adamw, _as_bits, _jit, _to_bf16, _widen
+from optimizer_node.update.kernels._numba_kernels import _as_bits, _fma, _jit, _to_bf16, _widen
 
 SCALE_FLOOR = np.float32(1e-12)
 
@@ -51,8 +53,13 @@ def _scale_of(values, n):  # pragma: no cover - compiled
 
 
 @_jit(inline="always")
-def _grad(a, b, pair, i, scale):  # pragma: no cover - compiled
-    return (a[i] + b[i]) / scale if pair else a[i] / scale
+def _step(p, m, v, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step):  # pragma: no cover - compiled
+    """One element's AdamW from its old values: (new parameter, new m, new v), the arithmetic of
+    ``_numba_kernels._adamw_into`` operation by operation (the self-check holds them bitwise equal)."""
+    base = m if lerp_from_m else grad
+    mi = _fma(coeff, grad - m, base)
+    vi = _fma(one_minus_beta2 * grad, grad, v * beta2)
+    return p * decay + (neg_step * mi) / (math.sqrt(vi) / bias2_sqrt + eps), mi, vi
 
 
 @_jit(parallel=True)
@@ -60,9 +67,10 @@ def update_8bit(
     p, a, b, pair, mc, ms, vc, vs, qmap_s, table_s, qmap_u, table_u, rows, block, scratch,
     scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
 ):  # pragma: no cover - compiled  # fmt: skip
-    """AdamW on the 8-bit rows ``(bucket offset, compressed index, length)``, ``p`` in place (a
-    separate output would make LLVM check for overlap and take its scalar loop), gradient ``a`` (+ ``b`` with ``pair``) divided by ``scale``; ``mc``/``vc``
-    codes, ``ms``/``vs`` scales, indexed by the compressed index (a block per row)."""
+    """AdamW on the 8-bit rows ``(bucket offset, compressed index, length)``, ``p`` in place,
+    gradient ``a`` (+ ``b`` with ``pair``) divided by ``scale``; ``mc``/``vc`` codes, ``ms``/``vs``
+    scales, indexed by the compressed index (a block per row). Three loops a block, each one that
+    vectorizes: decode and update (the new moments to the thread's scratch), the new scales, encode."""
     for r in prange(rows.shape[0]):
         off = rows[r, 0]
         at = rows[r, 1]
@@ -72,14 +80,21 @@ def update_8bit(
         v = scratch[get_thread_id(), 1]
         m_scale = ms[k]
         v_scale = vs[k]
-        for i in range(n):
-            m[i] = qmap_s[mc[at + i]] * m_scale
-            v[i] = qmap_u[vc[at + i]] * v_scale
-        pp = p[off : off + n]
-        aa = a[off : off + n]
-        bb = b[off : off + n]
-        for i in range(n):
-            _adamw(pp, m, v, i, _grad(aa, bb, pair, i, scale), decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
+        if pair:
+            for i in range(n):
+                grad = (a[off + i] + b[off + i]) / scale
+                new, m[i], v[i] = _step(
+                    p[off + i], qmap_s[mc[at + i]] * m_scale, qmap_u[vc[at + i]] * v_scale, grad,
+                    decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+                )  # fmt: skip
+                p[off + i] = new
+        else:
+            for i in range(n):
+                new, m[i], v[i] = _step(
+                    p[off + i], qmap_s[mc[at + i]] * m_scale, qmap_u[vc[at + i]] * v_scale, a[off + i] / scale,
+                    decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+                )  # fmt: skip
+                p[off + i] = new
         m_scale = _scale_of(m, n)
         v_scale = _scale_of(v, n)
         ms[k] = m_scale
@@ -91,25 +106,32 @@ def update_8bit(
 
 @_jit(parallel=True)
 def update_bf16_moments(
-    p, a, b, pair, mc, vc, rows, scratch,
+    p, a, b, pair, mc, vc, rows,
     scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
 ):  # pragma: no cover - compiled  # fmt: skip
-    """AdamW on the bf16 rows ``(bucket offset, compressed index, length)``; ``mc``/``vc`` the bf16
-    bits (uint16), rounded to nearest even when stored."""
+    """AdamW on the bf16 rows ``(bucket offset, compressed index, length)``, ``p`` in place;
+    ``mc``/``vc`` the bf16 bits (uint16), widened exactly and rounded to nearest even when stored:
+    one elementwise loop."""
     for r in prange(rows.shape[0]):
         off = rows[r, 0]
         at = rows[r, 1]
         n = rows[r, 2]
-        m = scratch[get_thread_id(), 0]
-        v = scratch[get_thread_id(), 1]
-        for i in range(n):
-            m[i] = _widen(mc[at + i])
-            v[i] = _widen(vc[at + i])
-        pp = p[off : off + n]
-        aa = a[off : off + n]
-        bb = b[off : off + n]
-        for i in range(n):
-            _adamw(pp, m, v, i, _grad(aa, bb, pair, i, scale), decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step)
-        for i in range(n):
-            mc[at + i] = _to_bf16(m[i])
-            vc[at + i] = _to_bf16(v[i])
+        if pair:
+            for i in range(n):
+                grad = (a[off + i] + b[off + i]) / scale
+                new, mi, vi = _step(
+                    p[off + i], _widen(mc[at + i]), _widen(vc[at + i]), grad,
+                    decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+                )  # fmt: skip
+                p[off + i] = new
+                mc[at + i] = _to_bf16(mi)
+                vc[at + i] = _to_bf16(vi)
+        else:
+            for i in range(n):
+                new, mi, vi = _step(
+                    p[off + i], _widen(mc[at + i]), _widen(vc[at + i]), a[off + i] / scale,
+                    decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
+                )  # fmt: skip
+                p[off + i] = new
+                mc[at + i] = _to_bf16(mi)
+                vc[at + i] = _to_bf16(vi)

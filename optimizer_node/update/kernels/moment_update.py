@@ -106,10 +106,9 @@ def update(
                 kernels.qmap_s, kernels.table_s, kernels.qmap_u, kernels.table_u, work, codec.block, scratch, *consts,
             )  # fmt: skip
         else:
-            scratch = _scratch_for(threads, BF16_ROW)
             m_bits = m_values.view(torch.int16).numpy().view(np.uint16)
             v_bits = v_values.view(torch.int16).numpy().view(np.uint16)
-            kernels.update_bf16(param.numpy(), a, b, pair, m_bits, v_bits, work, scratch, *consts)
+            kernels.update_bf16(param.numpy(), a, b, pair, m_bits, v_bits, work, *consts)
 
 
 _settled: bool | None = None
