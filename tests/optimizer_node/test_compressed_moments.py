@@ -1,5 +1,5 @@
 """Moments kept in bf16 or 8 bits on the nodes: two workers, two real nodes (in memory and out of
-core), AdamW, Adam and Lion, bitwise equal to a one-process reference built from torchao's own
+core), AdamW, Adam and Lion (and SGD's momentum in bf16), bitwise equal to a one-process reference built from torchao's own
 quantization functions (its dynamic map, block scales and rounding) with the update in the node's
 order: the moments decoded, torch's fused kernel (or Lion's formula) in fp32, the moments encoded.
 Tensors under 4,096 elements, or not a whole number of blocks, stay fp32, as in torchao."""
@@ -92,7 +92,12 @@ def reference(rule: str, moments: str) -> list[torch.Tensor]:
                 grad = (grads[0][i] + grads[1][i]) / WORLD
                 flat = p.view(-1)
                 m, v = first[i].read(), second[i].read()
-                if rule == "lion":
+                if rule == "sgd":
+                    torch._fused_sgd_(
+                        [flat], [grad.view(-1).clone()], [m], weight_decay=decay[i], momentum=0.9, lr=HYPER["lr"], dampening=0.0,
+                        nesterov=False, maximize=False, is_first_step=step == 1, grad_scale=None, found_inf=None,
+                    )  # fmt: skip
+                elif rule == "lion":
                     direction = m.mul(beta1).add_(grad.view(-1), alpha=1 - beta1).sign_()
                     flat.mul_(1 - HYPER["lr"] * decay[i])
                     flat.add_(direction, alpha=-HYPER["lr"])
@@ -105,12 +110,12 @@ def reference(rule: str, moments: str) -> list[torch.Tensor]:
                         amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
                     )  # fmt: skip
                 first[i].write(m)
-                if rule != "lion":
+                if rule not in ("lion", "sgd"):
                     second[i].write(v)
     return [p.detach().clone() for p in params]
 
 
-OPTIMIZERS = {"adamw": RemoteAdamW, "adam": RemoteAdam, "lion": RemoteLion}
+OPTIMIZERS = {"adamw": RemoteAdamW, "adam": RemoteAdam, "lion": RemoteLion, "sgd": RemoteSGD}
 
 
 def offloaded(rule: str, moments: str, nodes: list[str], inspect=None) -> list[torch.Tensor]:
@@ -121,7 +126,7 @@ def offloaded(rule: str, moments: str, nodes: list[str], inspect=None) -> list[t
     def worker(rank: int) -> None:
         try:
             model = models[rank]
-            extra = {"betas": (0.9, 0.99)} if rule == "lion" else {}
+            extra = {"lion": {"betas": (0.9, 0.99)}, "sgd": {"momentum": 0.9}}.get(rule, {})
             opt = OPTIMIZERS[rule](
                 groups(model, named=True), **HYPER, **extra, nodes=nodes, rank=rank, world_size=WORLD,
                 bucket_numel=8192, moments=moments, timeout_s=60,
@@ -149,8 +154,9 @@ def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor], what: str)
         assert torch.equal(a.view(-1), b.view(-1)), f"{what}: parameter {index} differs by {float((a.view(-1) - b.view(-1)).abs().max()):.3g}"
 
 
-@pytest.mark.parametrize("moments", ["8bit", "bf16"])
-@pytest.mark.parametrize("rule", ["adamw", "adam", "lion"])
+@pytest.mark.parametrize(
+    ("rule", "moments"), [("adamw", "8bit"), ("adamw", "bf16"), ("adam", "8bit"), ("adam", "bf16"), ("lion", "8bit"), ("lion", "bf16"), ("sgd", "bf16")]
+)
 def test_compressed_moments_are_bitwise_the_reference(start_node, rule, moments):
     nodes = [start_node(f"node{i}").address for i in range(2)]
     assert_bitwise(offloaded(rule, moments, nodes), reference(rule, moments), f"{rule}, {moments} moments")
