@@ -19,13 +19,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
             print(f"netoptim bench {args.bench}: {exc}", file=sys.stderr)
             return 2
     if args.bench == "optimizer" and getattr(args, "rule", "adamw") != "adamw":
-        from netoptim.benchmarks.rule_bench import run
+        from netoptim.benchmarks.node.rule_bench import run
     elif args.bench == "optimizer":
-        from netoptim.benchmarks.optimizer_bench import run
+        from netoptim.benchmarks.node.optimizer_bench import run
     elif args.bench == "transport":
         from netoptim.benchmarks.transport_bench import run
     elif args.bench == "offload":
-        from netoptim.benchmarks.offload_bench import run
+        from netoptim.benchmarks.node.offload_bench import run
     elif args.bench == "gpu":
         from netoptim.benchmarks.gpu.bench import run
     elif args.bench == "train":
@@ -35,7 +35,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     elif args.bench == "cost":
         from netoptim.benchmarks.cost_bench import run
     elif args.bench == "step":
-        from netoptim.benchmarks.step_bench import run
+        from netoptim.benchmarks.node.step_bench import run
     elif args.bench == "cluster":
         from netoptim.benchmarks.cluster_bench import run
     elif args.bench == "morph":

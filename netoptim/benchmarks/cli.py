@@ -272,16 +272,26 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_convergence_parser(which: argparse._SubParsersAction) -> None:
-    """``netoptim bench convergence``: the GPT recipe's final loss with compressed moments against fp32 ones."""
+    """``netoptim bench convergence``: a recipe's final loss with compressed moments against fp32 ones."""
     from protos.job.moment_formats import MOMENT_FORMATS
 
     convergence = which.add_parser(
         "convergence",
-        help="the GPT recipe's final loss with the moments kept in 8 bits or bf16 on the nodes, over its loss with fp32 moments",
-        description="Trains the GPT recipe (netoptim.recipes.train_gpt, as netoptim demo does) against local nodes for every --moments "
-        "setting and seed, and reports each setting's final loss (mean of the last --window steps) and its ratio to fp32's with the same "
-        'seed (median over seeds; "within_1pct" when it is within 1%). The top-level "ratio" is fp32\'s final loss over the worst '
-        "compressed setting's (higher is better; 1: compression costs nothing).",
+        help="the GPT recipe's (or a small transformers Llama's) final loss with the moments kept in 8 bits or bf16 on the nodes, over its loss "
+        "with fp32 moments",
+        description="Trains the GPT recipe (netoptim.recipes.train_gpt, as netoptim demo does) or, with --model llama, a small transformers "
+        "Llama on the same data and schedule (netoptim.recipes.train_hf_llama) against local nodes for every --moments setting and seed, and "
+        "reports each setting's final loss (mean of the last --window steps) and its ratio to fp32's with the same seed (median over seeds; "
+        '"within_1pct" when it is within 1%). The top-level "ratio" is fp32\'s final loss over the worst compressed setting\'s (higher is '
+        'better; 1: compression costs nothing); "model" says which model trained, and its shape.',
+    )
+    convergence.add_argument(
+        "--model",
+        choices=("gpt", "llama"),
+        default="gpt",
+        help="the model trained: gpt, the GPT recipe's (gpu_worker.models.GPT); llama, a transformers LlamaForCausalLM from a LlamaConfig of "
+        "the shape flags below, byte-level (256 tokens), untied embeddings (needs transformers: pip install 'netoptim-train[integrations]') "
+        "(default: %(default)s)",
     )
     convergence.add_argument("--steps", type=positive_int, default=1000, help="training steps of every run (default: %(default)s)")
     convergence.add_argument(
@@ -305,6 +315,18 @@ def add_convergence_parser(which: argparse._SubParsersAction) -> None:
     convergence.add_argument("--n-layer", type=positive_int, default=4, help="transformer blocks, as the recipe's (default: %(default)s)")
     convergence.add_argument("--n-embd", type=positive_int, default=128, help="model width, as the recipe's (default: %(default)s)")
     convergence.add_argument("--n-head", type=positive_int, default=4, help="attention heads, as the recipe's (default: %(default)s)")
+    convergence.add_argument(
+        "--n-kv-head",
+        type=positive_int,
+        default=2,
+        help="--model llama: key/value heads (grouped-query attention; --n-head must be a multiple) (default: %(default)s)",
+    )
+    convergence.add_argument(
+        "--intermediate-size",
+        type=non_negative_int,
+        default=0,
+        help="--model llama: width of the gated MLP (default: %(default)s, 4 x --n-embd; a multiple of 256 keeps its matrices whole blocks of 8-bit moments)",
+    )
     convergence.add_argument("--block-size", type=positive_int, default=128, help="tokens per sequence, as the recipe's (default: %(default)s)")
     convergence.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine decay), as the recipe's (default: %(default)s)")
     convergence.add_argument(

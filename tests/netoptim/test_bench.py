@@ -55,7 +55,7 @@ def test_optimizer_bench_refuses_buckets_that_would_keep_fp32_moments():
 def test_rule_bench_reports_a_ratio_against_the_torch_optimizer_of_its_rule():
     import argparse
 
-    from netoptim.benchmarks.rule_bench import run
+    from netoptim.benchmarks.node.rule_bench import run
 
     for rule, baseline in (("sgd-nesterov", "SGD"), ("lion", "AdamW")):
         report = run(argparse.Namespace(rule=rule, numel=3 << 19, bucket_numel=1 << 20, workers=2, wire_dtype="bfloat16", repeats=1))

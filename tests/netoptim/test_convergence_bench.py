@@ -1,5 +1,6 @@
-"""``netoptim bench convergence``: the GPT recipe trained with each moment format against real nodes
-(tiny here: this checks the report, not the convergence), its flags checked, its curves drawn."""
+"""``netoptim bench convergence``: the GPT recipe (and a small transformers Llama) trained with each
+moment format against real nodes (tiny here: this checks the report, not the convergence), its flags
+checked, its curves drawn."""
 
 from __future__ import annotations
 
@@ -39,6 +40,40 @@ def test_a_tiny_run_reports_each_setting_against_fp32():
     assert report["ratio"] == pytest.approx(1 / compressed["ratio"], rel=1e-4)
     assert report["curve_every"] == 1 and [len(report["curves"][m]) for m in ("fp32", "8bit")] == [20, 20]
     assert report["curves"]["fp32"][0] == pytest.approx(report["curves"]["8bit"][0], abs=1e-4), "the same first step: same seed, same data"
+    assert report["model"]["name"] == "gpt" and report["model"]["n_embd"] == 64
+
+
+def test_a_tiny_llama_run_reports_the_transformers_model():
+    pytest.importorskip("transformers")
+    tiny = ["--steps", "10", "--seeds", "1", "--window", "5", "--n-layer", "1", "--n-embd", "64", "--block-size", "32"]
+    result = subprocess.run(
+        [sys.executable, "-m", "netoptim", "--no-progress", "bench", "convergence", "--model", "llama", *tiny, "--moments", "fp32,8bit"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    model = report["model"]
+    assert model["name"] == "llama" and model["class"] == "transformers.LlamaForCausalLM" and model["recipe"] == "netoptim.recipes.train_hf_llama"
+    assert (model["n_layer"], model["n_embd"], model["n_head"], model["n_kv_head"], model["intermediate_size"]) == (1, 64, 4, 2, 256)
+    assert list(report["settings"]) == ["fp32", "8bit"] and report["steps"] == 10
+    fp32, compressed = report["settings"]["fp32"], report["settings"]["8bit"]
+    for entry in (fp32, compressed):
+        assert 0 < entry["median_final_loss"] < 5.6, "below the loss of a uniform guess over 256 bytes (5.55) after 10 steps"
+    assert compressed["final_loss"] != fp32["final_loss"], "the MLP's matrices (64 x 256) keep 8-bit moments: not the fp32 run"
+    assert report["curves"]["fp32"][0] == pytest.approx(report["curves"]["8bit"][0], abs=1e-4), "the same first step: same seed, same data"
+
+
+def test_llama_shapes_and_a_missing_transformers_are_refused(monkeypatch):
+    llama = dict(moments=["fp32"], model="llama", n_embd=64, n_head=4, n_kv_head=2, intermediate_size=0, global_batch=0, workers=2)
+    with pytest.raises(ValueError, match="not a multiple of --n-kv-head 3"):
+        run(argparse.Namespace(**(llama | {"n_kv_head": 3})))
+    with pytest.raises(ValueError, match="is odd: rotary embeddings"):
+        run(argparse.Namespace(**(llama | {"n_embd": 36})))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    with pytest.raises(ValueError, match=r"needs the package 'transformers'.*pip install 'netoptim-train\[integrations\]'"):
+        run(argparse.Namespace(**llama))
 
 
 def test_settings_without_fp32_are_refused():
