@@ -17,13 +17,23 @@ import math
 import numpy as np
 from numba import get_thread_id, prange
 
+from optimizer_node.moments.dynamic_map import dynamic_map, floor_table
 from optimizer_node.update.kernels._numba_kernels import _as_bits, _as_float, _fma, _jit, _to_bf16, _widen
 
 SCALE_FLOOR = np.float32(1e-12)
 
 
+# The maps and their search tables as module constants, which numba compiles in: LLVM then knows
+# the loops' stores cannot change them and vectorizes their reads (as arguments they kept the decode
+# and the rounding scalar). They are fixed by the format (optimizer_node.moments.dynamic_map).
+QMAP_SIGNED = dynamic_map(True).numpy().copy()
+QMAP_UNSIGNED = dynamic_map(False).numpy().copy()
+TABLE_SIGNED = floor_table(True).copy()
+TABLE_UNSIGNED = floor_table(False).copy()
+
+
 @_jit(inline="always")
-def _code(y, qmap, table):  # pragma: no cover - compiled
+def _round_to(y, qmap, table):  # pragma: no cover - compiled
     """The map code of the scaled value ``y``: the largest map value at or below it (0 below the
     map and for NaN), one up where ``y`` is at least halfway to the next. The table's start is at
     most one map value below the answer (``floor_table`` checks that when it is built)."""
@@ -35,6 +45,16 @@ def _code(y, qmap, table):  # pragma: no cover - compiled
     low = qmap[c]
     c = c + np.int32(y - low >= (qmap[up] - low) * np.float32(0.5)) * (up - c)
     return np.uint8(c)
+
+
+@_jit(inline="always")
+def _code_signed(y):  # pragma: no cover - compiled
+    return _round_to(y, QMAP_SIGNED, TABLE_SIGNED)
+
+
+@_jit(inline="always")
+def _code_unsigned(y):  # pragma: no cover - compiled
+    return _round_to(y, QMAP_UNSIGNED, TABLE_UNSIGNED)
 
 
 @_jit(inline="always")
@@ -63,7 +83,7 @@ def _step(p, m, v, grad, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias
 
 @_jit(parallel=True)
 def update_8bit(
-    p, a, b, pair, mc, ms, vc, vs, qmap_s, table_s, qmap_u, table_u, rows, block, scratch,
+    p, a, b, pair, mc, ms, vc, vs, rows, block, scratch,
     scale, decay, coeff, lerp_from_m, beta2, one_minus_beta2, bias2_sqrt, eps, neg_step,
 ):  # pragma: no cover - compiled  # fmt: skip
     """AdamW on the 8-bit rows ``(bucket offset, compressed index, length)``, ``p`` in place,
@@ -85,8 +105,8 @@ def update_8bit(
         m_scale = ms[k]
         v_scale = vs[k]
         for i in range(n):  # decoded first: a loop of table reads stays scalar, the update's does not
-            m[i] = qmap_s[mm[i]] * m_scale
-            v[i] = qmap_u[vv[i]] * v_scale
+            m[i] = QMAP_SIGNED[mm[i]] * m_scale
+            v[i] = QMAP_UNSIGNED[vv[i]] * v_scale
         if pair:
             for i in range(n):
                 pp[i], m[i], v[i] = _step(
@@ -100,8 +120,8 @@ def update_8bit(
         ms[k] = m_scale
         vs[k] = v_scale
         for i in range(n):
-            mm[i] = _code(m[i] / m_scale, qmap_s, table_s)
-            vv[i] = _code(v[i] / v_scale, qmap_u, table_u)
+            mm[i] = _code_signed(m[i] / m_scale)
+            vv[i] = _code_unsigned(v[i] / v_scale)
 
 
 @_jit(parallel=True)

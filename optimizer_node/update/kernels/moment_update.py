@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from optimizer_node.moments.codec import MomentCodec
-from optimizer_node.moments.dynamic_map import dynamic_map, floor_table
 from optimizer_node.update.kernels import compiled_update
 from protos.job.hyper import AdamWHyper
 
@@ -42,10 +41,6 @@ def _kernels() -> SimpleNamespace:
         numba=numba,
         update_8bit=_numba_moments.update_8bit,
         update_bf16=_numba_moments.update_bf16_moments,
-        qmap_s=dynamic_map(True).numpy(),
-        qmap_u=dynamic_map(False).numpy(),
-        table_s=floor_table(True),
-        table_u=floor_table(False),
     )
 
 
@@ -103,7 +98,7 @@ def update(
             scratch = _scratch_for(threads, codec.block)
             kernels.update_8bit(
                 param.numpy(), a, b, pair, m_values.numpy(), m_scales.numpy(), v_values.numpy(), v_scales.numpy(),
-                kernels.qmap_s, kernels.table_s, kernels.qmap_u, kernels.table_u, work, codec.block, scratch, *consts,
+                work, codec.block, scratch, *consts,
             )  # fmt: skip
         else:
             m_bits = m_values.view(torch.int16).numpy().view(np.uint16)
