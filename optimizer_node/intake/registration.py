@@ -25,6 +25,7 @@ from optimizer_node.intake.rank_check import RankCheck
 from optimizer_node.intake.waiting_hellos import WaitingHellos
 from optimizer_node.job_state import ActiveJob, CurrentJob
 from optimizer_node.log_limits import RateLimitedLog
+from optimizer_node.moments.codec import describe_moments
 from optimizer_node.serving.replies import ParameterReplies
 from optimizer_node.state.persistence import Checkpoints
 from protos.job.spec import JobSpec, LimitError
@@ -247,7 +248,7 @@ class JobRegistration:
         self._take_job(job)
         owned = job.owned
         log.info(
-            "registered job: %d workers, %d nodes (this is node %d), %d parameters, %d buckets here (%.1f M elements), wire %s, clipping %s",
+            "registered job: %d workers, %d nodes (this is node %d), %d parameters, %d buckets here (%.1f M elements), wire %s, clipping %s, moments %s",
             spec.world_size,
             spec.num_nodes,
             node_index,
@@ -256,6 +257,7 @@ class JobRegistration:
             sum(b.numel for b in owned.values()) / 1e6,
             spec.wire_dtype,
             spec.max_grad_norm,
+            describe_moments(spec),
         )
 
     def _hold_or_morph(self, message: Message, spec: JobSpec, at: int) -> bool:
