@@ -30,6 +30,7 @@ import torch
 
 from optimizer_node.moments.dynamic_map import dequantize, quantize
 from optimizer_node.moments.sizes import MIN_COMPRESSED, bytes_per_element  # noqa: F401  (re-exported)
+from protos.job.spec import JobSpec
 
 BF16_UNIT = 64
 """A bf16 segment's elements are a multiple of this: the update's vector, so none takes its scalar tail."""
@@ -185,7 +186,6 @@ def moment_bytes(codec: MomentCodec | None, numel: int) -> int:
     return 4 * numel if codec is None else codec.moment_bytes
 
 
-def describe_moments(spec: object) -> str:
+def describe_moments(spec: JobSpec) -> str:
     """How a job's moments are stored, for status and logs: ``fp32``, ``bf16`` or ``8bit, blocks of 256``."""
-    moments, block = getattr(spec, "moments", "fp32"), getattr(spec, "moment_block", 256)
-    return f"8bit, blocks of {block}" if moments == "8bit" else moments
+    return f"8bit, blocks of {spec.moment_block}" if spec.moments == "8bit" else spec.moments
