@@ -29,7 +29,8 @@ from netoptim.benchmarks.common import vm_bytes
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=27, n_head=24, n_embd=3072)
 
 
-def _proc_io(pid: int) -> dict[str, int]:
+def proc_io(pid: int) -> dict[str, int]:
+    """The kernel's I/O accounting of process ``pid`` (``/proc/PID/io``: ``read_bytes``, ``write_bytes``, ...)."""
     fields = {}
     with open(f"/proc/{pid}/io") as handle:
         for line in handle:
@@ -52,7 +53,7 @@ def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, r
     text = load_stdlib_bytes()
     report: dict = {"params": params, "moments": moments, "register_s": time.perf_counter() - started, "steps": []}
     for _step in range(steps):
-        io_before = _proc_io(node_pid)
+        io_before = proc_io(node_pid)
         started = time.perf_counter()
         # One batch of Python source, the same at every step: the loss must fall as it is learnt.
         x, y = batch_for_step(text, 0, global_batch=1, block_size=32, rank=0, world_size=1, seed=0)
@@ -60,7 +61,7 @@ def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, r
         loss.backward()
         opt.step()
         elapsed = time.perf_counter() - started  # step() returns at once: the update's cost shows in the next forward
-        io_after = _proc_io(node_pid)
+        io_after = proc_io(node_pid)
         report["steps"].append(
             {
                 "loss": loss.item(),

@@ -164,13 +164,14 @@ def offload_causal_lm(
     layers: Sequence[nn.Module] | None = None,
     moments: str = "fp32",
     moment_block: int = 256,
+    timeout_s: float = 300.0,
 ) -> tuple[nn.Module, RemoteAdamW]:
     """A Hugging Face causal LM from ``directory`` (its config and safetensors shards), layer-wise on
     the nodes, and its optimizer (see the module docstring).
 
     Args:
         directory: a model directory as ``save_pretrained`` writes it.
-        nodes, rank, world_size, lr, betas, eps, weight_decay, wire_dtype, max_grad_norm, bucket_numel, curve_secret_key, curve_server_key, moments, moment_block: as for :class:`~gpu_worker.RemoteAdamW` (``moments="8bit"``: a quarter of fp32's bytes of moments on the nodes).
+        nodes, rank, world_size, lr, betas, eps, weight_decay, wire_dtype, max_grad_norm, bucket_numel, curve_secret_key, curve_server_key, moments, moment_block, timeout_s: as for :class:`~gpu_worker.RemoteAdamW` (``moments="8bit"``: a quarter of fp32's bytes of moments on the nodes).
         prefetch, keep_for_backward, device: as for :func:`~gpu_worker.offload`.
         gradient_checkpointing: Hugging Face's gradient checkpointing (recompute each layer's
             activations in backward, where the layer is fetched anyway).
@@ -219,6 +220,7 @@ def offload_causal_lm(
         curve_server_key=curve_server_key,
         moments=moments,
         moment_block=moment_block,
+        timeout_s=timeout_s,
         # a causal LM's buffers (rotary frequencies, masks) follow from its config, the same on every
         # rank: nothing to broadcast, and no process group needed for it
         broadcast_buffers=False,
