@@ -14,7 +14,15 @@ log = logging.getLogger(__name__)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The GPT whose configurations are planned (the model of ``examples/train_gpt_pipeline.py``)."""
+    """The GPT whose configurations are planned (the model of ``examples/train_gpt_pipeline.py``), or a
+    Hugging Face config that sets its shape (``--hf-config``)."""
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face model directory or its config.json: plan for its depth, width and attention heads (in place of "
+        "--n-layer, --n-embd and --n-head; the calibration times GPT blocks of that shape for its decoder layers)",
+    )
     parser.add_argument("--n-layer", type=int, default=8, help="transformer blocks (default: %(default)s)")
     parser.add_argument("--n-embd", type=int, default=256, help="model width (default: %(default)s)")
     parser.add_argument("--n-head", type=int, default=4, help="attention heads (default: %(default)s)")
@@ -49,6 +57,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def validate_model_flags(args: argparse.Namespace) -> None:
+    if getattr(args, "hf_config", None):
+        from netoptim.planning.hf_config import HFConfigError, gpt_proxy_shape
+
+        try:
+            args.n_layer, args.n_embd, args.n_head = gpt_proxy_shape(args.hf_config)
+        except HFConfigError as exc:
+            raise SystemExit(str(exc)) from None
+        log.info("planning for %s: %d layers, width %d, %d heads", args.hf_config, args.n_layer, args.n_embd, args.n_head)
     for flag in ("n_layer", "n_embd", "n_head", "block_size", "workers", "nodes", "global_batch", "max_microbatches"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

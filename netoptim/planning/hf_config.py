@@ -79,6 +79,20 @@ def model_size(path: str | Path, *, use_transformers: bool | None = None) -> HFM
     return HFModelSize(_count_from_fields(config, file), config["model_type"], layers, hidden, "the config's fields")
 
 
+def gpt_proxy_shape(path: str | Path) -> tuple[int, int, int]:
+    """``(layers, width, heads)`` of the GPT whose blocks ``netoptim plan`` times in place of the
+    config's decoder layers: the same depth, width and attention heads (a Llama-family layer's gated
+    MLP of about 8/3 the width does about the GPT MLP's work; grouped key-value heads do a little less
+    attention work, so the plan is slightly pessimistic there). :class:`HFConfigError` naming the file."""
+    config = read_config(path)
+    file = config_path(path)
+    layers, hidden = _shape(config, file)
+    heads = _field(config, file, "num_attention_heads", "n_head")
+    if hidden % heads:
+        raise HFConfigError(f"{file}: a hidden size of {hidden} is not a multiple of its {heads} attention heads")
+    return layers, hidden, heads
+
+
 def _field(config: dict[str, Any], file: Path, *names: str) -> int:
     for name in names:
         value = config.get(name)

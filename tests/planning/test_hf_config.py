@@ -87,3 +87,20 @@ def test_plan_memory_and_doctor_size_a_job_by_the_config(tmp_path):
     assert doctor.returncode == 0, doctor.stderr
     space = next(f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "free space")
     assert space["figures"]["needed_bytes"] == 12 * expected * (1 + 3), "its state and the node's 3 checkpoints"
+
+
+@pytest.mark.parametrize(("family", "shape"), [("llama", (3, 64, 4)), ("gpt2", (3, 64, 4))])
+def test_plan_takes_the_configs_depth_width_and_heads(tmp_path, family, shape):
+    from netoptim.cli.plan import validate_model_flags
+    from netoptim.console import build_parser
+
+    directory, _ = _saved(tmp_path, CONFIGS[family]())
+    args = build_parser().parse_args(["plan", "--hf-config", directory, "--n-layer", "99"])
+    validate_model_flags(args)
+    assert (args.n_layer, args.n_embd, args.n_head) == shape  # the config's, whatever the GPT flags say
+
+
+def test_plan_names_a_config_it_cannot_read(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    result = run_netoptim("plan", "--hf-config", str(tmp_path))
+    assert result.returncode != 0 and "config.json" in result.stderr and "num_hidden_layers" in result.stderr
