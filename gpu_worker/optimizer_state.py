@@ -5,7 +5,9 @@ torch's ``AdamW.state_dict()`` holds, per parameter index (over the param groups
 (a 0-d fp32 tensor), ``exp_avg`` and ``exp_avg_sq`` (shaped like the parameter), and no entry for a
 parameter never stepped (here: step 0 and zeros, the same to torch, and what
 ``torch.distributed.checkpoint`` needs to load into). The nodes hold the same per bucket segment, fp32; these functions cut and
-join them, so a run moves from torch to netoptim and back and continues bit for bit.
+join them, so a run moves from torch to netoptim and back and continues bit for bit. A state dict
+whose moments are a quantized tensor subclass (torchao's 8-bit AdamW keeps ``OptimState8bit``) loads
+too, its moments dequantized.
 """
 
 from __future__ import annotations
@@ -123,16 +125,32 @@ def gather_state(rank_state: RankState, read_state: ReadState, params: Sequence[
     return state
 
 
+def plain_tensor(value: Any) -> Any:
+    """``value`` as a plain fp32 tensor when it is a quantized tensor subclass with its own
+    ``dequantize()`` (torchao's ``OptimState8bit``, as its 8-bit optimizers keep the moments), else
+    ``value`` itself. Recognized by its method, so this package needs no torchao: a plain
+    ``torch.Tensor`` (whose ``dequantize`` is for torch's quantized dtypes), a ``Parameter`` or
+    another subclass without a ``dequantize`` of its own is left as it is."""
+    if not torch.is_tensor(value) or type(value) is torch.Tensor:
+        return value
+    if getattr(type(value), "dequantize", torch.Tensor.dequantize) is torch.Tensor.dequantize:
+        return value
+    return value.dequantize().to(torch.float32)
+
+
 def state_entries(rule: str, params: Sequence[torch.Tensor], key_of: dict[int, Any], state: dict[Any, dict[str, Any]]) -> list[dict[str, Any] | None]:
     """Each parameter's entry of torch's per-parameter ``state`` (None: none), checked against the
     rule's keys and the parameters' shapes (``ValueError`` naming the first that does not fit).
     ``key_of[id(param)]`` is the parameter's key in ``state`` (an index, or a name from
-    ``torch.distributed.checkpoint``). Every rank checks, so a bad dict fails everywhere alike."""
+    ``torch.distributed.checkpoint``). Moments kept as a quantized tensor subclass (torchao's 8-bit
+    optimizers) come back dequantized to fp32 (:func:`plain_tensor`): the nodes take fp32 and round
+    it to the job's format. Every rank checks, so a bad dict fails everywhere alike."""
     keys, with_step = STATE_KEYS[rule]
     entries: list[dict[str, Any] | None] = []
     for param in params:
         entry = state.get(key_of.get(id(param)))
         if entry is not None:
+            entry = {key: plain_tensor(value) for key, value in entry.items()}
             missing = [key for key in (("step",) if with_step else ()) + tuple(key for key, _ in keys) if key not in entry]
             if missing:
                 raise ValueError(f"the state of parameter {key_of.get(id(param))} has no {missing}: is it a state dict of torch's {rule} optimizer?")

@@ -385,9 +385,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of torch's optimizer of the same rule (or from :meth:`state_dict`): the
         param groups here, the moments and step counts onto the nodes, so training continues as torch
-        would from it. Every rank calls it with the same dict, between steps, after loading the model's
-        parameters; rank 0 sends the state, and in full mode the parameters' current values as the
-        nodes' fp32 masters (fp32 parameters only: lower-precision ones leave the masters as they are)."""
+        would from it. Moments kept quantized (torchao's ``AdamW8bit``: ``OptimState8bit``) are
+        dequantized to fp32 first; the nodes round them to the job's ``moments`` format. Every rank
+        calls it with the same dict, between steps, after loading the model's parameters; rank 0
+        sends the state, and in full mode the parameters' current values as the nodes' fp32 masters
+        (fp32 parameters only: lower-precision ones leave the masters as they are)."""
         state_dict, entries = entries_to_load(state_dict, self.rule, self._params, self.param_groups)  # checked before anything changes
         self.synchronize()
         super().load_state_dict({**state_dict, "state": {}})  # the moments stay off the worker; checks the groups

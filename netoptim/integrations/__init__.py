@@ -11,6 +11,8 @@
   weights read from the shards a tensor at a time (``offload_causal_lm``).
 - :mod:`netoptim.integrations.hf_export`: the nodes' checkpoints as a directory ``from_pretrained`` loads
   (``netoptim export --hf``; ``transformers`` only to check the names, where it is installed).
+- :mod:`netoptim.integrations.torchao_state`: a remote AdamW's ``state_dict()`` in the layout of torchao's
+  8-bit AdamW (``to_torchao_8bit``), so a run moves on to ``torchao.optim.AdamW8bit``.
 
 Each module imports its framework when it is imported, and fails with the ``pip install`` command
 that brings it (the ``integrations`` extra) when the framework is missing. This package imports none.
