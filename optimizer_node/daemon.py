@@ -36,7 +36,6 @@ from optimizer_node.control import CommandQueue, StepClock
 from optimizer_node.data_plane import bind_data_plane
 from optimizer_node.dispatch import MessageDispatch
 from optimizer_node.faults import CrashPoints
-from optimizer_node.intake.admission import bucket_state_bytes
 from optimizer_node.intake.non_finite import NonFiniteStats
 from optimizer_node.intake.registration import JobRegistrar
 from optimizer_node.intake.waiting_hellos import WaitingHellos
@@ -195,10 +194,8 @@ class NodeDaemon:
 
     def _moments_and_bytes(self) -> tuple[str, int]:
         """The job's moment format and its state bytes (none without a job), for the metrics."""
-        status = self._job.current.job
-        if status is None:
-            return "", 0
-        return status.spec.moments, sum(bucket_state_bytes(status.spec, bucket) for bucket in status.owned.values())
+        job = self._job.current.job
+        return ("", 0) if job is None else (job.spec.moments, job.state_bytes)
 
     def _new_store(self) -> BucketStore:
         if self.config.state_dir:

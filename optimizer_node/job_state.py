@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optimizer_node.intake.step_ledger import StepLedger
-from optimizer_node.moments.codec import MomentCodec, codec_for
+from optimizer_node.moments.codec import MomentCodec, bucket_state_bytes, codec_for
 from optimizer_node.update.adamw import AdamWHyper
 from optimizer_node.update.reduce import OrderedReduction
 from protos.job.placement import BucketSpec
@@ -48,6 +48,7 @@ class ActiveJob:
     segments: dict[int, list[tuple[int, int]]]  # bucket_id -> (offset, numel) per parameter piece, for the update
     divisor: torch.Tensor  # () fp32 workers in all (world size x local size): the averaging divisor, made once
     base_step: int = 0  # the step buckets created now start at: 0, or the step a param group was added at
+    state_bytes: int = 0  # this node's share's state as stored (parameters and moments in the job's format)
 
     def codec(self, bucket_id: int) -> MomentCodec | None:
         """How the bucket's moments are stored (``None``: fp32, torch's layout)."""
@@ -58,7 +59,8 @@ class ActiveJob:
         """This node's share of a job; the per-bucket update arguments are derived once here, not per step."""
         owned = {b.bucket_id: b for b in (plan if plan is not None else spec.plan()) if b.node == node_index}
         segments = {b.bucket_id: [(seg.bucket_offset, seg.numel) for seg in b.segments] for b in owned.values()}
-        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.workers), dtype=torch.float32), base_step)
+        state_bytes = sum(bucket_state_bytes(spec, bucket) for bucket in owned.values())
+        return cls(spec, node_index, owned, segments, torch.tensor(float(spec.workers), dtype=torch.float32), base_step, state_bytes)
 
 
 class CurrentJob:

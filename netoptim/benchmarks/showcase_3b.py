@@ -19,6 +19,7 @@ import multiprocessing as mp
 import resource
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +40,56 @@ def proc_io(pid: int) -> dict[str, int]:
     return fields
 
 
-def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, results: mp.Queue, node_pid: int, moments: str = "fp32") -> None:
+def timed_steps(loss_of: Callable[[], torch.Tensor], step: Callable[[], object], steps: int, node_pid: int) -> list[dict]:
+    """Train ``steps`` steps (``loss_of()``, its backward, ``step()``), each timed with the node's disk
+    bytes read and written meanwhile (the kernel's accounting of process ``node_pid``); each step's
+    report is printed as a JSON line as it ends."""
+    reports = []
+    for _step in range(steps):
+        io_before = proc_io(node_pid)
+        started = time.perf_counter()
+        loss = loss_of()
+        loss.backward()
+        step()
+        elapsed = time.perf_counter() - started
+        io_after = proc_io(node_pid)
+        reports.append(
+            {
+                "loss": loss.item(),
+                "seconds": elapsed,
+                "node_disk_read_gb": (io_after["read_bytes"] - io_before["read_bytes"]) / 1e9,
+                "node_disk_written_gb": (io_after["write_bytes"] - io_before["write_bytes"]) / 1e9,
+            }
+        )
+        print(json.dumps(reports[-1]), flush=True)
+    return reports
+
+
+def run_beside_a_node(state_dir: Path, memory_budget: int, worker: Callable[..., None], worker_args: tuple) -> dict:
+    """An out-of-core node (``state_dir``, ``memory_budget``) and one spawned process running
+    ``worker(node_address, *worker_args, results, node_pid)``, which puts its report on ``results``;
+    returns the report with the node's peak RSS and budget added. The node is stopped in any case."""
+    from netoptim.launch.processes import NodeProcess
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="netoptim-showcase-") as workdir:
+        node = NodeProcess(workdir, extra_args=("--state-dir", str(state_dir), "--memory-budget", str(memory_budget))).start()
+        try:
+            assert node.process is not None
+            context = mp.get_context("spawn")
+            results: mp.Queue = context.Queue()
+            process = context.Process(target=worker, args=(node.address, *worker_args, results, node.process.pid))
+            process.start()
+            report = results.get(timeout=3 * 3600)
+            process.join()
+            report["node_peak_rss_gb"] = vm_bytes("VmHWM", node.process.pid) / 2**30
+            report["node_memory_budget_gb"] = memory_budget / 2**30
+        finally:
+            node.stop()
+    return report
+
+
+def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, moments: str, results: mp.Queue, node_pid: int) -> None:
     from gpu_worker import offload
     from gpu_worker.models import GPT, gpt_initializer
     from netoptim.recipes.stdlib_text import batch_for_step, load_stdlib_bytes
@@ -52,25 +102,10 @@ def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, r
     opt = offload(model, model.blocks, nodes=[node], init_fn=gpt_initializer(config), lr=lr, timeout_s=1800, push_window_bytes=1 << 30, moments=moments)
     text = load_stdlib_bytes()
     report: dict = {"params": params, "moments": moments, "register_s": time.perf_counter() - started, "steps": []}
-    for _step in range(steps):
-        io_before = proc_io(node_pid)
-        started = time.perf_counter()
-        # One batch of Python source, the same at every step: the loss must fall as it is learnt.
-        x, y = batch_for_step(text, 0, global_batch=1, block_size=32, rank=0, world_size=1, seed=0)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        elapsed = time.perf_counter() - started  # step() returns at once: the update's cost shows in the next forward
-        io_after = proc_io(node_pid)
-        report["steps"].append(
-            {
-                "loss": loss.item(),
-                "seconds": elapsed,
-                "node_disk_read_gb": (io_after["read_bytes"] - io_before["read_bytes"]) / 1e9,
-                "node_disk_written_gb": (io_after["write_bytes"] - io_before["write_bytes"]) / 1e9,
-            }
-        )
-        print(json.dumps(report["steps"][-1]), flush=True)
+    # One batch of Python source, the same at every step: the loss must fall as it is learnt.
+    x, y = batch_for_step(text, 0, global_batch=1, block_size=32, rank=0, world_size=1, seed=0)
+    # step() returns at once: the update's cost shows in the next forward
+    report["steps"] = timed_steps(lambda: model(x, y)[1], opt.step, steps, node_pid)
     report["worker_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     opt.close()
     results.put(report)
@@ -78,7 +113,6 @@ def _worker(node: str, config: GPTConfig, steps: int, threads: int, lr: float, r
 
 def main(argv: list[str] | None = None) -> int:
     from netoptim.cli.arg_types import size as _size
-    from netoptim.launch.processes import NodeProcess
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-dir", required=True, help="where the node keeps its ~36 GB of state (a local disk)")
@@ -96,34 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    state_dir = Path(args.state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="netoptim-showcase-") as workdir:
-        node = NodeProcess(workdir, extra_args=("--state-dir", str(state_dir), "--memory-budget", str(args.memory_budget))).start()
-        try:
-            assert node.process is not None
-            context = mp.get_context("spawn")
-            results: mp.Queue = context.Queue()
-            worker = context.Process(
-                target=_worker,
-                args=(
-                    node.address,
-                    GPTConfig(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=24, n_embd=args.n_embd),
-                    args.steps,
-                    args.threads,
-                    args.lr,
-                    results,
-                    node.process.pid,
-                    args.moments,
-                ),
-            )
-            worker.start()
-            report = results.get(timeout=7200)
-            worker.join()
-            report["node_peak_rss_gb"] = vm_bytes("VmHWM", node.process.pid) / 2**30
-            report["node_memory_budget_gb"] = args.memory_budget / 2**30
-        finally:
-            node.stop()
+    config = GPTConfig(vocab_size=256, block_size=64, n_layer=args.n_layer, n_head=24, n_embd=args.n_embd)
+    report = run_beside_a_node(Path(args.state_dir), args.memory_budget, _worker, (config, args.steps, args.threads, args.lr, args.moments))
     print(json.dumps(report, indent=2))
     return 0
 

@@ -21,14 +21,12 @@ import json
 import logging
 import multiprocessing as mp
 import resource
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from netoptim.benchmarks.common import vm_bytes
-from netoptim.benchmarks.showcase_3b import proc_io
+from netoptim.benchmarks.showcase_3b import run_beside_a_node, timed_steps
 
 log = logging.getLogger(__name__)
 
@@ -99,26 +97,14 @@ def _worker(node: str, model_dir: str, steps: int, threads: int, lr: float, mome
     params = sum(p.numel() for p in model.parameters())
     text = load_stdlib_bytes()
     report: dict = {"params": params, "moments": moments, "register_s": time.perf_counter() - started, "steps": []}
-    for _step in range(steps):
-        io_before = proc_io(node_pid)
-        started = time.perf_counter()
-        # One batch of Python source, the same at every step: the loss must fall as it is learnt.
-        x, _next = batch_for_step(text, 0, global_batch=1, block_size=32, rank=0, world_size=1, seed=0)
-        loss = model(input_ids=x, labels=x).loss  # the model shifts the labels itself
-        loss.backward()
+    # One batch of Python source, the same at every step: the loss must fall as it is learnt.
+    x, _next = batch_for_step(text, 0, global_batch=1, block_size=32, rank=0, world_size=1, seed=0)
+
+    def step() -> None:
         opt.step()
         opt.synchronize()  # the step's update done on the node: its time is this step's
-        elapsed = time.perf_counter() - started
-        io_after = proc_io(node_pid)
-        report["steps"].append(
-            {
-                "loss": loss.item(),
-                "seconds": elapsed,
-                "node_disk_read_gb": (io_after["read_bytes"] - io_before["read_bytes"]) / 1e9,
-                "node_disk_written_gb": (io_after["write_bytes"] - io_before["write_bytes"]) / 1e9,
-            }
-        )
-        print(json.dumps(report["steps"][-1]), flush=True)
+
+    report["steps"] = timed_steps(lambda: model(input_ids=x, labels=x).loss, step, steps, node_pid)  # the model shifts the labels
     report["worker_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     opt.close()
     results.put(report)
@@ -126,7 +112,6 @@ def _worker(node: str, model_dir: str, steps: int, threads: int, lr: float, mome
 
 def main(argv: list[str] | None = None) -> int:
     from netoptim.cli.arg_types import size as _size
-    from netoptim.launch.processes import NodeProcess
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -156,24 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         write_random_llama(
             model_dir, layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab
         )
-    state_dir = Path(args.state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="netoptim-showcase-") as workdir:
-        node = NodeProcess(workdir, extra_args=("--state-dir", str(state_dir), "--memory-budget", str(args.memory_budget))).start()
-        try:
-            assert node.process is not None
-            context = mp.get_context("spawn")
-            results: mp.Queue = context.Queue()
-            worker = context.Process(
-                target=_worker, args=(node.address, str(model_dir), args.steps, args.threads, args.lr, args.moments, results, node.process.pid)
-            )
-            worker.start()
-            report = results.get(timeout=3 * 3600)
-            worker.join()
-            report["node_peak_rss_gb"] = vm_bytes("VmHWM", node.process.pid) / 2**30
-            report["node_memory_budget_gb"] = args.memory_budget / 2**30
-        finally:
-            node.stop()
+    report = run_beside_a_node(Path(args.state_dir), args.memory_budget, _worker, (str(model_dir), args.steps, args.threads, args.lr, args.moments))
     print(json.dumps(report, indent=2))
     return 0
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from optimizer_node.admin.overrides import ADMIN, OperatorOverrides
-from optimizer_node.intake.admission import bucket_state_bytes
 from optimizer_node.moments.codec import describe_moments
 from optimizer_node.update.adamw import AdamWHyper, HyperOverrides
 
@@ -153,7 +152,7 @@ class NodeOperator:
             "step": current.step,
             "world_size": job.spec.world_size if job else 0,
             "buckets_owned": len(job.owned) if job else 0,
-            "bytes_owned": sum(bucket_state_bytes(job.spec, bucket) for bucket in job.owned.values()) if job else 0,
+            "bytes_owned": job.state_bytes if job else 0,
             "moments": describe_moments(job.spec) if job else "",
             "bytes_in_ram": store.resident_bytes(),
             "bytes_on_disk": store.disk_bytes(),

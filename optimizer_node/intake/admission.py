@@ -18,7 +18,7 @@ import logging
 from optimizer_node.config import NodeConfig
 from optimizer_node.job_state import ActiveJob
 from optimizer_node.log_limits import RateLimitedLog
-from optimizer_node.moments.codec import codec_for, moment_bytes
+from optimizer_node.moments.codec import bucket_state_bytes
 from optimizer_node.state.memory_plan import STATE_BYTES_PER_PARAM, fit_problem, node_needs
 from protos.job.placement import BucketSpec
 from protos.job.spec import JobSpec, LimitError
@@ -211,9 +211,3 @@ class JobAdmission:
             raise WireError(ErrorCode.WRONG_DTYPE, f"bucket {bucket.bucket_id} travels as {dtype}, got {header.dtype or 'no payload'}")
         if header.numel != bucket.numel:
             raise WireError(ErrorCode.WRONG_SHAPE, f"bucket {bucket.bucket_id} has {bucket.numel} elements, got {header.numel}")
-
-
-def bucket_state_bytes(spec: JobSpec, bucket: BucketSpec) -> int:
-    """Bytes of a bucket's state on a node: fp32 parameters and both moments in the job's format."""
-    codec = codec_for(spec.moments, spec.moment_block, tuple((seg.bucket_offset, seg.numel) for seg in bucket.segments))
-    return 4 * bucket.numel + 2 * moment_bytes(codec, bucket.numel)

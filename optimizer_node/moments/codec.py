@@ -30,6 +30,7 @@ import torch
 
 from optimizer_node.moments.dynamic_map import dequantize, quantize
 from optimizer_node.moments.sizes import MIN_COMPRESSED, bytes_per_element  # noqa: F401  (re-exported)
+from protos.job.placement import BucketSpec
 from protos.job.spec import JobSpec
 
 BF16_UNIT = 64
@@ -62,6 +63,7 @@ class MomentCodec:
     layouts: tuple[SegmentLayout, ...] = field(init=False)
     compressed_numel: int = field(init=False)
     plain_numel: int = field(init=False)
+    _rows: dict[int, np.ndarray] = field(init=False, default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.format not in ("bf16", "8bit"):
@@ -168,11 +170,20 @@ class MomentCodec:
         for index, layout in enumerate(self.layouts):
             self.encode_segment(index, moment[layout.offset : layout.offset + layout.numel].to(torch.float32), encoded, signed)
 
-    def compressed_blocks(self, unit: int) -> np.ndarray:
-        """``(bucket offset, compressed index)`` of every ``unit``-element piece of the compressed
-        segments, in bucket order (int64, shape ``(n, 2)``): the compiled update's work list."""
-        rows = [(layout.offset + k, layout.at + k) for layout in self.layouts if layout.compressed for k in range(0, layout.numel, unit)]
-        return np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+    def rows(self, unit: int) -> np.ndarray:
+        """``(bucket offset, compressed index, length)`` of every piece of at most ``unit`` elements of
+        the compressed segments, in bucket order (int64, shape ``(n, 3)``): the compiled update's work
+        list, made once per codec and unit (a bucket's update reads it every step)."""
+        found = self._rows.get(unit)
+        if found is None:
+            pieces = []
+            for layout in self.layouts:
+                if layout.compressed:
+                    starts = np.arange(0, layout.numel, unit, dtype=np.int64)
+                    lengths = np.minimum(unit, layout.numel - starts)
+                    pieces.append(np.stack([layout.offset + starts, layout.at + starts, lengths], axis=1))
+            found = self._rows[unit] = np.concatenate(pieces) if pieces else np.zeros((0, 3), dtype=np.int64)
+        return found
 
 
 @functools.lru_cache(maxsize=4096)
@@ -189,3 +200,9 @@ def moment_bytes(codec: MomentCodec | None, numel: int) -> int:
 def describe_moments(spec: JobSpec) -> str:
     """How a job's moments are stored, for status and logs: ``fp32``, ``bf16`` or ``8bit, blocks of 256``."""
     return f"8bit, blocks of {spec.moment_block}" if spec.moments == "8bit" else spec.moments
+
+
+def bucket_state_bytes(spec: JobSpec, bucket: BucketSpec) -> int:
+    """Bytes of a bucket's state on a node: fp32 parameters and both moments in the job's format."""
+    codec = codec_for(spec.moments, spec.moment_block, tuple((seg.bucket_offset, seg.numel) for seg in bucket.segments))
+    return 4 * bucket.numel + 2 * moment_bytes(codec, bucket.numel)

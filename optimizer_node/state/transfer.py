@@ -41,7 +41,9 @@ def read_part(store: BucketStore, state: BucketState, meta: dict, segments: int)
     part = _part(meta)
     store.acquire(state)
     try:
-        values = state.param.clone() if part == "param" else state.moment(part).clone()  # compressed moments: decoded to fp32
+        values = state.param if part == "param" else state.moment(part)  # compressed moments: decoded into a new tensor
+        if values is getattr(state, part):  # the state's own tensor: a copy, as it changes after the reply
+            values = values.clone()
     finally:
         store.release(state, dirty=False)
     return values, {"part": part, "segment_steps": state.segment_step_counts(segments)}

@@ -174,9 +174,7 @@ class BucketApply:
             grad_multiplier=in_flight.clip,
             wire_out=wire_out,
             previous_out=previous,
-            # compressed moments: their compiled loop always (it falls back by itself until checked), in
-            # memory and out of core; their torch-ops path is the definition, many times slower
-            compiled=state.codec is not None or self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
+            compiled=self._update_paths.wants_compiled(state.bucket_id, state.step, state.numel),
             param_out=board if masters_to_board else None,
         )
         pending = PendingUpdate(job, state, in_flight, ledger, hyper, arguments, board, wire, masters_to_board, previous, unchanged)
@@ -203,8 +201,7 @@ class BucketApply:
         timings = self._clock.current
         timings.passes.append(pending.pass_s)
         if pending.applied.changed:
-            if state.codec is None:  # the trial weighs the two fp32 paths; compressed moments have one
-                self._update_paths.record(state.bucket_id, pending.applied.compiled, state.numel, pending.pass_s)
+            self._update_paths.record(state.bucket_id, pending.applied.compiled, state.numel, pending.pass_s)
         kept_step = state.step
         if pending.masters_to_board and pending.board is not None:
             state.param, state.param_on_board = pending.board, True

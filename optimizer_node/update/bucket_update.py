@@ -76,7 +76,8 @@ def update_bucket(
     """Apply the step's update (``rule``, see :mod:`optimizer_node.update.rules`) to ``state``; nothing
     changes where no segment had a gradient on any rank, the received frames are let go of and the
     outputs filled all the same. Rules other than AdamW take the per-segment pass; ``compiled``
-    allows the compiled loop where it takes the update. ``param_out`` (fp32, no ``wire_out``): the
+    allows the compiled loop where it takes the update (compressed moments take theirs regardless:
+    :func:`~optimizer_node.update.moment_pass.update_compressed`). ``param_out`` (fp32, no ``wire_out``): the
     new parameters go there and ``state.param`` is only read; the caller makes it the bucket's
     ``param`` (its master values on the parameter board's other slot)."""
     stepped = [index not in absent_everywhere for index in range(len(segments))]
@@ -92,7 +93,6 @@ def update_bucket(
             wire_out=wire_out,
             previous_out=previous_out,
             param_out=param_out,
-            compiled=compiled,
         )
         return Applied(changed=True, compiled=ran_compiled)
     if not any(stepped):

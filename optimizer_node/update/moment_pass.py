@@ -101,11 +101,12 @@ def update_compressed(
     wire_out: torch.Tensor | None,
     previous_out: torch.Tensor | None,
     param_out: torch.Tensor | None,
-    compiled: bool,
 ) -> bool:
     """Apply the step to a bucket with compressed moments (``state.codec``), as
     :func:`~optimizer_node.update.bucket_update.update_bucket` describes its arguments; True where
-    the compiled loop did the compressed segments."""
+    the compiled loop did the compressed segments. The node's choice between its two fp32 paths
+    does not apply: compressed moments have one fast path, in memory and out of core (their torch-ops
+    path is the definition, many times slower), taken wherever it is checked and takes the update."""
     codec = state.codec
     assert codec is not None
     numel = state.numel
@@ -118,7 +119,7 @@ def update_compressed(
     frames = [pieces[0][1] for pieces in pending if len(pieces) == 1 and pieces[0][0] == 0 and pieces[0][1].numel() == numel]
     whole_fp32 = len(frames) == len(pending) and all(frame.dtype is torch.float32 for frame in frames)
     one_count = state.segment_steps is None and all(stepped)
-    loop = compiled and rule == "adamw" and one_count and grad_multiplier is None and grad_divisor is not None and moment_update.ready(self_check)
+    loop = rule == "adamw" and one_count and grad_multiplier is None and grad_divisor is not None and moment_update.ready(self_check)
     if loop and whole_fp32 and len(frames) <= 2:
         grads: tuple[torch.Tensor, ...] = tuple(frames)
     else:

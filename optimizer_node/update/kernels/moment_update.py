@@ -44,21 +44,6 @@ def _kernels() -> SimpleNamespace:
     )
 
 
-@functools.lru_cache(maxsize=4096)
-def rows(codec: MomentCodec) -> np.ndarray:
-    """The loop's work list for the bucket: ``(bucket offset, compressed index, length)`` per piece of
-    its compressed segments (a block in 8 bits, up to :data:`BF16_ROW` in bf16)."""
-    unit = codec.block if codec.format == "8bit" else BF16_ROW
-    found = []
-    for layout in codec.layouts:
-        if not layout.compressed:
-            continue
-        starts = np.arange(0, layout.numel, unit, dtype=np.int64)
-        lengths = np.minimum(unit, layout.numel - starts)
-        found.append(np.stack([layout.offset + starts, layout.at + starts, lengths], axis=1))
-    return np.concatenate(found) if found else np.zeros((0, 3), dtype=np.int64)
-
-
 _scratch = threading.local()
 
 
@@ -87,7 +72,7 @@ def update(
     kernels = _kernels()
     threads = compiled_update._use_threads(kernels)
     consts = compiled_update.constants(hyper, step, divisor)
-    work = rows(codec)
+    work = codec.rows(codec.block if codec.format == "8bit" else BF16_ROW)
     a = grads[0].numpy()
     b = grads[1].numpy() if len(grads) == 2 else a
     pair = len(grads) == 2
