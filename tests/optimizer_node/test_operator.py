@@ -29,7 +29,9 @@ class StandInJob:
     def __init__(self) -> None:
         self.ledger = StepLedger()
         self.store = InMemoryStore()
-        self.job = SimpleNamespace(spec=SimpleNamespace(world_size=2, max_grad_norm=None, num_nodes=1, moments="fp32", moment_block=256), owned={}, state_bytes=0)
+        self.job = SimpleNamespace(
+            spec=SimpleNamespace(world_size=2, max_grad_norm=None, num_nodes=1, moments="fp32", moment_block=256), owned={}, state_bytes=0
+        )
         self.step = 3
         self.job_end = SimpleNamespace(finished_step=None)
         self.notices: list[tuple[dict, list[bytes] | None, int]] = []
